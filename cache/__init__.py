@@ -1,0 +1,1 @@
+"""The shared vocabulary of "what KV is where": block hashes, residency, sessions, KV events, tokens."""

@@ -1,0 +1,72 @@
+"""Block hashing (contract 1): the ONE function gateway and engine both use to name KV blocks.
+
+Token ids are cut into full blocks of ``block_size`` tokens; a partial tail block is never hashed. Each
+block's hash is xxh3-64 of its token ids (uint32, little endian) seeded with its parent's hash, so a hash
+names the whole prefix up to and including its block. The first block is seeded from a namespace (model,
+tenant cache salt, adapter): equal text under two namespaces never shares a hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+TokenIds = Sequence[int] | np.ndarray
+BlockHash = int
+
+_NAMESPACE_VERSION = b"kvgate-block-hash/v1"
+
+
+def namespace_seed(model: str, cache_salt: str = "", adapter: str = "") -> int:
+    """The chain's root: identical prompts hash alike only under the same model, salt and adapter."""
+    parts = (_NAMESPACE_VERSION, model.encode(), cache_salt.encode(), adapter.encode())
+    # Length-prefix each part so that ("ab", "c") and ("a", "bc") cannot collide.
+    blob = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return xxhash.xxh3_64_intdigest(blob)
+
+
+def token_bytes(token_ids: TokenIds) -> bytes:
+    """Token ids as the little-endian uint32 bytes that are hashed; rejects ids outside [0, 2**32)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype != np.dtype("<u4"):
+            if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
+                raise ValueError("token ids must lie in [0, 2**32)")
+            token_ids = token_ids.astype("<u4")
+        return token_ids.tobytes()
+    try:
+        return np.asarray(token_ids, dtype="<u4").tobytes()
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ValueError("token ids must be integers in [0, 2**32)") from exc
+
+
+def hash_block(parent: int, block_token_bytes: bytes | memoryview) -> BlockHash:
+    """The hash of one full block, chained on its parent's hash (or the namespace seed)."""
+    return xxhash.xxh3_64_intdigest(block_token_bytes, seed=parent)
+
+
+def block_hashes(
+    token_ids: TokenIds, block_size: int, seed: int, *, parent: int | None = None
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, in order.
+
+    ``parent`` continues an existing chain (the hash of the block before ``token_ids[0]``); without it the
+    chain starts at ``seed``. The loop runs once per block, never per token.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    data = memoryview(token_bytes(token_ids))
+    stride = block_size * 4
+    count = len(data) // stride
+    h = seed if parent is None else parent
+    out: list[BlockHash] = [0] * count
+    for i in range(count):
+        h = xxhash.xxh3_64_intdigest(data[i * stride : (i + 1) * stride], seed=h)
+        out[i] = h
+    return out
+
+
+def to_hex(block_hash: BlockHash) -> str:
+    """A block hash as 16 hex digits: the form used in Redis keys (Lua numbers lose 64-bit precision)."""
+    return f"{block_hash:016x}"

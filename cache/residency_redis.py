@@ -1,0 +1,184 @@
+"""The Redis residency backend: the shared truth that every gateway's in-process view follows.
+
+All writes go through one Lua script (atomic, one round trip) that executes a list of steps for one engine;
+a lookup is one script call that walks the chain and stops at the first block no engine still holds.
+Expiry times come from the Redis server's clock so gateways with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from cache.events import KvEventBatch
+from cache.hashing import to_hex
+from cache.redis_keys import RedisKeys
+from cache.residency import EngineHoldings, batch_ops
+
+# KEYS: [1] engine set, [2] engine expiry zset, [3] seq hash, [4..] block keys, consumed in step order.
+# ARGV: [1] engine, [2] block key prefix, [3] seq mode (none | guard | set), [4] seq, [5] ttl ms for approximate
+#       adds, then steps: op, count, count hex hashes. Ops: S store exact, A add approximate, R remove,
+#       C clear, X expire.
+_WRITE = """
+local engine, bprefix, mode, seq, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if mode == 'guard' then
+  local last = redis.call('HGET', KEYS[3], engine)
+  if last and tonumber(last) >= seq then return 0 end
+end
+if mode ~= 'none' then
+  redis.call('HSET', KEYS[3], engine, seq)
+else
+  redis.call('HSETNX', KEYS[3], engine, -1)
+end
+local function drop(h)
+  redis.call('HDEL', bprefix .. h, engine)
+  redis.call('SREM', KEYS[1], h)
+  redis.call('ZREM', KEYS[2], h)
+end
+local k, a = 4, 6
+while a <= #ARGV do
+  local op, n = ARGV[a], tonumber(ARGV[a + 1])
+  a = a + 2
+  if op == 'C' then
+    for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do redis.call('HDEL', bprefix .. h, engine) end
+    redis.call('DEL', KEYS[1], KEYS[2])
+  elseif op == 'X' then
+    for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop(h) end
+  end
+  for i = 0, n - 1 do
+    local h, key = ARGV[a + i], KEYS[k + i]
+    if op == 'S' then
+      redis.call('HSET', key, engine, 0)
+      redis.call('SADD', KEYS[1], h)
+      redis.call('ZREM', KEYS[2], h)
+    elseif op == 'A' then
+      local cur = redis.call('HGET', key, engine)
+      local exp = now + ttl
+      if cur ~= '0' and ((not cur) or tonumber(cur) < exp) then
+        redis.call('HSET', key, engine, exp)
+        redis.call('SADD', KEYS[1], h)
+        redis.call('ZADD', KEYS[2], exp, h)
+      end
+    elseif op == 'R' then
+      drop(h)
+    end
+  end
+  a, k = a + n, k + n
+end
+return 1
+"""
+
+# KEYS: block keys in chain order. Returns a flat array engine, blocks held, engine, blocks held, ...
+_LOOKUP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function live(v) if not v then return false end local x = tonumber(v) return x == 0 or x > now end
+local alive = {}
+local first = redis.call('HGETALL', KEYS[1])
+for i = 1, #first, 2 do if live(first[i + 1]) then alive[#alive + 1] = first[i] end end
+local out = {}
+local depth = #KEYS
+for k = 2, #KEYS do
+  if #alive == 0 then break end
+  local vals = redis.call('HMGET', KEYS[k], unpack(alive))
+  local still = {}
+  for i, e in ipairs(alive) do
+    if live(vals[i]) then still[#still + 1] = e else out[#out + 1] = e; out[#out + 1] = k - 1 end
+  end
+  alive = still
+end
+for _, e in ipairs(alive) do out[#out + 1] = e; out[#out + 1] = depth end
+return out
+"""
+
+_HOLDINGS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {redis.call('HGET', KEYS[3], ARGV[1]) or '', now,
+        redis.call('SMEMBERS', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
+"""
+
+class RedisResidencyIndex:
+    def __init__(self, redis: Redis, keys: RedisKeys | None = None) -> None:
+        self._redis = redis
+        self.keys = keys or RedisKeys()
+        self._write = redis.register_script(_WRITE)
+        self._lookup = redis.register_script(_LOOKUP)
+        self._holdings = redis.register_script(_HOLDINGS)
+
+    async def _run(
+        self,
+        engine: str,
+        steps: Sequence[tuple[str, Sequence[int]]],
+        *,
+        seq_mode: str = "none",
+        seq: int = 0,
+        ttl_ms: int = 0,
+    ) -> bool:
+        k = self.keys
+        keys = [k.engine_blocks(engine), k.engine_expiry(engine), k.engine_seq]
+        argv: list[Any] = [engine, k.block_prefix, seq_mode, seq, ttl_ms]
+        for op, hashes in steps:
+            hexes = [to_hex(h) for h in hashes]
+            keys.extend(k.block(x) for x in hexes)
+            argv.extend((op, len(hexes), *hexes))
+        return bool(await self._write(keys=keys, args=argv))
+
+    async def add(self, engine: str, hashes: Sequence[int], *, ttl_s: float | None = None) -> None:
+        if ttl_s is None:
+            await self._run(engine, [("S", hashes)])
+        else:
+            await self._run(engine, [("A", hashes)], ttl_ms=max(1, round(ttl_s * 1000)))
+
+    async def remove(self, engine: str, hashes: Sequence[int]) -> None:
+        await self._run(engine, [("R", hashes)])
+
+    async def clear(self, engine: str) -> None:
+        await self._run(engine, [("C", ())])
+
+    async def apply(self, engine: str, batch: KvEventBatch) -> bool:
+        code = {"add": "S", "remove": "R", "clear": "C"}
+        steps = [(code[op], hashes) for op, hashes in batch_ops(batch)]
+        return await self._run(engine, steps, seq_mode="guard", seq=batch.seq)
+
+    async def replace(self, engine: str, hashes: Sequence[int], seq: int) -> None:
+        await self._run(engine, [("C", ()), ("S", hashes)], seq_mode="set", seq=seq)
+
+    async def longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        keys = [self.keys.block(to_hex(h)) for h in hashes]
+        flat = await self._lookup(keys=keys)
+        return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def holdings(self, engine: str) -> EngineHoldings:
+        k = self.keys
+        seq, now_ms, members, scored = await self._holdings(
+            keys=[k.engine_blocks(engine), k.engine_expiry(engine), k.engine_seq], args=[engine]
+        )
+        seq_text = _text(seq)
+        expiring = {int(_text(scored[i]), 16): float(scored[i + 1]) for i in range(0, len(scored), 2)}
+        exact = frozenset(h for h in (int(_text(m), 16) for m in members) if h not in expiring)
+        approximate = {h: (exp - int(now_ms)) / 1000 for h, exp in expiring.items() if exp > int(now_ms)}
+        return EngineHoldings(
+            None if seq_text in ("", "-1") else int(seq_text), exact, approximate
+        )
+
+    async def engines(self) -> list[str]:
+        return sorted(_text(e) for e in await self._redis.hkeys(self.keys.engine_seq))
+
+    async def sweep(self) -> int:
+        dropped = 0
+        for engine in await self.engines():
+            before = await self._redis.zcard(self.keys.engine_expiry(engine))
+            await self._run(engine, [("X", ())])
+            dropped += before - await self._redis.zcard(self.keys.engine_expiry(engine))
+        return max(dropped, 0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

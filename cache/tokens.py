@@ -1,0 +1,129 @@
+"""Tokenizers and the chat template: the text -> token ids step whose output gets block-hashed.
+
+Gateway and engine must turn the same request into the same token ids or their block hashes disagree, so
+this lives beside the hash function. Without a model directory, a byte-level tokenizer (ids 0-255 are
+bytes) stands in; with one, its ``tokenizer.json`` is loaded through the ``tokenizers`` package.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    name: str
+    eos_token_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (uint32) of ``text``, with no special tokens added."""
+        ...
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, plus end-of-text: the built-in tokenizer when no model is configured."""
+
+    name = "kvgate-bytes"
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.uint32)
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (fast tokenizer) loaded with the ``tokenizers`` package."""
+
+    def __init__(self, path: Path, eos_token_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(path))
+        self.name = path.parent.name
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else self._guess_eos()
+
+    def _guess_eos(self) -> int:
+        for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>"):
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return int(token_id)
+        return self.vocab_size - 1
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded; the message names the file and why."""
+
+
+def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
+    """``tokenizer.json`` of a Hugging Face model directory, or the byte tokenizer when ``model_dir`` is None."""
+    if model_dir is None:
+        return ByteTokenizer()
+    directory = Path(model_dir)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"{path}: no tokenizer.json in the model directory")
+    eos: int | None = None
+    config_path = directory / "config.json"
+    if config_path.is_file():
+        try:
+            raw_eos = json.loads(config_path.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{config_path}: {exc}") from None
+        if isinstance(raw_eos, list) and raw_eos:
+            raw_eos = raw_eos[0]
+        eos = raw_eos if isinstance(raw_eos, int) else None
+    try:
+        return HFTokenizer(path, eos)
+    except Exception as exc:  # the tokenizers package raises its own Exception subclass
+        raise TokenizerError(f"{path}: {exc}") from None
+
+
+class ChatContentError(ValueError):
+    """A chat message whose content this deployment cannot turn into text."""
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of an OpenAI content array."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ChatContentError(f"content part of type {kind!r} is not supported; only text is")
+        return "".join(parts)
+    raise ChatContentError("message content must be a string or an array of content parts")
+
+
+def render_chat(messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant's opening.
+
+    Rendering a conversation and then its continuation yields a text that starts with the first one, so a
+    second turn's tokens extend the first turn's prompt plus its answer: that is what makes chats cacheable.
+    """
+    out = [f"<|im_start|>{m['role']}\n{message_text(m.get('content'))}<|im_end|>\n" for m in messages]
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)

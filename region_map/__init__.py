@@ -1,0 +1,1 @@
+"""Topology: regions, their engines, the latency between them, and the engines' live health and load."""

@@ -1,0 +1,155 @@
+"""The deployment file (TOML or YAML), validated with pydantic; every error names the key at fault.
+
+```toml
+region = "eu-west"                 # the region of the gateway reading this file
+
+[[regions]]
+name = "eu-west"
+engines = [
+  { name = "e0", url = "http://10.0.0.5:8000", role = "both", kv_capacity_blocks = 4096 },
+]
+
+[rtt_ms]                           # symmetric; a missing pair uses default_rtt_ms
+"eu-west.us-east" = 80
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
+class ConfigError(ValueError):
+    """A deployment file that cannot be used; the message names the offending key."""
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    url: HttpUrl
+    role: Role = Role.BOTH
+    kv_capacity_blocks: int = Field(default=0, ge=0, description="0: unknown, learnt from /health")
+    model: str | None = Field(default=None, description="None: learnt from /health")
+    block_size: int | None = Field(default=None, ge=1, description="None: learnt from /health")
+    kv_events: bool | None = Field(
+        default=None, description="whether it publishes KV events; None: detect from its /v1/kv_events"
+    )
+    accepts_token_ids: bool = Field(
+        default=True, description="send prompt_token_ids (kvgate engines); False for stock OpenAI servers"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _no_path(cls, url: HttpUrl) -> HttpUrl:
+        if url.path not in (None, "", "/"):
+            raise ValueError("give the engine's base URL without a path (the gateway appends /v1/...)")
+        return url
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class RegionConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    engines: list[EngineConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_engines(self) -> Self:
+        names = [e.name for e in self.engines]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"engine names must be unique within a region; repeated: {', '.join(dupes)}")
+        return self
+
+
+class TopologyConfig(_Strict):
+    region: str = Field(description="the region of the gateway reading this file")
+    regions: list[RegionConfig] = Field(min_length=1)
+    rtt_ms: dict[str, float] = Field(default_factory=dict, description='"a.b" = milliseconds, symmetric')
+    default_rtt_ms: float = Field(default=50.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError("region names must be unique")
+        if self.region not in names:
+            raise ValueError(f"region {self.region!r} is not one of the regions ({', '.join(names)})")
+        for pair, ms in self.rtt_ms.items():
+            ends = pair.split(".") if pair.count(".") == 1 else []
+            if len(ends) != 2 or any(end not in names for end in ends):
+                raise ValueError(f"rtt_ms key {pair!r} must be 'regionA.regionB' with two known regions")
+            if ms < 0:
+                raise ValueError(f"rtt_ms.{pair} must be >= 0")
+        return self
+
+    def rtt_s(self, a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        ms = self.rtt_ms.get(f"{a}.{b}", self.rtt_ms.get(f"{b}.{a}", self.default_rtt_ms))
+        return ms / 1000.0
+
+
+def format_validation_error(exc: ValidationError, root: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in (root, *err["loc"]) if p != "")
+        lines.append(f"{key or '<root>'}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a TOML (.toml) or YAML (.yaml/.yml) file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: {exc.strerror}") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = tomllib.loads(text)
+    except ImportError:
+        raise ConfigError(f"{p}: reading YAML needs PyYAML (pip install pyyaml), or use TOML") from None
+    except Exception as exc:  # tomllib and yaml raise their own parse errors
+        raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table/mapping")
+    return data
+
+
+def parse_topology(data: Mapping[str, Any]) -> TopologyConfig:
+    keys = ("region", "regions", "rtt_ms", "default_rtt_ms")
+    try:
+        return TopologyConfig.model_validate({k: data[k] for k in keys if k in data})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
