@@ -29,16 +29,19 @@ def namespace_seed(model: str, cache_salt: str = "", adapter: str = "") -> int:
 
 def token_bytes(token_ids: TokenIds) -> bytes:
     """Token ids as the little-endian uint32 bytes that are hashed; rejects ids outside [0, 2**32)."""
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.dtype != np.dtype("<u4"):
-            if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
-                raise ValueError("token ids must lie in [0, 2**32)")
-            token_ids = token_ids.astype("<u4")
-        return token_ids.tobytes()
+    if len(token_ids) == 0:
+        return b""
     try:
-        return np.asarray(token_ids, dtype="<u4").tobytes()
-    except (OverflowError, TypeError, ValueError) as exc:
+        arr = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
+    except (OverflowError, ValueError) as exc:  # ints beyond 64 bits, ragged nesting
         raise ValueError("token ids must be integers in [0, 2**32)") from exc
+    if arr.dtype == np.dtype("<u4"):
+        return arr.tobytes()
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise ValueError("token ids must be a flat sequence of integers")
+    if arr.min() < 0 or arr.max() >= 2**32:
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
 
 
 def hash_block(parent: int, block_token_bytes: bytes | memoryview) -> BlockHash:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cache.events import KvEventBatch
 from cache.residency import EngineHoldings, batch_ops
 
 _EXACT = math.inf
+_SLOT_S = 0.25
 
 
 class MemoryResidencyIndex:
@@ -24,6 +26,10 @@ class MemoryResidencyIndex:
         self._holders: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry (inf = exact)}
         self._by_engine: dict[str, set[int]] = {}
         self._seq: dict[str, int] = {}
+        # Approximate entries grouped by the time slot (_SLOT_S) in which they expire, so a sweep costs
+        # O(expired), not O(index). A refreshed entry also sits in its older slot; the sweep skips it there.
+        self._buckets: dict[int, dict[str, set[int]]] = {}
+        self._bucket_heap: list[int] = []
 
     # -- synchronous core ------------------------------------------------------------------------------
 
@@ -60,11 +66,21 @@ class MemoryResidencyIndex:
     def add_now(self, engine: str, hashes: Sequence[int], ttl_s: float | None = None) -> None:
         expiry = _EXACT if ttl_s is None else self._clock() + ttl_s
         owned = self._by_engine.setdefault(engine, set())
+        if ttl_s is not None and hashes:
+            self._file_expiry(engine, expiry, hashes)
         for h in hashes:
             holders = self._holders.setdefault(h, {})
             if holders.get(engine, 0.0) < expiry:
                 holders[engine] = expiry
             owned.add(h)
+
+    def _file_expiry(self, engine: str, expiry: float, hashes: Iterable[int]) -> None:
+        slot = math.floor(expiry / _SLOT_S)
+        bucket = self._buckets.get(slot)
+        if bucket is None:
+            bucket = self._buckets[slot] = {}
+            heapq.heappush(self._bucket_heap, slot)
+        bucket.setdefault(engine, set()).update(hashes)
 
     def remove_now(self, engine: str, hashes: Sequence[int]) -> None:
         owned = self._by_engine.get(engine)
@@ -104,10 +120,22 @@ class MemoryResidencyIndex:
     def sweep_now(self) -> int:
         now = self._clock()
         dropped = 0
-        for engine, owned in self._by_engine.items():
-            expired = [h for h in owned if self._holders.get(h, {}).get(engine, 0.0) <= now]
-            self.remove_now(engine, expired)
-            dropped += len(expired)
+        refile: list[tuple[str, float, int]] = []
+        while self._bucket_heap and self._bucket_heap[0] * _SLOT_S <= now:
+            bucket = self._buckets.pop(heapq.heappop(self._bucket_heap))
+            for engine, hashes in bucket.items():
+                # Entries may have been refreshed, made exact or removed since: drop only the expired ones.
+                expired = []
+                for h in hashes:
+                    expiry = self._holders.get(h, {}).get(engine, 0.0)
+                    if 0.0 < expiry <= now:
+                        expired.append(h)
+                    elif now < expiry < _EXACT:
+                        refile.append((engine, expiry, h))  # the slot in progress: not yet expired
+                self.remove_now(engine, expired)
+                dropped += len(expired)
+        for engine, expiry, h in refile:
+            self._file_expiry(engine, expiry, (h,))
         return dropped
 
     def __len__(self) -> int:

@@ -1,0 +1,1 @@
+"""Inference engines behind kvgate: the OpenAI protocol, KV event publishing, and a simulated engine."""

@@ -1,0 +1,130 @@
+"""The engine's subcommands for the ``kvgate`` console script (entry-point group ``kvgate.commands``).
+
+Kept import-light: the console script loads every package's ``register`` on each run, so the server and
+its dependencies are imported only when the subcommand actually runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Sequence
+
+SIM_ENGINE_HELP = (
+    "run the SIMULATED engine: an OpenAI-compatible server with a cost model, for tests and benchmarks"
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 65535], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulator's flags; shared by ``kvgate sim-engine`` and ``python -m engine.sim``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=_port, required=True, help="port to listen on; 0 picks a free one (printed on stderr)"
+    )
+    parser.add_argument(
+        "--capacity-blocks",
+        type=_non_negative_int,
+        default=4096,
+        help="prefix cache capacity in blocks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--model", default="kvgate-sim", help="the model name it serves (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--engine-id", default=None, help="its id in KV events and /health (default: sim-<port>)"
+    )
+    parser.add_argument(
+        "--prefill-s-per-token",
+        type=_seconds,
+        default=5e-5,
+        help="simulated prefill cost per uncached prompt token, seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-s-per-token",
+        type=_seconds,
+        default=0.02,
+        help="simulated decode cost per output token, seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=_positive_int,
+        default=64,
+        help="requests processed at once; more wait FIFO (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=131072,
+        help="largest prompt + max_tokens accepted (default: %(default)s)",
+    )
+
+
+def run_sim_engine(args: argparse.Namespace) -> int:
+    """Serve the simulator until SIGINT/SIGTERM; returns the exit status."""
+    from engine.sim.server import SimEngineConfig, serve
+
+    sock: socket.socket | None = None
+    port: int = args.port
+    if port == 0:
+        # Bind first so that the default engine id can name the port actually used.
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, 0), family=family)
+        port = sock.getsockname()[1]
+    config = SimEngineConfig(
+        engine_id=args.engine_id or f"sim-{port}",
+        model=args.model,
+        block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
+        prefill_s_per_token=args.prefill_s_per_token,
+        decode_s_per_token=args.decode_s_per_token,
+        max_running=args.max_running,
+        host=args.host,
+        port=port,
+        max_model_len=args.max_model_len,
+    )
+    return serve(config, sock=sock)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the engine's subcommands to the ``kvgate`` parser."""
+    parser = subparsers.add_parser("sim-engine", help=SIM_ENGINE_HELP, description=SIM_ENGINE_HELP)
+    add_sim_engine_arguments(parser)
+    parser.set_defaults(func=run_sim_engine)
+
+
+def sim_engine_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engine.sim``: the same simulator without the console script."""
+    parser = argparse.ArgumentParser(prog="python -m engine.sim", description=SIM_ENGINE_HELP)
+    add_sim_engine_arguments(parser)
+    return run_sim_engine(parser.parse_args(argv))

@@ -1,0 +1,434 @@
+"""The OpenAI wire protocol shared by every kvgate engine (the simulator now, the torch engine later).
+
+Parsing turns a ``/v1/completions`` or ``/v1/chat/completions`` body into a :class:`GenerationRequest`;
+every client mistake becomes an :class:`OpenAIError` (an OpenAI-shaped 4xx), never a 500. Formatting builds
+the non-streaming bodies, the SSE chunks and the usage object. Engines own only the generation in between.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from cache.tokens import ChatContentError, Tokenizer, render_chat
+
+RequestKind = Literal["chat", "completion"]
+FinishReason = Literal["stop", "length"]
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 4
+_MAX_TOKEN_ID = 2**32 - 1
+
+JSON_CONTENT_TYPE = "application/json"
+SSE_CONTENT_TYPE = "text/event-stream"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIError(Exception):
+    """A request the engine refuses, rendered as OpenAI's ``{"error": {...}}`` body with a 4xx status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.error_type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+    def to_response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        return json_response(self.body(), status=self.status, headers=headers)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One validated generation request, independent of which endpoint it came through."""
+
+    kind: RequestKind
+    request_id: str  # the x-request-id: correlates gateway and engine logs
+    response_id: str  # the OpenAI ``id``: cmpl-<hex> / chatcmpl-<hex>
+    model: str
+    prompt_token_ids: np.ndarray  # uint32
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    seed: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    cache_salt: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.prompt_token_ids.shape[0])
+
+
+def new_request_id() -> str:
+    return os.urandom(16).hex()
+
+
+def new_response_id(kind: RequestKind) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + os.urandom(12).hex()
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def parse_request(
+    body: bytes,
+    kind: RequestKind,
+    *,
+    served_model: str,
+    tokenizer: Tokenizer,
+    request_id: str | None = None,
+    max_model_len: int | None = None,
+) -> GenerationRequest:
+    """Validate a request body; raises :class:`OpenAIError` for anything a client got wrong.
+
+    ``prompt_token_ids`` (a kvgate extension the gateway sends) wins over ``prompt`` / ``messages``: the
+    gateway already tokenized the prompt to hash it, and re-tokenizing could only make the hashes disagree.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise OpenAIError("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OpenAIError("the request body must be a JSON object")
+
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError("model must be a string", param="model")
+    # A missing model means "whatever this engine serves": engines serve exactly one.
+    if model is not None and model != served_model:
+        raise OpenAIError(
+            f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
+        )
+
+    _reject_unsupported(data, kind)
+    if data.get("prompt_token_ids") is not None:
+        ids = _token_ids(data["prompt_token_ids"], "prompt_token_ids")
+    elif kind == "chat":
+        ids = tokenizer.encode(_render_messages(data.get("messages")))
+    else:
+        ids = _completion_prompt(data.get("prompt"), tokenizer)
+    if ids.shape[0] == 0:
+        raise OpenAIError("the prompt must not be empty", param="messages" if kind == "chat" else "prompt")
+
+    max_tokens_param = "max_tokens"
+    max_tokens_raw = data.get("max_tokens")
+    if kind == "chat" and data.get("max_completion_tokens") is not None:
+        max_tokens_param, max_tokens_raw = "max_completion_tokens", data["max_completion_tokens"]
+    max_tokens = (
+        DEFAULT_MAX_TOKENS if max_tokens_raw is None else _int(max_tokens_raw, max_tokens_param, lo=1)
+    )
+    prompt_tokens = int(ids.shape[0])
+    if max_model_len is not None and prompt_tokens + max_tokens > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+
+    stream = _bool(data.get("stream"), "stream", default=False)
+    include_usage = False
+    stream_options = data.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise OpenAIError("stream_options must be an object", param="stream_options")
+        include_usage = _bool(
+            stream_options.get("include_usage"), "stream_options.include_usage", default=False
+        )
+
+    seed_raw = data.get("seed")
+    cache_salt = data.get("cache_salt")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise OpenAIError("cache_salt must be a string", param="cache_salt")
+    top_k_raw = data.get("top_k")
+    top_k = 0 if top_k_raw is None else _int(top_k_raw, "top_k", lo=-1)
+
+    return GenerationRequest(
+        kind=kind,
+        request_id=request_id or new_request_id(),
+        response_id=new_response_id(kind),
+        model=served_model,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        stop=_stop(data.get("stop")),
+        stream=stream,
+        include_usage=stream and include_usage,
+        seed=None if seed_raw is None else _int(seed_raw, "seed"),
+        temperature=_number(data.get("temperature"), "temperature", lo=0.0, hi=2.0, default=1.0),
+        top_p=_number(data.get("top_p"), "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        cache_salt=cache_salt or "",
+    )
+
+
+def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
+    n = data.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+        raise OpenAIError("only n=1 is supported", param="n")
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise OpenAIError("only best_of=1 is supported", param="best_of")
+    if data.get("echo"):
+        raise OpenAIError("echo is not supported", param="echo")
+    # Silently returning no logprobs would be a wrong answer; refusing is honest.
+    if data.get("logprobs") not in (None, False):
+        raise OpenAIError("logprobs are not supported", param="logprobs")
+    if kind == "chat" and data.get("top_logprobs") is not None:
+        raise OpenAIError("logprobs are not supported", param="top_logprobs")
+
+
+def _token_ids(value: Any, param: str) -> np.ndarray:
+    """A list of token ids as uint32; numpy does the per-element checks in C (prompts can be 100k long)."""
+    if not isinstance(value, list):
+        raise OpenAIError(f"{param} must be an array of token ids", param=param)
+    if not value:
+        return np.empty(0, dtype=np.uint32)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError):
+        raise OpenAIError(f"{param} must be an array of integers", param=param) from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise OpenAIError(f"{param} must be an array of integers", param=param)
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
+        raise OpenAIError(f"{param} must lie in [0, 2**32)", param=param)
+    return arr.astype(np.uint32, copy=False)
+
+
+def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:
+    if prompt is None:
+        raise OpenAIError("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, list):
+        raise OpenAIError(
+            "prompt must be a string, an array of token ids, or an array of one prompt", param="prompt"
+        )
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    # Looking at the first element only keeps long token-id prompts off a per-element Python loop;
+    # _token_ids then checks every element in C.
+    if isinstance(prompt[0], int):
+        return _token_ids(prompt, "prompt")
+    if len(prompt) > 1:
+        raise OpenAIError("only one prompt per request is supported", param="prompt")
+    only = prompt[0]
+    if isinstance(only, str):
+        return tokenizer.encode(only)
+    if isinstance(only, list):
+        return _token_ids(only, "prompt")
+    raise OpenAIError(
+        "prompt must be a string, an array of token ids, or an array of one prompt", param="prompt"
+    )
+
+
+def _render_messages(messages: Any) -> str:
+    if messages is None:
+        raise OpenAIError("messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty array", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise OpenAIError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise OpenAIError(f"messages[{i}].role must be a non-empty string", param=f"messages[{i}].role")
+    try:
+        return render_chat(messages)
+    except ChatContentError as exc:
+        raise OpenAIError(str(exc), param="messages") from None
+
+
+def _int(value: Any, param: str, *, lo: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OpenAIError(f"{param} must be an integer", param=param)
+    if lo is not None and value < lo:
+        raise OpenAIError(f"{param} must be >= {lo}", param=param)
+    return value
+
+
+def _number(value: Any, param: str, *, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise OpenAIError(f"{param} must be a number", param=param)
+    if value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise OpenAIError(f"{param} must lie in {bracket}{lo:g}, {hi:g}]", param=param)
+    return float(value)
+
+
+def _bool(value: Any, param: str, *, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{param} must be a boolean", param=param)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise OpenAIError("stop must be a string or an array of strings", param="stop")
+    if len(value) > MAX_STOP_STRINGS:
+        raise OpenAIError(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
+    # An empty stop string would match before the first token; it cannot be what the client meant.
+    return tuple(s for s in value if s)
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The usage object; ``cached_tokens`` is what the engine really found cached, and what gets billed."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def response_body(
+    req: GenerationRequest, text: str, finish_reason: FinishReason, usage_obj: Mapping[str, Any]
+) -> bytes:
+    """The non-streaming body: a ``text_completion`` or a ``chat.completion``."""
+    if req.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return orjson.dumps(
+        {
+            "id": req.response_id,
+            "object": obj,
+            "created": req.created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": usage_obj,
+        }
+    )
+
+
+class SseFormatter:
+    """The SSE byte chunks of one streamed response.
+
+    Token chunks are spliced from a prefix and suffix built once per request, so a token costs one small
+    ``orjson.dumps`` of its text instead of serialising a whole dict.
+    """
+
+    __slots__ = ("_head", "_prefix", "_req", "_suffix")
+
+    def __init__(self, req: GenerationRequest) -> None:
+        self._req = req
+        obj = b"chat.completion.chunk" if req.kind == "chat" else b"text_completion"
+        self._head = (
+            b'{"id":'
+            + orjson.dumps(req.response_id)
+            + b',"object":"'
+            + obj
+            + b'","created":'
+            + str(req.created).encode()
+            + b',"model":'
+            + orjson.dumps(req.model)
+        )
+        if req.kind == "chat":
+            self._prefix = b"data: " + self._head + b',"choices":[{"index":0,"delta":{"content":'
+            self._suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            self._prefix = b"data: " + self._head + b',"choices":[{"index":0,"text":'
+            self._suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def start(self) -> bytes:
+        """What goes out before the first token: chat announces the assistant role, completions nothing."""
+        if self._req.kind != "chat":
+            return b""
+        return (
+            b"data: " + self._head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def token(self, text: str) -> bytes:
+        return self._prefix + orjson.dumps(text) + self._suffix
+
+    def finish(self, finish_reason: FinishReason, usage_obj: Mapping[str, Any]) -> bytes:
+        """The chunk carrying finish_reason, the usage chunk if asked for, and ``[DONE]``."""
+        if self._req.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        out = [b"data: " + self._head + b',"choices":[' + orjson.dumps(choice) + b"]}\n\n"]
+        if self._req.include_usage:
+            out.append(
+                b"data: " + self._head + b',"choices":[],"usage":' + orjson.dumps(usage_obj) + b"}\n\n"
+            )
+        out.append(SSE_DONE)
+        return b"".join(out)
+
+
+def models_body(model: str, created: int) -> bytes:
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvgate"}],
+        }
+    )
+
+
+def json_response(
+    body: bytes, *, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(body=body, status=status, content_type=JSON_CONTENT_TYPE, headers=headers)
+
+
+def sse_response(headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+    """A not yet prepared SSE response; the caller prepares it when the first bytes are ready."""
+    resp = web.StreamResponse(headers=headers)
+    resp.content_type = SSE_CONTENT_TYPE
+    resp.headers["Cache-Control"] = "no-cache"
+    return resp

@@ -1,0 +1,422 @@
+"""The SIMULATED engine: an OpenAI-compatible HTTP server whose "inference" is a cost model.
+
+It generates no real text: it sleeps for the time a real engine would spend and answers with deterministic
+pseudo-text. What it simulates faithfully is what the gateway cares about: a FIFO admission queue of
+``max_running`` slots, an LRU prefix cache of block hashes (contract 1) whose changes go out as KV events
+(contract 3), and ``cached_tokens`` in the usage (contract 2).
+
+Cost model per request: wait for a slot; prefill sleeps ``uncached prompt tokens × prefill_s_per_token``;
+then each output token costs ``decode_s_per_token``. With every cost at 0 nothing sleeps, so benchmarks
+measure pure HTTP overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import random
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+import xxhash
+from aiohttp import web
+
+from cache.hashing import block_hashes, namespace_seed
+from cache.tokens import load_tokenizer
+from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
+from engine.openai_api import (
+    FinishReason,
+    GenerationRequest,
+    OpenAIError,
+    RequestKind,
+    SseFormatter,
+    json_response,
+    models_body,
+    new_request_id,
+    parse_request,
+    response_body,
+    sse_response,
+    usage,
+)
+from engine.sim.prefix_cache import PrefixCache
+
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
+_SHUTDOWN_TIMEOUT_S = 2.0  # a simulator need not let long streams finish before it stops
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    """Everything that shapes the simulator; costs in seconds per token."""
+
+    engine_id: str
+    model: str = "kvgate-sim"
+    block_size: int = 16
+    capacity_blocks: int = 4096
+    prefill_s_per_token: float = 5e-5
+    decode_s_per_token: float = 0.02
+    max_running: int = 64
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    max_model_len: int = 131072  # prompt + max_tokens; bounds the work one request can ask for
+    kv_heartbeat_s: float = DEFAULT_HEARTBEAT_S
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("engine_id must not be empty")
+        if self.block_size < 1 or self.max_running < 1 or self.max_model_len < 2:
+            raise ValueError("block_size and max_running must be >= 1, max_model_len >= 2")
+        if self.capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0:
+            raise ValueError("costs must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must lie in [0, 65535]")
+
+
+# ------------------------------------------------------------------------------------ pseudo-text
+
+_WORDS = (
+    "the", "a", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "on", "cache", "block",
+    "token", "prefix", "model", "gateway", "engine", "region", "latency", "memory", "request", "stream",
+    "batch", "kernel", "layer", "hash", "route", "edge", "query", "answer", "value", "key", "time",
+    "simple", "fast", "small", "large", "every", "some", "many", "this", "we", "they", "can", "will",
+)  # fmt: skip
+
+
+def _build_tape(size: int = 1 << 16) -> tuple[str, tuple[int, ...]]:
+    """A fixed ASCII text of words and sentences, and the offsets where its words start.
+
+    A request's output is a slice of it starting at a word picked by its seed: O(1) per request instead
+    of drawing words one by one.
+    """
+    rng = random.Random(0x6B76676174)
+    parts: list[str] = []
+    starts: list[int] = []
+    pos = 0
+    capital = True
+    while pos < size:
+        word = rng.choice(_WORDS)
+        if capital:
+            word = word.capitalize()
+        capital = rng.random() < 0.1
+        text = word + (". " if capital else " ")
+        starts.append(pos)
+        parts.append(text)
+        pos += len(text)
+    return "".join(parts), tuple(starts)
+
+
+_TAPE, _WORD_STARTS = _build_tape()
+
+
+def pseudo_text(seed: int, length: int) -> str:
+    """``length`` ASCII characters of deterministic pseudo-text, the same for the same ``seed``."""
+    mixed = xxhash.xxh3_64_intdigest((seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"))
+    start = _WORD_STARTS[mixed % len(_WORD_STARTS)]
+    text = _TAPE[start : start + length]
+    while len(text) < length:  # longer than what is left of the tape: wrap around
+        text += _TAPE[: length - len(text)]
+    return text
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, FinishReason]:
+    """``text`` up to (not including) the earliest stop string, and why generation ended."""
+    cut = -1
+    for s in stop:
+        i = text.find(s)
+        if i >= 0 and (cut < 0 or i < cut):
+            cut = i
+    return (text, "length") if cut < 0 else (text[:cut], "stop")
+
+
+@functools.lru_cache(maxsize=4096)
+def _namespace_seed(model: str, cache_salt: str) -> int:
+    return namespace_seed(model, cache_salt)
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+
+class _Waiter:
+    __slots__ = ("future", "tokens")
+
+    def __init__(self, future: asyncio.Future[None], tokens: int) -> None:
+        self.future = future
+        self.tokens = tokens
+
+
+class SimEngine:
+    """The simulator's state and HTTP handlers; :func:`build_app` wires them into an application."""
+
+    def __init__(self, config: SimEngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(None)
+        self.publisher = KvEventPublisher(
+            config.engine_id, config.block_size, heartbeat_s=config.kv_heartbeat_s
+        )
+        self.cache = PrefixCache(config.capacity_blocks, on_events=self.publisher.publish)
+        self.created = int(time.time())
+        self.running = 0
+        self.waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    # ------------------------------------------------------------------------------------ admission
+
+    async def _admit(self, tokens: int) -> None:
+        """Take a running slot, queueing FIFO behind earlier requests while all are taken."""
+        if self.running < self.config.max_running and not self._waiters:
+            self.running += 1
+            return
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), tokens)
+        self._waiters.append(waiter)
+        self.waiting_tokens += tokens
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self._release_slot()  # granted a slot just as the client left: pass it on
+            else:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass  # already dequeued (and skipped) by _release_slot
+                else:
+                    self.waiting_tokens -= tokens
+            raise
+
+    def _release_slot(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            self.waiting_tokens -= waiter.tokens
+            if not waiter.future.done():  # a cancelled waiter is skipped
+                waiter.future.set_result(None)  # the slot passes on: running stays the same
+                return
+        self.running -= 1
+
+    # ------------------------------------------------------------------------------------- handlers
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        return json_response(models_body(self.config.model, self.created))
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return json_response(orjson.dumps(self.health()))
+
+    def health(self) -> dict[str, Any]:
+        """The /health body; its shape is what the gateway's health poller reads."""
+        cfg = self.config
+        return {
+            "status": "ok",
+            "engine_id": cfg.engine_id,
+            "role": "both",
+            "model": cfg.model,
+            "block_size": cfg.block_size,
+            "kv_events": True,
+            "simulated": True,
+            "load": {
+                "running": self.running,
+                "waiting": len(self._waiters),
+                "waiting_tokens": self.waiting_tokens,
+                "max_running": cfg.max_running,
+                "kv_blocks_used": self.cache.used,
+                "kv_blocks_free": self.cache.free,
+                "kv_blocks_total": cfg.capacity_blocks,
+            },
+        }
+
+    async def _generate(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        headers = {REQUEST_ID_HEADER: request_id}
+        cfg = self.config
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise OpenAIError(f"the request body exceeds {_MAX_BODY_BYTES} bytes", status=413) from None
+            req = parse_request(
+                body,
+                kind,
+                served_model=cfg.model,
+                tokenizer=self.tokenizer,
+                request_id=request_id,
+                max_model_len=cfg.max_model_len,
+            )
+        except OpenAIError as exc:
+            return exc.to_response(headers)
+
+        await self._admit(req.prompt_tokens)
+        pinned: list[int] = []
+        try:
+            ids = req.prompt_token_ids
+            bs = cfg.block_size
+            ns_seed = _namespace_seed(cfg.model, req.cache_salt)
+            hashes = block_hashes(ids, bs, ns_seed)
+            n_cached = self.cache.match(hashes)
+            pinned = self.cache.acquire(hashes[:n_cached])
+            cached_tokens = n_cached * bs
+            uncached = req.prompt_tokens - cached_tokens
+            if uncached and cfg.prefill_s_per_token > 0:
+                await asyncio.sleep(uncached * cfg.prefill_s_per_token)
+            if n_cached < len(hashes):
+                self.cache.store(hashes)
+                pinned += self.cache.acquire(hashes[n_cached:])
+
+            seed = req.seed if req.seed is not None else xxhash.xxh3_64_intdigest(ids.tobytes())
+            text, finish = cut_at_stop(pseudo_text(seed, req.max_tokens), req.stop)
+            usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
+
+            if req.stream:
+                return await self._stream(request, req, hashes, text, finish, usage_obj, headers)
+            if text and cfg.decode_s_per_token > 0:
+                await asyncio.sleep(len(text) * cfg.decode_s_per_token)
+            # Stored before the answer leaves, so a client's next turn is sure to find it.
+            self._store_answer(ids, hashes, text, ns_seed)
+            return json_response(response_body(req, text, finish, usage_obj), headers=headers)
+        finally:
+            # Also on cancellation (client gone, with handler_cancellation) and errors: never leak a slot.
+            if pinned:
+                self.cache.release(pinned)
+            self._release_slot()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        hashes: list[int],
+        text: str,
+        finish: FinishReason,
+        usage_obj: dict[str, Any],
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        resp = sse_response(headers)
+        fmt = SseFormatter(req)
+        decode_s = self.config.decode_s_per_token
+        ns_seed = _namespace_seed(self.config.model, req.cache_salt)
+        try:
+            await resp.prepare(request)
+            if decode_s <= 0:
+                # Zero cost: one write for the whole answer, still one SSE chunk per token.
+                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed)
+                await resp.write(
+                    fmt.start() + b"".join([fmt.token(ch) for ch in text]) + fmt.finish(finish, usage_obj)
+                )
+            else:
+                start = fmt.start()
+                if start:
+                    await resp.write(start)
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                for i, ch in enumerate(text):
+                    # Sleep to a deadline rather than a fixed delay so timer overshoot does not add up.
+                    delay = t0 + (i + 1) * decode_s - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await resp.write(fmt.token(ch))
+                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed)
+                await resp.write(fmt.finish(finish, usage_obj))
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away mid-stream; the caller's finally frees its slot and pins
+        return resp
+
+    def _store_answer(self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int) -> None:
+        """Cache the full blocks of prompt + answer: a chat's next turn starts with exactly those tokens."""
+        if not text:
+            return
+        bs = self.config.block_size
+        tail_start = len(hashes) * bs
+        out_ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint32)
+        tail = np.concatenate((ids[tail_start:], out_ids))
+        if tail.shape[0] < bs:
+            return
+        parent = hashes[-1] if hashes else None
+        more = block_hashes(tail, bs, ns_seed, parent=parent)
+        # Continue the prompt's chain; the prompt's blocks are stored already (and pinned by us).
+        self.cache.store(more, parent=parent)
+
+
+SIM_ENGINE = web.AppKey("kvgate_sim_engine", SimEngine)
+
+
+def build_app(config: SimEngineConfig) -> web.Application:
+    """The simulator as an aiohttp application; ``app[SIM_ENGINE]`` is its :class:`SimEngine`.
+
+    Run it with ``web.AppRunner(app, handler_cancellation=True)`` so that a client that disconnects
+    cancels its request and frees its slot (:func:`serve` does).
+    """
+    engine = SimEngine(config)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app[SIM_ENGINE] = engine
+    app.router.add_post("/v1/completions", engine.handle_completions)
+    app.router.add_post("/v1/chat/completions", engine.handle_chat)
+    app.router.add_get("/v1/models", engine.handle_models)
+    app.router.add_get("/health", engine.handle_health)
+    engine.publisher.add_routes(app)
+    return app
+
+
+def _new_event_loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional (and absent on Windows)
+        return None
+    return uvloop.new_event_loop
+
+
+def serve(config: SimEngineConfig, *, sock: socket.socket | None = None) -> int:
+    """Run the simulator until SIGINT or SIGTERM (on uvloop when installed); returns the exit status.
+
+    ``sock``: an already bound socket to serve on instead of ``config.host``/``config.port``.
+    """
+    with asyncio.Runner(loop_factory=_new_event_loop_factory()) as runner:
+        return runner.run(_serve(config, sock))
+
+
+async def _serve(config: SimEngineConfig, sock: socket.socket | None) -> int:
+    app = build_app(config)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    try:
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(runner, sock, backlog=2048)
+        else:
+            site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows loops
+                loop.add_signal_handler(sig, stop.set)
+        host, port = runner.addresses[0][:2]
+        url_host = f"[{host}]" if ":" in host else host
+        print(
+            f"kvgate sim-engine {config.engine_id}: SIMULATED engine serving {config.model!r} "
+            f"on http://{url_host}:{port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0

@@ -1,0 +1,155 @@
+"""The aiohttp application: routes, the error middleware, and every long-lived resource in one lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cache.redis_keys import RedisKeys
+from cache.tokens import load_tokenizer
+from gateway.config import KvgateConfig
+from gateway.errors import GatewayError, http_exception_to_error
+from gateway.kv_events import KvEventConsumer
+from gateway.metrics import GatewayMetrics
+from gateway.routing import POLICIES
+from gateway.service import Gateway
+from gateway.shared_state import SharedState
+from gateway.upstream import UpstreamClients
+from region_map.config import ConfigError
+from region_map.fleet import Fleet
+from region_map.health import HealthPoller
+
+log = logging.getLogger("kvgate.app")
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_middleware(metrics: GatewayMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except GatewayError as exc:
+            response = exc.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = http_exception_to_error(exc).response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = GatewayError("internal error in the gateway; it has been logged").response()
+        info = request.match_info.route.resource
+        endpoint = info.canonical if info is not None else "unmatched"
+        metrics.requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    return middleware
+
+
+def build_app(config: KvgateConfig) -> web.Application:
+    """The gateway as an aiohttp app; resources open when the app starts and close when it stops."""
+    settings = config.gateway
+    if settings.routing.policy not in POLICIES:
+        raise ConfigError(
+            f"gateway.routing.policy: unknown policy {settings.routing.policy!r} (one of {', '.join(POLICIES)})"
+        )
+    redis = aioredis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0) if settings.redis_url else None
+    fleet = Fleet(config.topology)
+    metrics = GatewayMetrics()
+    state = SharedState(
+        gateway_id=config.gateway_id,
+        redis=redis,
+        keys=RedisKeys(settings.redis_prefix),
+        session_ttl_s=settings.session_ttl_s,
+    )
+    gateway = Gateway(
+        config,
+        fleet=fleet,
+        state=state,
+        clients=UpstreamClients(connect_timeout=settings.connect_timeout_s),
+        metrics=metrics,
+        tokenizer=load_tokenizer(settings.tokenizer),
+        policy=POLICIES[settings.routing.policy](settings.routing),
+    )
+    metrics.watch(
+        fleet,
+        lambda: {
+            "sessions": ("Session bindings in this gateway's view.", float(len(state.sessions))),
+            "residency_entries": ("(block, engine) entries in this gateway's view.", float(len(state.index))),
+            "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
+            "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
+        },
+    )
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware(metrics)])
+    app[GATEWAY] = gateway
+    app.cleanup_ctx.append(_lifespan)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", _metrics_handler(metrics))
+    return app
+
+
+def _metrics_handler(metrics: GatewayMetrics) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return handler
+
+
+async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+    gateway = app[GATEWAY]
+    settings = gateway.settings
+    fleet, state = gateway.fleet, gateway.state
+    session = aiohttp.ClientSession()
+    poller = HealthPoller(
+        fleet,
+        session,
+        interval_s=settings.health_interval_s,
+        timeout_s=settings.health_timeout_s,
+        unhealthy_after=settings.unhealthy_after,
+    )
+    consumers: list[asyncio.Task[None]] = []
+    try:
+        await state.start([e.id for e in fleet])
+        await poller.probe_all()
+        poller.start()
+        for engine in fleet:
+            if engine.config.kv_events is not False:
+                consumer = KvEventConsumer(engine, session, state)
+                consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
+        log.info(
+            "gateway %s in region %s: %d of %d engines healthy, redis %s",
+            state.gateway_id,
+            fleet.region,
+            sum(e.healthy for e in fleet),
+            len(fleet),
+            "on" if state.redis is not None else "off",
+        )
+        yield
+    finally:
+        for task in consumers:
+            task.cancel()
+        for task in consumers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await poller.stop()
+        await state.stop()
+        gateway.clients.close()
+        await session.close()
+        if state.redis is not None:
+            await state.redis.aclose()

@@ -1,0 +1,80 @@
+"""Redis writes off the request path: an ordered, bounded backlog drained by one task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger("kvgate.background")
+
+Write = Callable[[], Awaitable[Any]]
+
+
+class BackgroundWriter:
+    """Runs submitted writes one at a time, in order. When the backlog is full (Redis down for long), the
+    oldest writes are dropped and counted: every one of them is state the views can rebuild."""
+
+    def __init__(self, max_backlog: int = 100_000) -> None:
+        self._backlog: deque[Write] = deque(maxlen=max_backlog)
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.failed = 0
+        self._last_warning = 0.0
+
+    def __len__(self) -> int:
+        return len(self._backlog)
+
+    def submit(self, write: Write) -> None:
+        if len(self._backlog) == self._backlog.maxlen:
+            self.dropped += 1
+        self._backlog.append(write)
+        self._idle.clear()
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._backlog:
+                write = self._backlog.popleft()
+                try:
+                    await write()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a Redis outage must never stop the writer
+                    self.failed += 1
+                    now = time.monotonic()
+                    if now - self._last_warning > 5.0:
+                        self._last_warning = now
+                        log.warning("shared-state write failed (%s total): %s", self.failed, exc)
+            self._idle.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvgate-redis-writer")
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the backlog is empty; False if it did not empty in time."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self, flush_timeout_s: float = 2.0) -> None:
+        if self._task is None:
+            return
+        await self.flush(flush_timeout_s)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None

@@ -1,0 +1,99 @@
+"""The ``kvgate`` command. Each package contributes its subcommands through the ``kvgate.commands``
+entry-point group, so the gateway never imports the engine (or the reverse)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from region_map.config import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="run the gateway from a deployment file",
+        description="Run the OpenAI-compatible gateway described by a deployment file (TOML or YAML).",
+    )
+    serve.add_argument("--config", required=True, help="deployment file (regions, engines, [gateway])")
+    serve.add_argument("--host", help="listen address (overrides gateway.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
+    serve.add_argument("--redis", metavar="URL", help="shared state in Redis, e.g. redis://127.0.0.1:6379/0")
+    serve.set_defaults(func=_serve)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="start simulated engines in several regions and a gateway in front of them",
+        description="Start REGIONS x ENGINES simulated engines on this machine and a gateway on 127.0.0.1, "
+        "print commands to try, and stop everything on Ctrl-C.",
+    )
+    demo.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    demo.add_argument("--regions", type=int, default=2, help="number of regions (default 2)")
+    demo.add_argument("--engines-per-region", type=int, default=2, help="engines in each region (default 2)")
+    demo.add_argument("--redis", metavar="URL", help="keep shared state in Redis instead of in process")
+    demo.set_defaults(func=_demo)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.config import load_config
+    from gateway.server import run_gateway
+
+    overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
+    config = load_config(args.config, environ=os.environ, overrides=overrides)
+    run_gateway(config)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    if args.regions < 1 or args.engines_per_region < 1:
+        raise ConfigError("--regions and --engines-per-region must be at least 1")
+    return run_demo(
+        port=args.port, regions=args.regions, engines_per_region=args.engines_per_region, redis_url=args.redis
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate", description="kvgate: an edge gateway that routes LLM requests to where their KV cache lives."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "info"), help="debug, info, warning")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registered = False
+    for ep in sorted(entry_points(group="kvgate.commands"), key=lambda e: e.name):
+        try:
+            ep.load()(subparsers)
+        except ImportError as exc:  # e.g. an extra that is not installed: keep the other commands working
+            print(f"kvgate: the {ep.name!r} commands are unavailable: {exc}", file=sys.stderr)
+            continue
+        registered = registered or ep.name == "gateway"
+    if not registered:  # running from a source tree that was never installed
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

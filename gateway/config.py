@@ -1,0 +1,112 @@
+"""The gateway's configuration: the ``[gateway]`` table of the deployment file, plus the topology.
+
+One file configures a deployment; ``region_map`` validates the topology part, this module the rest.
+Precedence: built-in defaults < the file < ``KVGATE_*`` environment variables < command-line flags.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.routing.base import RoutingSettings
+from region_map.config import (
+    ConfigError,
+    TopologyConfig,
+    format_validation_error,
+    parse_topology,
+    read_config_file,
+)
+
+TOPOLOGY_KEYS = frozenset({"region", "regions", "rtt_ms", "default_rtt_ms"})
+TOP_LEVEL_KEYS = TOPOLOGY_KEYS | {"gateway"}
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    gateway_id: str | None = Field(default=None, description="unique per gateway; default <region>-<host>-<pid>")
+    redis_url: str | None = Field(default=None, description="shared state; None keeps everything in process")
+    redis_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block; engines must match")
+    tokenizer: str | None = Field(default=None, description="model directory with tokenizer.json; None: bytes")
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
+    max_prompt_tokens: int = Field(default=1 << 20, ge=1)
+    max_output_tokens: int = Field(default=1 << 17, ge=1)
+    max_session_id_length: int = Field(default=256, ge=1, le=4096)
+    session_ttl_s: float = Field(default=3600.0, gt=0)
+    approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
+    pending_ttl_s: float = Field(
+        default=30.0, gt=0, description="residency guess for event engines until their event arrives"
+    )
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    unhealthy_after: int = Field(default=2, ge=1)
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence tolerated from an engine")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+
+
+ENV_OVERRIDES = {
+    "KVGATE_HOST": "host",
+    "KVGATE_PORT": "port",
+    "KVGATE_REDIS_URL": "redis_url",
+    "KVGATE_REDIS_PREFIX": "redis_prefix",
+    "KVGATE_GATEWAY_ID": "gateway_id",
+    "KVGATE_TOKENIZER": "tokenizer",
+    "KVGATE_BLOCK_SIZE": "block_size",
+}
+
+
+@dataclass(frozen=True)
+class KvgateConfig:
+    topology: TopologyConfig
+    gateway: GatewaySettings
+
+    @property
+    def gateway_id(self) -> str:
+        return self.gateway.gateway_id or f"{self.topology.region}-{socket.gethostname()}-{os.getpid()}"
+
+
+def parse_config(
+    data: Mapping[str, Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> KvgateConfig:
+    """Validate a whole deployment mapping; ``environ`` and ``overrides`` patch the ``[gateway]`` table."""
+    unknown = sorted(set(data) - TOP_LEVEL_KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key (known: {', '.join(sorted(TOP_LEVEL_KEYS))})")
+    topology = parse_topology(data)
+    raw_gateway = data.get("gateway", {})
+    if not isinstance(raw_gateway, Mapping):
+        raise ConfigError("gateway: must be a table")
+    merged = dict(raw_gateway)
+    for var, key in ENV_OVERRIDES.items():
+        if environ and var in environ:
+            merged[key] = environ[var]
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        # Strings from the environment are coerced (lax mode); the file's own types are checked as written.
+        gateway = GatewaySettings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, root="gateway")) from None
+    return KvgateConfig(topology, gateway)
+
+
+def load_config(
+    path: str | Path,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> KvgateConfig:
+    return parse_config(read_config_file(path), environ=environ, overrides=overrides)

@@ -1,0 +1,114 @@
+"""One exception hierarchy for the gateway, mapped to OpenAI-shaped JSON error responses in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error body: ``{"error": {message, type, param, code}}``."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=orjson.dumps(self.body()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class NoCapacity(GatewayError):
+    """No engine can take the request now (none healthy, or all saturated)."""
+
+    status = 503
+    type = "server_error"
+    code = "no_engine_available"
+
+
+class UpstreamTimedOut(GatewayError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+
+
+def http_exception_to_error(exc: web.HTTPException) -> GatewayError:
+    """aiohttp's own HTTP exceptions (no route, wrong method, body too large) in OpenAI shape."""
+    if exc.status == 413:
+        return PayloadTooLarge(f"request body too large: {exc.text or ''}".strip(": "))
+    if exc.status == 405:
+        return MethodNotAllowed(f"method not allowed; allowed: {exc.headers.get('Allow', '')}".rstrip("; "))
+    if exc.status == 404:
+        return NotFound("no such endpoint", code="not_found")
+    err = GatewayError(exc.reason)
+    err.status = exc.status
+    err.type = "invalid_request_error" if exc.status < 500 else "server_error"
+    return err

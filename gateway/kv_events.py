@@ -1,0 +1,109 @@
+"""Follows one engine's KV events (contract 3) into the shared state, outside the request path.
+
+Start from a snapshot, then stream batches after its ``seq``. A gap in ``seq``, a stream that fell too far
+behind (410), or an engine that restarted sends the consumer back to a fresh snapshot: never guess.
+An engine without the event endpoints (a stock vLLM, say) is marked as publishing none, so the gateway
+records its own routing decisions for it instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import aiohttp
+import msgpack
+
+from cache.events import EventDecodeError, KvEventBatch, batch_from_obj, decode_snapshot
+from region_map.fleet import EngineState
+
+log = logging.getLogger("kvgate.kv_events")
+
+
+class EventSink(Protocol):
+    async def apply_events(self, engine: str, batch: KvEventBatch) -> bool: ...
+
+    async def resync(self, engine: str, hashes: list[int], seq: int) -> None: ...
+
+
+class _Resync(Exception):
+    """The stream can no longer be trusted to continue from where we are."""
+
+
+class KvEventConsumer:
+    def __init__(
+        self,
+        engine: EngineState,
+        session: aiohttp.ClientSession,
+        sink: EventSink,
+        *,
+        idle_timeout_s: float = 15.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self._session = session
+        self._sink = sink
+        self._idle_timeout_s = idle_timeout_s
+        self._max_backoff_s = max_backoff_s
+        self.batches = 0
+        self.resyncs = 0
+        self.last_seq: int | None = None
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                after = await self._snapshot()
+                if after is None:
+                    return
+                backoff = 0.2
+                await self._follow(after)
+            except asyncio.CancelledError:
+                raise
+            except _Resync as why:
+                log.info("engine %s: resynchronising (%s)", self.engine.id, why)
+                continue
+            except (aiohttp.ClientError, TimeoutError, OSError, EventDecodeError, ValueError) as exc:
+                log.debug("engine %s: event stream interrupted: %s", self.engine.id, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _snapshot(self) -> int | None:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with self._session.get(f"{self.engine.url}/v1/kv_snapshot", timeout=timeout) as resp:
+            if resp.status in (404, 405, 501):
+                self.engine.publishes_events = False
+                log.info("engine %s publishes no KV events; routing on the gateway's own records", self.engine.id)
+                return None
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            snapshot = decode_snapshot(await resp.read())
+        self.engine.publishes_events = True
+        await self._sink.resync(self.engine.id, list(snapshot.block_hashes), snapshot.seq)
+        self.resyncs += 1
+        self.last_seq = snapshot.seq
+        return snapshot.seq
+
+    async def _follow(self, after: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self._idle_timeout_s)
+        url = f"{self.engine.url}/v1/kv_events"
+        async with self._session.get(url, params={"after": str(after)}, timeout=timeout) as resp:
+            if resp.status == 410:
+                raise _Resync("engine no longer holds the batches after our snapshot")
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            unpacker = msgpack.Unpacker()
+            last = after
+            async for data in resp.content.iter_any():
+                unpacker.feed(data)
+                for obj in unpacker:
+                    if obj is None:
+                        continue  # heartbeat
+                    batch = batch_from_obj(obj)
+                    if batch.seq != last + 1:
+                        raise _Resync(f"seq gap: expected {last + 1}, got {batch.seq}")
+                    await self._sink.apply_events(self.engine.id, batch)
+                    last = self.last_seq = batch.seq
+                    self.batches += 1
+        raise _Resync("event stream ended")

@@ -1,0 +1,105 @@
+"""Prometheus metrics of the gateway, in a registry of its own (one per app, so tests can run several).
+
+The cache hit ratio is ``kvgate_cached_prompt_tokens_total / kvgate_prompt_tokens_total``, both from the
+engines' own usage reports, per region and engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from region_map.fleet import Fleet
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_OVERHEAD_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvgate_requests", "Requests answered, by endpoint and HTTP status.", ["endpoint", "status"], registry=r
+        )
+        self.routing = Counter(
+            "kvgate_routing_decisions",
+            "Routing outcomes: session, prefix, miss, moved, least_load, round_robin, failover.",
+            ["region", "engine", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens", "Prompt tokens, as reported by engines.", ["region", "engine"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvgate_cached_prompt_tokens",
+            "Prompt tokens served from an engine's prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            ["region", "engine"],
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_prompt_tokens",
+            "Prompt tokens the router expected to be cached where it sent them.",
+            ["region", "engine"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "kvgate_completion_tokens", "Completion tokens, as reported by engines.", ["region", "engine"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "From request arrival to the first streamed byte of the answer.",
+            ["region", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvgate_request_duration_seconds",
+            "From request arrival to the end of the response.",
+            ["region", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "kvgate_routing_overhead_seconds",
+            "Time the gateway spends before the request leaves for the engine (parse, tokenize, hash, route).",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Failed exchanges with engines, by kind.", ["engine", "kind"], registry=r
+        )
+
+    def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        """Engine health and in-flight requests, and the given process gauges, read at scrape time."""
+        self.registry.register(_LiveCollector(fleet, gauges))
+
+
+class _LiveCollector(Collector):
+    def __init__(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self._fleet = fleet
+        self._gauges = gauges
+
+    def collect(self) -> Iterable[Metric]:
+        healthy = GaugeMetricFamily("kvgate_engine_healthy", "1 if the engine answers its health checks.", labels=["region", "engine"])
+        inflight = GaugeMetricFamily(
+            "kvgate_engine_inflight_requests", "Requests this gateway has in flight to the engine.", labels=["region", "engine"]
+        )
+        load = GaugeMetricFamily(
+            "kvgate_engine_reported_requests", "Running + waiting requests the engine last reported.", labels=["region", "engine"]
+        )
+        for e in self._fleet:
+            healthy.add_metric([e.region, e.id], 1.0 if e.healthy else 0.0)
+            inflight.add_metric([e.region, e.id], float(e.inflight))
+            load.add_metric([e.region, e.id], float(e.load.running + e.load.waiting))
+        yield healthy
+        yield inflight
+        yield load
+        for name, (help_text, value) in self._gauges().items():
+            yield GaugeMetricFamily(f"kvgate_{name}", help_text, value=value)
+
+    def describe(self) -> Iterable[Metric]:
+        return []

@@ -1,0 +1,94 @@
+"""What a routing policy sees and returns.
+
+A policy is a pure function of (request, candidates): it reads, it never writes. The gateway owns every
+side effect (counters, bindings, residency records), which keeps policies testable as plain functions and
+lets the trace simulator run the very same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RoutingSettings(BaseModel):
+    """Knobs shared by the policies (the ``[gateway.routing]`` table)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = Field(default="default", description="default | cache_aware | session | least_load | round_robin")
+    prefill_s_per_token: float = Field(default=5e-5, ge=0, description="estimated cost of one uncached token")
+    load_penalty_s: float = Field(default=0.002, ge=0, description="estimated delay per request already running")
+    max_waiting: int = Field(
+        default=8, ge=1, description="load guard: an engine with this many queued requests is overloaded"
+    )
+    tie_tolerance_s: float = Field(
+        default=0.001, ge=0, description="estimates this close count as a tie, broken by rendezvous hashing"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An engine that could serve the request, as the gateway sees it right now."""
+
+    engine: str
+    region: str
+    healthy: bool
+    load: int  # requests in the engine (running + waiting), reported or local, whichever is larger
+    waiting: int  # requests waiting for a slot
+    cached_blocks: int  # leading blocks of this prompt it holds (0 when block sizes differ)
+    rtt_s: float  # round trip from this gateway's region
+    queued_prefill_tokens: int = 0  # prompt tokens waiting there for prefill (reported, or sent by us)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    block_size: int
+    route_key: int  # stable per conversation when possible: session id or prompt-derived hash
+    seq: int  # this gateway's request counter (round robin)
+    session_engine: str | None = None  # engine the x-session-affinity binding points at
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    engine: str
+    reason: str  # session | prefix | miss | moved | least_load | round_robin
+    cached_blocks: int = 0
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def __init__(self, settings: RoutingSettings) -> None: ...
+
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
+        """The engine to send ``request`` to, or None when no candidate is healthy. Must not modify
+        anything: the same inputs always give the same answer."""
+        ...
+
+
+def rendezvous(route_key: int, engine: str) -> int:
+    """Highest-random-weight score: stable per (key, engine), so ties spread yet repeat for a key."""
+    return xxhash.xxh3_64_intdigest(engine.encode(), seed=route_key)
+
+
+def healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
+    return [c for c in candidates if c.healthy]
+
+
+def overloaded(candidate: Candidate, settings: RoutingSettings) -> bool:
+    """The per-candidate load guard. Deliberately not a fleet-wide average: that would switch affinity off
+    for everyone as soon as the fleet is busy."""
+    return candidate.waiting >= settings.max_waiting
+
+
+def without_engine(candidates: Sequence[Candidate], engine: str, settings: RoutingSettings) -> list[Candidate]:
+    """The candidates a session evicted from ``engine`` may move to: healthy, not overloaded, not ``engine``.
+    When every other engine is overloaded too, all healthy ones stay eligible (least bad beats none)."""
+    others = [c for c in candidates if c.engine != engine and c.healthy]
+    return [c for c in others if not overloaded(c, settings)] or others

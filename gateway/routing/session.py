@@ -1,0 +1,60 @@
+"""Session affinity: stay on the engine the ``x-session-affinity`` binding names, unless that engine is
+unhealthy or overloaded (the per-candidate load guard); then, and for new sessions, least load decides."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.routing.base import (
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    RoutingSettings,
+    overloaded,
+    without_engine,
+)
+from gateway.routing.least_load import LeastLoadPolicy
+
+
+def bound_candidate(
+    request: RouteRequest, candidates: Sequence[Candidate], settings: RoutingSettings
+) -> Candidate | None:
+    """The session's engine if it may keep the session: present, healthy and not overloaded."""
+    if request.session_engine is None:
+        return None
+    for c in candidates:
+        if c.engine == request.session_engine:
+            return c if c.healthy and not overloaded(c, settings) else None
+    return None
+
+
+def affinity_pick(
+    request: RouteRequest,
+    candidates: Sequence[Candidate],
+    settings: RoutingSettings,
+) -> tuple[RouteDecision | None, Sequence[Candidate]]:
+    """(decision, candidates) when the binding holds; otherwise (None, the candidates the fallback may choose
+    from): everything for a new session, everything but the rejected engine for a session that must move."""
+    if request.session_engine is None:
+        return None, candidates
+    bound = bound_candidate(request, candidates, settings)
+    if bound is not None:
+        return RouteDecision(bound.engine, "session", bound.cached_blocks), candidates
+    return None, without_engine(candidates, request.session_engine, settings)
+
+
+class SessionPolicy:
+    name = "session"
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.settings = settings
+        self._fallback = LeastLoadPolicy(settings)
+
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
+        kept, eligible = affinity_pick(request, candidates, self.settings)
+        if kept is not None:
+            return kept
+        decision = self._fallback.pick(request, eligible)
+        if decision is not None and request.session_engine is not None:
+            return RouteDecision(decision.engine, "moved", decision.cached_blocks)
+        return decision

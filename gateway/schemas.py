@@ -1,0 +1,112 @@
+"""The OpenAI request bodies the gateway accepts, validated with pydantic.
+
+Types are checked strictly (a string where a number belongs is a 400, as with OpenAI); fields this module
+does not know are kept and forwarded, so newer client options still reach engines that understand them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+
+from gateway.errors import InvalidRequest
+
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+StopSpec = Annotated[str, StringConstraints(min_length=1)] | Annotated[list[str], Field(max_length=4)]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = None
+
+
+class _Common(_Open):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    stop: StopSpec | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    cache_salt: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+class TextPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    echo: bool | None = None
+
+
+_CHAT = TypeAdapter(ChatCompletionRequest)
+_COMPLETION = TypeAdapter(CompletionRequest)
+
+
+# Fields typed as unions: pydantic reports one error per member, which reads badly; say what is accepted.
+_UNION_HINTS = {
+    "prompt": "must be a string, an array of strings, an array of token ids (integers in [0, 2**32)) "
+    "or an array of such arrays",
+    "content": "must be a string, null, or an array of content parts",
+    "stop": "must be a non-empty string or an array of at most 4 strings",
+}
+_UNION_TAGS = ("list[", "constrained-", "function-", "nullable[", "union[")
+_UNION_NAMES = frozenset({"str", "int", "float", "bool", "none", "StreamOptions", "TextPart"})
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    raw = [str(p) for p in err["loc"]]
+    path: list[str] = []
+    for i, part in enumerate(raw):
+        if part in _UNION_NAMES or part.startswith(_UNION_TAGS):
+            field = path[-1] if path else ""
+            if field in _UNION_HINTS and i > 0:
+                param = ".".join(path)
+                return InvalidRequest(f"{param}: {_UNION_HINTS[field]}", param=param)
+            continue
+        path.append(part)
+    param = ".".join(path) or None
+    msg = "field required" if err["type"] == "missing" else err["msg"]
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+def parse_chat(body: Any) -> ChatCompletionRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return _CHAT.validate_python(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return _COMPLETION.validate_python(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None

@@ -1,0 +1,391 @@
+"""A lean HTTP/1.1 client for talking to engines: pooled keep-alive connections over asyncio.Protocol.
+
+aiohttp's ClientSession costs ~0.2 ms of CPU per request here, most of the gateway's budget; this client
+writes the request in one call, parses the response with httptools' C parser, and hands body bytes to the
+caller in batches. A body consumer that falls behind pauses the socket (bounded memory for slow clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+import httptools
+
+_PAUSE_ABOVE = 1 << 20  # buffered, unconsumed body bytes above which the socket stops reading
+_RESUME_BELOW = 1 << 16
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached or broke the exchange."""
+
+    #: no byte of the response had arrived: the request may be retried on another engine
+    before_response: bool = True
+
+
+class UpstreamConnectError(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class UpstreamClosed(UpstreamError):
+    pass
+
+
+class UpstreamProtocolError(UpstreamError):
+    pass
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; serves one exchange at a time."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reused = False
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: Response | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._response is None:
+            # Bytes nobody asked for (a broken engine): this connection can no longer be trusted.
+            self.close()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamProtocolError("engine tried to upgrade the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"malformed response from engine: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool._forget(self)
+        if self._response is not None and not self._response.complete:
+            self._response._fail(UpstreamClosed("engine closed the connection mid-response"))
+            self._response = None
+
+    # -- httptools callbacks ---------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self._response is not None
+        self._response.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        assert response is not None
+        response.status = self._parser.get_status_code()
+        response.keep_alive = self._parser.should_keep_alive()
+        if not response._headers.done():
+            response._headers.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        assert self._response is not None
+        self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self._response
+        assert response is not None
+        self._response = None
+        response._finish()
+        if response.keep_alive and not self.closed:
+            self.reused = True
+            self._pool._release(self)
+        else:
+            self.close()
+
+    # --------------------------------------------------------------------------------------------------
+
+    def start(self, response: Response, payload: bytes) -> None:
+        assert self.transport is not None and self._response is None
+        self._response = response
+        response._connection = self
+        self.transport.write(payload)
+
+    def _fail(self, error: UpstreamError) -> None:
+        response, self._response = self._response, None
+        if response is not None:
+            response._fail(error)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self._pool._forget(self)
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        self._pool._forget(self)
+        self._response = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+
+class Response:
+    """An engine's response: status and raw headers at once, the body read whole or in batches."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_connection",
+        "_error",
+        "_headers",
+        "_paused",
+        "_waiter",
+        "complete",
+        "headers",
+        "keep_alive",
+        "received_any",
+        "status",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.complete = False
+        self.received_any = False
+        self._headers: asyncio.Future[None] = loop.create_future()
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: UpstreamError | None = None
+        self._connection: _Connection | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    def _feed(self, data: bytes) -> None:
+        self.received_any = True
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _PAUSE_ABOVE and not self._paused and self._connection is not None:
+            self._paused = True
+            self._connection.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._connection = None
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.complete:
+            return
+        error.before_response = not self.received_any and not self._headers.done()
+        self._error = error
+        self._connection = None
+        if not self._headers.done():
+            self._headers.set_exception(error)
+            self._headers.exception()  # mark retrieved: the caller may already have given up waiting
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _take(self) -> bytes:
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self._connection is not None:
+            self._paused = False
+            self._connection.resume_reading()
+        return data
+
+    async def next_batch(self, idle_timeout: float | None = None) -> bytes | None:
+        """Every body byte received since the last call (waiting for some), or None once the body ended."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return None
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            timer = None
+            if idle_timeout is not None:
+                timer = loop.call_later(idle_timeout, _expire, self._waiter)
+            try:
+                await self._waiter
+            except UpstreamTimeout:
+                self.abort()
+                raise
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        return self._take()
+
+    async def iter_batches(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+        while (data := await self.next_batch(idle_timeout)) is not None:
+            yield data
+
+    async def read(self, idle_timeout: float | None = None) -> bytes:
+        parts = [data async for data in self.iter_batches(idle_timeout)]
+        return b"".join(parts)
+
+    def abort(self) -> None:
+        """Drop the exchange: the connection is closed (the engine sees a disconnect) and not reused."""
+        if not self.complete and self._connection is not None:
+            self._connection.abort()
+            self._connection = None
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamTimeout("engine sent nothing within the read timeout"))
+
+
+class UpstreamPool:
+    """Keep-alive connections to one engine (host, port)."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0, max_idle: int = 512) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self._max_idle = max_idle
+        self._idle: deque[_Connection] = deque()
+        self._all: set[_Connection] = set()
+        self._host_header = f"Host: {host}:{port}\r\n".encode()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    def _release(self, conn: _Connection) -> None:
+        if len(self._idle) < self._max_idle:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}") from None
+        self._all.add(conn)
+        return conn
+
+    def build_head(self, method: str, path: str, headers: list[tuple[str, str]], body_length: int) -> bytes:
+        lines = [f"{method} {path} HTTP/1.1\r\n".encode(), self._host_header]
+        lines.extend(f"{k}: {v}\r\n".encode() for k, v in headers)
+        lines.append(b"Content-Length: %d\r\n\r\n" % body_length)
+        return b"".join(lines)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: list[tuple[str, str]] | None = None,
+        *,
+        header_timeout: float | None = None,
+    ) -> Response:
+        """Send a request; returns once the response's status and headers have arrived."""
+        payload = self.build_head(method, path, headers or [], len(body)) + body
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            conn = None
+            while self._idle:
+                candidate = self._idle.pop()
+                if not candidate.closed:
+                    conn = candidate
+                    break
+            if conn is None:
+                conn = await self._connect()
+            response = Response(loop)
+            conn.start(response, payload)
+            timer = None
+            if header_timeout is not None:
+                timer = loop.call_later(header_timeout, _expire, response._headers)
+            try:
+                await response._headers
+                return response
+            except UpstreamTimeout:
+                conn.abort()
+                raise
+            except UpstreamClosed:
+                # A pooled connection the engine had just closed: retry once on a fresh one. Nothing of
+                # the request was processed (no response byte came back).
+                if attempt == 0 and conn.reused and not response.received_any:
+                    continue
+                raise
+            except asyncio.CancelledError:
+                conn.abort()
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()
+        self._all.clear()
+
+
+class UpstreamClients:
+    """One pool per engine base URL (http://host:port)."""
+
+    def __init__(self, *, connect_timeout: float = 5.0) -> None:
+        self._pools: dict[str, UpstreamPool] = {}
+        self._connect_timeout = connect_timeout
+
+    def pool(self, base_url: str) -> UpstreamPool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            host, port = split_base_url(base_url)
+            pool = self._pools[base_url] = UpstreamPool(host, port, connect_timeout=self._connect_timeout)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def split_base_url(base_url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"engine URL must be http://host[:port], got {base_url!r}")
+    return parts.hostname, parts.port or 80

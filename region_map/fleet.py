@@ -1,0 +1,163 @@
+"""The live fleet: every engine of the topology with its last known health and load.
+
+Load has two sources: what the engine last reported on ``/health`` (complete but up to one poll interval
+old) and what this gateway has in flight to it right now (instant but partial). Routing looks at both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from region_map.config import EngineConfig, Role, TopologyConfig
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What an engine reported about itself on ``/health``."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    max_running: int | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_free: int | None = None
+
+
+@dataclass(slots=True)
+class EngineState:
+    id: str  # "<region>/<name>": unique across the topology
+    region: str
+    config: EngineConfig
+    healthy: bool = False
+    reported_model: str | None = None
+    reported_block_size: int | None = None
+    reported_role: Role | None = None
+    publishes_events: bool | None = None
+    simulated: bool = False
+    load: EngineLoad = field(default_factory=EngineLoad)
+    last_ok: float | None = None
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    # This gateway's own, instant view of what it has sent there and not yet finished.
+    inflight: int = 0
+    pending_prefill_tokens: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.config.base_url
+
+    @property
+    def model(self) -> str | None:
+        return self.config.model or self.reported_model
+
+    @property
+    def block_size(self) -> int | None:
+        return self.config.block_size or self.reported_block_size
+
+    @property
+    def role(self) -> Role:
+        return self.reported_role or self.config.role
+
+    @property
+    def kv_events(self) -> bool:
+        if self.config.kv_events is not None:
+            return self.config.kv_events
+        return bool(self.publishes_events)
+
+    def queue_estimate(self) -> tuple[int, int]:
+        """(requests in the engine, requests waiting for a slot), merging reported and local load."""
+        total = max(self.load.running + self.load.waiting, self.inflight)
+        waiting = self.load.waiting
+        if self.load.max_running:
+            waiting = max(waiting, self.inflight - self.load.max_running)
+        return total, waiting
+
+    def apply_health(self, payload: dict[str, Any]) -> None:
+        """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated)."""
+        self.healthy = True
+        self.consecutive_failures = 0
+        self.last_error = None
+        self.last_ok = time.monotonic()
+        if isinstance(payload.get("model"), str):
+            self.reported_model = payload["model"]
+        if isinstance(payload.get("block_size"), int) and payload["block_size"] > 0:
+            self.reported_block_size = payload["block_size"]
+        if payload.get("role") in Role.__members__.values():
+            self.reported_role = Role(payload["role"])
+        if isinstance(payload.get("kv_events"), bool):
+            self.publishes_events = payload["kv_events"]
+        self.simulated = payload.get("simulated") is True
+        load = payload.get("load")
+        if isinstance(load, dict):
+            self.load = EngineLoad(
+                running=_int(load.get("running")) or 0,
+                waiting=_int(load.get("waiting")) or 0,
+                waiting_tokens=_int(load.get("waiting_tokens")) or 0,
+                max_running=_int(load.get("max_running")),
+                kv_blocks_used=_int(load.get("kv_blocks_used")),
+                kv_blocks_free=_int(load.get("kv_blocks_free")),
+            )
+
+    def mark_failure(self, error: str, *, unhealthy_after: int) -> None:
+        self.consecutive_failures += 1
+        self.last_error = error
+        if self.consecutive_failures >= unhealthy_after:
+            self.healthy = False
+
+    def describe(self) -> dict[str, Any]:
+        total, waiting = self.queue_estimate()
+        return {
+            "id": self.id,
+            "region": self.region,
+            "url": self.url,
+            "role": self.role.value,
+            "model": self.model,
+            "block_size": self.block_size,
+            "healthy": self.healthy,
+            "kv_events": self.kv_events,
+            "simulated": self.simulated,
+            "load": {"requests": total, "waiting": waiting, "inflight_here": self.inflight},
+            "last_error": self.last_error,
+        }
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class Fleet:
+    """Engines of every region, by id, with the RTT from this gateway's region."""
+
+    def __init__(self, topology: TopologyConfig) -> None:
+        self.topology = topology
+        self.region = topology.region
+        self.engines: dict[str, EngineState] = {}
+        for region in topology.regions:
+            for engine in region.engines:
+                engine_id = f"{region.name}/{engine.name}"
+                self.engines[engine_id] = EngineState(id=engine_id, region=region.name, config=engine)
+        self._rtt = {
+            r.name: topology.rtt_s(self.region, r.name) for r in topology.regions
+        }
+
+    def __iter__(self) -> Iterator[EngineState]:
+        return iter(self.engines.values())
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def get(self, engine_id: str) -> EngineState | None:
+        return self.engines.get(engine_id)
+
+    def rtt_s(self, region: str) -> float:
+        return self._rtt.get(region, self.topology.default_rtt_ms / 1000.0)
+
+    def models(self) -> list[str]:
+        return sorted({e.model for e in self if e.model})
+
+    def serving(self, model: str) -> list[EngineState]:
+        """Engines configured for or reporting ``model`` (healthy or not)."""
+        return [e for e in self if e.model == model]

@@ -1,0 +1,41 @@
+"""Shared fixtures: a real Redis server (never a mock), each test under a key prefix of its own."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from cache.redis_keys import RedisKeys
+
+REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return REDIS_URL
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        await client.ping()
+    except (RedisConnectionError, OSError) as exc:
+        await client.aclose()
+        pytest.fail(f"the tests need a Redis server at {REDIS_URL} (scripts/test starts one): {exc}")
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def redis_keys(redis_client: aioredis.Redis) -> AsyncIterator[RedisKeys]:
+    """A fresh key prefix; every key under it is deleted after the test."""
+    keys = RedisKeys(f"kvgate-test-{uuid.uuid4().hex[:12]}")
+    yield keys
+    async for key in redis_client.scan_iter(match=f"*{keys.prefix}*", count=1000):
+        await redis_client.delete(key)
