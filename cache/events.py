@@ -50,7 +50,12 @@ class KvEventBatch:
 
     def encode(self) -> bytes:
         return msgpack.packb(
-            {"engine": self.engine, "seq": self.seq, "ts": self.ts, "events": [_event_to_wire(e) for e in self.events]}
+            {
+                "engine": self.engine,
+                "seq": self.seq,
+                "ts": self.ts,
+                "events": [_event_to_wire(e) for e in self.events],
+            }
         )
 
 
@@ -65,7 +70,12 @@ class KvSnapshot:
 
     def encode(self) -> bytes:
         return msgpack.packb(
-            {"engine": self.engine, "seq": self.seq, "block_size": self.block_size, "blocks": list(self.block_hashes)}
+            {
+                "engine": self.engine,
+                "seq": self.seq,
+                "block_size": self.block_size,
+                "blocks": list(self.block_hashes),
+            }
         )
 
 

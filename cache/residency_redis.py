@@ -18,9 +18,9 @@ from cache.redis_keys import RedisKeys
 from cache.residency import EngineHoldings, batch_ops
 
 # KEYS: [1] engine set, [2] engine expiry zset, [3] seq hash, [4..] block keys, consumed in step order.
-# ARGV: [1] engine, [2] block key prefix, [3] seq mode (none | guard | set), [4] seq, [5] ttl ms for approximate
-#       adds, then steps: op, count, count hex hashes. Ops: S store exact, A add approximate, R remove,
-#       C clear, X expire.
+# ARGV: [1] engine, [2] block key prefix, [3] seq mode (none | guard | set), [4] seq, [5] ttl ms for
+#       approximate adds, then steps: op, count, count hex hashes.
+#       Ops: S store exact, A add approximate, R remove, C clear, X expire.
 _WRITE = """
 local engine, bprefix, mode, seq, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local t = redis.call('TIME')
@@ -102,6 +102,7 @@ return {redis.call('HGET', KEYS[3], ARGV[1]) or '', now,
         redis.call('SMEMBERS', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
 """
 
+
 class RedisResidencyIndex:
     def __init__(self, redis: Redis, keys: RedisKeys | None = None) -> None:
         self._redis = redis
@@ -164,9 +165,7 @@ class RedisResidencyIndex:
         expiring = {int(_text(scored[i]), 16): float(scored[i + 1]) for i in range(0, len(scored), 2)}
         exact = frozenset(h for h in (int(_text(m), 16) for m in members) if h not in expiring)
         approximate = {h: (exp - int(now_ms)) / 1000 for h, exp in expiring.items() if exp > int(now_ms)}
-        return EngineHoldings(
-            None if seq_text in ("", "-1") else int(seq_text), exact, approximate
-        )
+        return EngineHoldings(None if seq_text in ("", "-1") else int(seq_text), exact, approximate)
 
     async def engines(self) -> list[str]:
         return sorted(_text(e) for e in await self._redis.hkeys(self.keys.engine_seq))

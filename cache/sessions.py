@@ -34,8 +34,7 @@ class SessionStore(Protocol):
         """Create or move the binding; its TTL starts again."""
         ...
 
-    async def unbind(self, tenant: str, session_id: str) -> None:
-        ...
+    async def unbind(self, tenant: str, session_id: str) -> None: ...
 
 
 class MemorySessionStore:

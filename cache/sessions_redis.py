@@ -10,7 +10,9 @@ from cache.sessions import DEFAULT_SESSION_TTL_S, SessionBinding
 
 
 class RedisSessionStore:
-    def __init__(self, redis: Redis, keys: RedisKeys | None = None, ttl_s: float = DEFAULT_SESSION_TTL_S) -> None:
+    def __init__(
+        self, redis: Redis, keys: RedisKeys | None = None, ttl_s: float = DEFAULT_SESSION_TTL_S
+    ) -> None:
         self._redis = redis
         self.keys = keys or RedisKeys()
         self.ttl_s = ttl_s

@@ -24,8 +24,7 @@ class Tokenizer(Protocol):
         """Token ids (uint32) of ``text``, with no special tokens added."""
         ...
 
-    def decode(self, token_ids: Iterable[int]) -> str:
-        ...
+    def decode(self, token_ids: Iterable[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -72,7 +71,7 @@ class TokenizerError(ValueError):
 
 
 def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
-    """``tokenizer.json`` of a Hugging Face model directory, or the byte tokenizer when ``model_dir`` is None."""
+    """``tokenizer.json`` of a Hugging Face model directory; the byte tokenizer when ``model_dir`` is None."""
     if model_dir is None:
         return ByteTokenizer()
     directory = Path(model_dir)

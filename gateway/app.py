@@ -33,7 +33,9 @@ GATEWAY = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error_middleware(metrics: GatewayMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _error_middleware(
+    metrics: GatewayMetrics,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -62,9 +64,14 @@ def build_app(config: KvgateConfig) -> web.Application:
     settings = config.gateway
     if settings.routing.policy not in POLICIES:
         raise ConfigError(
-            f"gateway.routing.policy: unknown policy {settings.routing.policy!r} (one of {', '.join(POLICIES)})"
+            f"gateway.routing.policy: unknown policy {settings.routing.policy!r} "
+            f"(one of {', '.join(POLICIES)})"
         )
-    redis = aioredis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0) if settings.redis_url else None
+    redis = (
+        aioredis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        if settings.redis_url
+        else None
+    )
     fleet = Fleet(config.topology)
     metrics = GatewayMetrics()
     state = SharedState(

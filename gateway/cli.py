@@ -60,9 +60,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvgate", description="kvgate: an edge gateway that routes LLM requests to where their KV cache lives."
+        prog="kvgate",
+        description="kvgate: an edge gateway that routes LLM requests to where their KV cache lives.",
     )
-    parser.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "info"), help="debug, info, warning")
+    parser.add_argument(
+        "--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "info"), help="debug, info, warning"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered = False
     for ep in sorted(entry_points(group="kvgate.commands"), key=lambda e: e.name):
@@ -81,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     if not getattr(args, "func", None):
         parser.print_help()

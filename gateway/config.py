@@ -33,11 +33,15 @@ class GatewaySettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    gateway_id: str | None = Field(default=None, description="unique per gateway; default <region>-<host>-<pid>")
+    gateway_id: str | None = Field(
+        default=None, description="unique per gateway; default <region>-<host>-<pid>"
+    )
     redis_url: str | None = Field(default=None, description="shared state; None keeps everything in process")
     redis_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block; engines must match")
-    tokenizer: str | None = Field(default=None, description="model directory with tokenizer.json; None: bytes")
+    tokenizer: str | None = Field(
+        default=None, description="model directory with tokenizer.json; None: bytes"
+    )
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     max_prompt_tokens: int = Field(default=1 << 20, ge=1)
     max_output_tokens: int = Field(default=1 << 17, ge=1)

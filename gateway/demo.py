@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import parse_config
 from gateway.loop import install_best_loop
-from gateway.server import runner_for
+from gateway.server import serve_until_signal
 
 REGION_NAMES = ("eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ap-east", "us-west")
 DEMO_MODEL = "kvgate-sim"
@@ -52,7 +51,9 @@ def region_names(count: int) -> list[str]:
     return [REGION_NAMES[i] if i < len(REGION_NAMES) else f"region-{i}" for i in range(count)]
 
 
-def start_engines(regions: int, engines_per_region: int, extra_args: list[str] | None = None) -> list[EngineProcess]:
+def start_engines(
+    regions: int, engines_per_region: int, extra_args: list[str] | None = None
+) -> list[EngineProcess]:
     engines = []
     for region in region_names(regions):
         for i in range(engines_per_region):
@@ -72,13 +73,17 @@ async def wait_healthy(engines: list[EngineProcess], timeout_s: float = 30.0) ->
         for e in engines:
             while True:
                 if e.process.poll() is not None:
-                    raise RuntimeError(f"engine {e.region}/{e.name} exited with status {e.process.returncode}")
+                    raise RuntimeError(
+                        f"engine {e.region}/{e.name} exited with status {e.process.returncode}"
+                    )
                 with contextlib.suppress(aiohttp.ClientError, OSError):
                     async with session.get(f"{e.url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
                         if r.status == 200:
                             break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"engine {e.region}/{e.name} did not become healthy in {timeout_s:.0f}s")
+                    raise RuntimeError(
+                        f"engine {e.region}/{e.name} did not become healthy in {timeout_s:.0f}s"
+                    )
                 await asyncio.sleep(0.1)
 
 
@@ -102,7 +107,9 @@ def demo_config(engines: list[EngineProcess], port: int, redis_url: str | None) 
         "regions": [
             {
                 "name": r,
-                "engines": [{"name": e.name, "url": e.url, "model": DEMO_MODEL} for e in engines if e.region == r],
+                "engines": [
+                    {"name": e.name, "url": e.url, "model": DEMO_MODEL} for e in engines if e.region == r
+                ],
             }
             for r in names
         ],
@@ -113,6 +120,7 @@ def demo_config(engines: list[EngineProcess], port: int, redis_url: str | None) 
 
 def tour(port: int) -> str:
     base = f"http://127.0.0.1:{port}"
+    stream = '{"model": "kvgate-sim", "stream": true, "stream_options": {"include_usage": true}, "messages": [{"role": "user", "content": "hello"}]}'  # noqa: E501
     first = '{"model": "kvgate-sim", "messages": [{"role": "system", "content": "You are a terse assistant that answers in one line."}, {"role": "user", "content": "Name three prime numbers."}]}'  # noqa: E501
     return f"""
 kvgate demo: a gateway on {base} in front of simulated engines (SIMULATED: the answers are filler text).
@@ -122,8 +130,8 @@ Try a conversation with session affinity (run it twice: the second answer report
        -H 'x-session-affinity: demo-chat-1' -d '{first}' -D - | grep -iE '^x-kvgate|cached_tokens|"content"'
 
 Stream it:
-  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-affinity: demo-chat-1' \\
-       -d '{{"model": "kvgate-sim", "stream": true, "stream_options": {{"include_usage": true}}, "messages": [{{"role": "user", "content": "hello"}}]}}'
+  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\
+       -H 'x-session-affinity: demo-chat-1' -d '{stream}'
 
 Models, health and metrics (the hit ratio is cached_prompt_tokens / prompt_tokens):
   curl -s {base}/v1/models
@@ -134,22 +142,12 @@ Ctrl-C stops the gateway and every engine.
 """
 
 
-async def _serve_until_signal(config: dict[str, Any], port: int) -> None:
+async def _serve(config: dict[str, Any], port: int) -> None:
     app = build_app(parse_config(config, environ=os.environ))
-    runner = runner_for(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    print(tour(port), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await serve_until_signal(app, "127.0.0.1", port, on_ready=lambda: print(tour(port), flush=True))
     finally:
         print("\nkvgate demo: stopping ...", flush=True)
-        await runner.cleanup()
 
 
 def run_demo(*, port: int, regions: int, engines_per_region: int, redis_url: str | None) -> int:
@@ -157,7 +155,7 @@ def run_demo(*, port: int, regions: int, engines_per_region: int, redis_url: str
     engines = start_engines(regions, engines_per_region)
     try:
         asyncio.run(wait_healthy(engines))
-        asyncio.run(_serve_until_signal(demo_config(engines, port, redis_url), port))
+        asyncio.run(_serve(demo_config(engines, port, redis_url), port))
     except RuntimeError as exc:
         print(f"kvgate demo: {exc}", file=sys.stderr)
         return 1

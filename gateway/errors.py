@@ -105,7 +105,8 @@ def http_exception_to_error(exc: web.HTTPException) -> GatewayError:
     if exc.status == 413:
         return PayloadTooLarge(f"request body too large: {exc.text or ''}".strip(": "))
     if exc.status == 405:
-        return MethodNotAllowed(f"method not allowed; allowed: {exc.headers.get('Allow', '')}".rstrip("; "))
+        allowed = exc.headers.get("Allow", "")
+        return MethodNotAllowed(f"method not allowed; use {allowed}", headers={"Allow": allowed})
     if exc.status == 404:
         return NotFound("no such endpoint", code="not_found")
     err = GatewayError(exc.reason)

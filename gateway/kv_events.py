@@ -74,7 +74,9 @@ class KvEventConsumer:
         async with self._session.get(f"{self.engine.url}/v1/kv_snapshot", timeout=timeout) as resp:
             if resp.status in (404, 405, 501):
                 self.engine.publishes_events = False
-                log.info("engine %s publishes no KV events; routing on the gateway's own records", self.engine.id)
+                log.info(
+                    "engine %s publishes no KV events; routing on the gateway's own records", self.engine.id
+                )
                 return None
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)

@@ -23,7 +23,10 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvgate_requests", "Requests answered, by endpoint and HTTP status.", ["endpoint", "status"], registry=r
+            "kvgate_requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.routing = Counter(
             "kvgate_routing_decisions",
@@ -47,7 +50,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.completion_tokens = Counter(
-            "kvgate_completion_tokens", "Completion tokens, as reported by engines.", ["region", "engine"], registry=r
+            "kvgate_completion_tokens",
+            "Completion tokens, as reported by engines.",
+            ["region", "engine"],
+            registry=r,
         )
         self.ttft = Histogram(
             "kvgate_time_to_first_token_seconds",
@@ -65,12 +71,15 @@ class GatewayMetrics:
         )
         self.overhead = Histogram(
             "kvgate_routing_overhead_seconds",
-            "Time the gateway spends before the request leaves for the engine (parse, tokenize, hash, route).",
+            "Time from request arrival until it leaves for the engine (parse, tokenize, hash, route).",
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
         self.upstream_errors = Counter(
-            "kvgate_upstream_errors", "Failed exchanges with engines, by kind.", ["engine", "kind"], registry=r
+            "kvgate_upstream_errors",
+            "Failed exchanges with engines, by kind.",
+            ["engine", "kind"],
+            registry=r,
         )
 
     def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
@@ -84,12 +93,18 @@ class _LiveCollector(Collector):
         self._gauges = gauges
 
     def collect(self) -> Iterable[Metric]:
-        healthy = GaugeMetricFamily("kvgate_engine_healthy", "1 if the engine answers its health checks.", labels=["region", "engine"])
+        healthy = GaugeMetricFamily(
+            "kvgate_engine_healthy", "1 if the engine answers its health checks.", labels=["region", "engine"]
+        )
         inflight = GaugeMetricFamily(
-            "kvgate_engine_inflight_requests", "Requests this gateway has in flight to the engine.", labels=["region", "engine"]
+            "kvgate_engine_inflight_requests",
+            "Requests this gateway has in flight to the engine.",
+            labels=["region", "engine"],
         )
         load = GaugeMetricFamily(
-            "kvgate_engine_reported_requests", "Running + waiting requests the engine last reported.", labels=["region", "engine"]
+            "kvgate_engine_reported_requests",
+            "Running + waiting requests the engine last reported.",
+            labels=["region", "engine"],
         )
         for e in self._fleet:
             healthy.add_metric([e.region, e.id], 1.0 if e.healthy else 0.0)

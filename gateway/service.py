@@ -108,7 +108,10 @@ class Gateway:
         return await self._serve(request, received, self._prepare_completion(request, body, parsed))
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": self.started, "owned_by": "kvgate"} for m in self.fleet.models()]
+        data = [
+            {"id": m, "object": "model", "created": self.started, "owned_by": "kvgate"}
+            for m in self.fleet.models()
+        ]
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -130,7 +133,9 @@ class Gateway:
     async def _read_json(self, request: web.Request) -> Any:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
+            raise PayloadTooLarge(
+                f"request body of {request.content_length} bytes exceeds the {limit}-byte limit"
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -142,7 +147,9 @@ class Gateway:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
-    def _common(self, request: web.Request, body: dict[str, Any], parsed: ChatCompletionRequest | CompletionRequest) -> tuple[str, str | None, str]:
+    def _common(
+        self, request: web.Request, body: dict[str, Any], parsed: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[str, str | None, str]:
         if parsed.model not in self.fleet.models():
             raise ModelNotFound(f"The model '{parsed.model}' does not exist", param="model")
         request_id = _request_id(request.headers.get("x-request-id"))
@@ -167,7 +174,9 @@ class Gateway:
             )
         return raw
 
-    def _prepare_chat(self, request: web.Request, body: dict[str, Any], parsed: ChatCompletionRequest) -> Prepared:
+    def _prepare_chat(
+        self, request: web.Request, body: dict[str, Any], parsed: ChatCompletionRequest
+    ) -> Prepared:
         request_id, session_id, model = self._common(request, body, parsed)
         try:
             text = render_chat(body["messages"])
@@ -186,7 +195,9 @@ class Gateway:
             if len(prompt) != 1:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
+        tokens = (
+            self.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
+        )
         return self._finish_prepare(request_id, session_id, model, "/v1/completions", body, parsed, tokens)
 
     def _finish_prepare(
@@ -201,7 +212,8 @@ class Gateway:
     ) -> Prepared:
         if len(token_ids) > self.settings.max_prompt_tokens:
             raise InvalidRequest(
-                f"the prompt has {len(token_ids)} tokens; this gateway allows at most {self.settings.max_prompt_tokens}",
+                f"the prompt has {len(token_ids)} tokens; "
+                f"this gateway allows at most {self.settings.max_prompt_tokens}",
                 param="messages" if path.endswith("chat/completions") else "prompt",
                 code="context_length_exceeded",
             )
@@ -283,7 +295,12 @@ class Gateway:
             except _Retryable as exc:
                 excluded.add(engine.id)
                 last_error = exc.error
-                log.warning("request %s: engine %s failed before answering: %s", p.request_id, engine.id, exc.error.message)
+                log.warning(
+                    "request %s: engine %s failed before answering: %s",
+                    p.request_id,
+                    engine.id,
+                    exc.error.message,
+                )
         if last_error is not None:
             raise last_error
         raise NoCapacity(
@@ -347,7 +364,9 @@ class Gateway:
             if prefill_pending:
                 engine.pending_prefill_tokens -= uncached
 
-    def _after_dispatch(self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int) -> None:
+    def _after_dispatch(
+        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int
+    ) -> None:
         """The engine accepted the request: bind the session, remember where the prefix went."""
         if p.session_id is not None:
             current = self.state.sessions.get_now(p.tenant, p.session_id)
@@ -422,7 +441,9 @@ class Gateway:
         self._account(p, engine, tap.usage, received, first_byte)
         return response
 
-    def _engine_error(self, engine: EngineState, status: int, data: bytes, headers: dict[str, str]) -> web.Response:
+    def _engine_error(
+        self, engine: EngineState, status: int, data: bytes, headers: dict[str, str]
+    ) -> web.Response:
         """An engine's own error: its 4xx pass through (they are about the request); a 5xx becomes a 502."""
         try:
             body = orjson.loads(data)

@@ -50,7 +50,9 @@ class SharedState:
         self.redis = redis
         self.keys = keys or RedisKeys()
         self.redis_index = RedisResidencyIndex(redis, self.keys) if redis is not None else None
-        self.redis_sessions = RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
+        self.redis_sessions = (
+            RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
+        )
         self.writer = BackgroundWriter()
         self._read_timeout_s = redis_read_timeout_s
         self._follower: asyncio.Task[None] | None = None
@@ -117,7 +119,9 @@ class SharedState:
             return
         store, redis = self.redis_sessions, self.redis
         assert redis is not None
-        message = msgpack.packb([_SESSION, self.gateway_id, tenant, session_id, binding.region, binding.engine])
+        message = msgpack.packb(
+            [_SESSION, self.gateway_id, tenant, session_id, binding.region, binding.engine]
+        )
 
         async def write() -> None:
             await store.bind(tenant, session_id, binding)

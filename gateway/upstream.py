@@ -8,6 +8,7 @@ caller in batches. A body consumer that falls behind pauses the socket (bounded 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -286,10 +287,8 @@ class UpstreamPool:
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
-        try:
+        with contextlib.suppress(ValueError):
             self._idle.remove(conn)
-        except ValueError:
-            pass
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -299,7 +298,9 @@ class UpstreamPool:
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out") from None
         except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}") from None
+            raise UpstreamConnectError(
+                f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
         self._all.add(conn)
         return conn
 

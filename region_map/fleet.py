@@ -139,9 +139,7 @@ class Fleet:
             for engine in region.engines:
                 engine_id = f"{region.name}/{engine.name}"
                 self.engines[engine_id] = EngineState(id=engine_id, region=region.name, config=engine)
-        self._rtt = {
-            r.name: topology.rtt_s(self.region, r.name) for r in topology.regions
-        }
+        self._rtt = {r.name: topology.rtt_s(self.region, r.name) for r in topology.regions}
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(self.engines.values())

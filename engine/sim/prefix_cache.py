@@ -11,8 +11,9 @@ through ``on_events``, one list per operation. Plain Python, no asyncio.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from cache.events import BlockRemoved, BlockStored, KvEvent
 
@@ -83,15 +84,19 @@ class PrefixCache:
     def release(self, hashes: Sequence[int]) -> None:
         """Unpin blocks pinned by :meth:`acquire`; a block nobody pins becomes the most recently used."""
         refs = self._refs
-        # Check first so a bad call changes nothing.
-        for h in hashes:
-            if refs.get(h, 0) <= 0:
-                raise ValueError(f"block {h:016x} is not pinned")
+        # Check first so that a bad call changes nothing; chains repeat no hash, so the exact count per
+        # block is needed only in the rare call that does.
+        if len(set(hashes)) == len(hashes):
+            ok = min(map(refs.get, hashes, repeat(0)), default=1) > 0
+        else:
+            ok = all(refs.get(h, 0) >= n for h, n in Counter(hashes).items())
+        if not ok:
+            raise ValueError("release() of blocks that are not pinned (as often as given)")
         lru = self._lru
         for h in reversed(hashes):  # tail first: the chain's head ends up most recent
             count = refs[h] - 1
             refs[h] = count
-            if count == 0:
+            if not count:
                 lru[h] = None
 
     def store(self, hashes: Sequence[int], parent: int | None = None) -> int:
@@ -102,16 +107,28 @@ class PrefixCache:
         Returns how many blocks were newly stored.
         """
         refs, lru = self._refs, self._lru
-        # Take the chain's cached, unpinned blocks out of the LRU so that storing its tail cannot evict
-        # its own head; they go back below, head most recent.
-        held = {h: None for h in hashes if refs.get(h) == 0}  # a dict: ordered and free of repeats
-        for h in held:
-            del lru[h]
+        n = len(hashes)
+        start = 0
+        while start < n and hashes[start] in refs:
+            start += 1
+        if start == n:  # all cached already (a repeated prompt): only recency changes
+            self._touch(hashes)
+            return 0
+        if len(refs) + (n - start) > self.capacity:
+            # Eviction may be needed: take the chain's own unpinned blocks out of the LRU so that storing
+            # its tail cannot evict its head. They go back at the end, like the new ones.
+            for h in hashes:
+                if refs.get(h) == 0:
+                    lru.pop(h, None)
+            new_into_lru = False
+        else:
+            new_into_lru = True  # everything fits: nothing will be evicted
         evicted: list[int] = []
         runs: list[tuple[int | None, list[int]]] = []  # (parent, contiguous new blocks)
-        prev = parent
+        prev = hashes[start - 1] if start else parent
         stored = 0
-        for h in hashes:
+        for i in range(start, n):
+            h = hashes[i]
             if h in refs:
                 prev = h
                 continue
@@ -122,19 +139,27 @@ class PrefixCache:
                 del refs[victim]
                 evicted.append(victim)
             refs[h] = 0
-            held[h] = None
+            if new_into_lru:
+                lru[h] = None
             stored += 1
             if runs and runs[-1][1][-1] == prev:
                 runs[-1][1].append(h)
             else:
                 runs.append((prev, [h]))
             prev = h
-        for h in reversed(hashes):
-            if h in held:
-                lru[h] = None
+        self._touch(hashes)
         if self._on_events is not None and (evicted or runs):
             # Removals first: they are other chains' blocks, so this order gives the same final state.
             events: list[KvEvent] = [BlockRemoved(tuple(evicted))] if evicted else []
             events.extend(BlockStored(tuple(run), run_parent) for run_parent, run in runs)
             self._on_events(events)
         return stored
+
+    def _touch(self, hashes: Sequence[int]) -> None:
+        """Make the chain's unpinned blocks the most recent, tail first so that its head ends up last."""
+        refs, lru = self._refs, self._lru
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            elif refs.get(h) == 0:  # held out of the LRU by store()
+                lru[h] = None

@@ -20,9 +20,13 @@ class RoutingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: str = Field(default="default", description="default | cache_aware | session | least_load | round_robin")
+    policy: str = Field(
+        default="default", description="default | cache_aware | session | least_load | round_robin"
+    )
     prefill_s_per_token: float = Field(default=5e-5, ge=0, description="estimated cost of one uncached token")
-    load_penalty_s: float = Field(default=0.002, ge=0, description="estimated delay per request already running")
+    load_penalty_s: float = Field(
+        default=0.002, ge=0, description="estimated delay per request already running"
+    )
     max_waiting: int = Field(
         default=8, ge=1, description="load guard: an engine with this many queued requests is overloaded"
     )
@@ -87,7 +91,9 @@ def overloaded(candidate: Candidate, settings: RoutingSettings) -> bool:
     return candidate.waiting >= settings.max_waiting
 
 
-def without_engine(candidates: Sequence[Candidate], engine: str, settings: RoutingSettings) -> list[Candidate]:
+def without_engine(
+    candidates: Sequence[Candidate], engine: str, settings: RoutingSettings
+) -> list[Candidate]:
     """The candidates a session evicted from ``engine`` may move to: healthy, not overloaded, not ``engine``.
     When every other engine is overloaded too, all healthy ones stay eligible (least bad beats none)."""
     others = [c for c in candidates if c.engine != engine and c.healthy]

@@ -42,5 +42,9 @@ class CacheAwarePolicy:
         scored = [(self.estimate_ttft_s(request, c), c) for c in usable]
         best = min(t for t, _ in scored)
         tied = [c for t, c in scored if t <= best + self.settings.tie_tolerance_s]
-        chosen = max(tied, key=lambda c: (c.cached_blocks, rendezvous(request.route_key, c.engine)))
-        return RouteDecision(chosen.engine, "prefix" if chosen.cached_blocks else "miss", chosen.cached_blocks)
+        # Within the tolerance the cached blocks are worth nothing measurable: spread instead of letting a
+        # shared system prompt pull every new conversation onto whichever engine cached it first.
+        chosen = max(tied, key=lambda c: rendezvous(request.route_key, c.engine))
+        return RouteDecision(
+            chosen.engine, "prefix" if chosen.cached_blocks else "miss", chosen.cached_blocks
+        )

@@ -18,7 +18,9 @@ block_sizes = st.integers(min_value=1, max_value=32)
 def test_equal_prefixes_hash_equal_up_to_first_differing_block(a: list[int], b: list[int], bs: int) -> None:
     seed = namespace_seed("m")
     ha, hb = block_hashes(a, bs, seed), block_hashes(b, bs, seed)
-    common_tokens = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    common_tokens = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
     equal_blocks = common_tokens // bs
     assert ha[:equal_blocks] == hb[:equal_blocks]
     # From the first block that differs in content (or exists in only one), every hash differs: chaining.

@@ -1,0 +1,245 @@
+"""KV event publishing (contract 3): numbering, snapshots, the ring buffer, and the HTTP stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+from aiohttp import web
+
+from cache.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    batch_from_obj,
+    decode_snapshot,
+)
+from engine.kv_publisher import KvEventPublisher
+
+Serve = Callable[[KvEventPublisher], Awaitable[str]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """Serves a publisher's routes on a free port; yields a function returning the base URL."""
+    runners: list[web.AppRunner] = []
+
+    async def start(publisher: KvEventPublisher) -> str:
+        app = web.Application()
+        publisher.add_routes(app)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
+    async with asyncio.timeout(within):
+        # Polling: the condition is changed by the server's handler task, which signals nothing.
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+class StreamReader:
+    """Decodes an x-msgpack-stream body object by object: batches, or None for a heartbeat."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self._unpacker = msgpack.Unpacker()
+        self._ready: list[Any] = []
+
+    async def next(self, within: float = 2.0) -> KvEventBatch | None:
+        async with asyncio.timeout(within):
+            while not self._ready:
+                data = await self._resp.content.readany()
+                if not data:
+                    raise EOFError
+                self._unpacker.feed(data)
+                self._ready.extend(self._unpacker)
+        obj = self._ready.pop(0)
+        return None if obj is None else batch_from_obj(obj)
+
+    async def next_batch(self, within: float = 2.0) -> KvEventBatch:
+        while True:
+            item = await self.next(within)
+            if item is not None:
+                return item
+
+
+def stored(*hashes: int) -> list[BlockStored]:
+    return [BlockStored(hashes, None)]
+
+
+def test_seq_starts_at_one_and_rises_by_one() -> None:
+    pub = KvEventPublisher("e1", 16)
+    assert pub.seq == 0
+    b1 = pub.publish(stored(1))
+    b2 = pub.publish([BlockRemoved((1,))])
+    assert b1 is not None and b2 is not None
+    assert (b1.seq, b2.seq, pub.seq) == (1, 2, 2)
+    assert b1.engine == "e1" and b1.ts > 0
+    # Nothing to say: no batch, no seq spent.
+    assert pub.publish([]) is None
+    assert pub.seq == 2
+
+
+def test_snapshot_follows_the_events() -> None:
+    pub = KvEventPublisher("e1", 32)
+    snap = pub.snapshot()
+    assert (snap.engine, snap.seq, snap.block_size, snap.block_hashes) == ("e1", 0, 32, ())
+    pub.publish([BlockStored((1, 2, 3), None), BlockStored((4,), 3)])
+    pub.publish([BlockRemoved((2,))])
+    snap = pub.snapshot()
+    assert snap.seq == 2
+    assert sorted(snap.block_hashes) == [1, 3, 4]
+    pub.publish([AllCleared(), BlockStored((9,), None)])
+    snap = pub.snapshot()
+    assert (snap.seq, snap.block_hashes) == (3, (9,))
+
+
+def test_backlog_and_gone() -> None:
+    from engine.kv_publisher import GoneError
+
+    pub = KvEventPublisher("e1", 16, ring_size=3)
+    for h in range(5):
+        pub.publish(stored(h))
+    assert len(pub.backlog(2)) == 3
+    assert pub.backlog(5) == []
+    for after in (0, 1, 6, -1):
+        with pytest.raises(GoneError):
+            pub.backlog(after)
+
+
+def test_a_subscriber_that_overflows_is_dropped() -> None:
+    pub = KvEventPublisher("e1", 16, queue_limit=4)
+    _, sub = pub.subscribe(0)
+    assert pub.subscriber_count == 1
+    for h in range(4):
+        pub.publish(stored(h))
+    assert not sub.dropped and len(sub.queue) == 4
+    pub.publish(stored(99))
+    assert sub.dropped and sub.closed
+    assert len(sub.queue) == 0  # its memory is freed at once
+    assert pub.subscriber_count == 0
+    # Later batches do not reach it.
+    pub.publish(stored(100))
+    assert len(sub.queue) == 0
+
+
+async def test_snapshot_endpoint(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16)
+    pub.publish(stored(1, 2))
+    pub.publish([BlockRemoved((1,))])
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_snapshot") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "application/msgpack"
+        assert resp.headers["x-kv-seq"] == "2"
+        snap = decode_snapshot(await resp.read())
+    assert (snap.engine, snap.seq, snap.block_size, snap.block_hashes) == ("e1", 2, 16, (2,))
+
+
+async def test_events_endpoint_backlog_then_live_in_order(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16)
+    for h in (1, 2, 3):
+        pub.publish(stored(h))
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=1") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "application/x-msgpack-stream"
+        reader = StreamReader(resp)
+        got = [await reader.next_batch(), await reader.next_batch()]
+        assert [b.seq for b in got] == [2, 3]
+        assert got[0].events == (BlockStored((2,), None),)
+        for h in (4, 5, 6):
+            pub.publish(stored(h))
+        live = [await reader.next_batch() for _ in range(3)]
+        assert [b.seq for b in live] == [4, 5, 6]
+        assert [b.events[0] for b in live] == [BlockStored((h,), None) for h in (4, 5, 6)]
+        assert all(b.engine == "e1" for b in live)
+
+
+async def test_events_endpoint_sends_heartbeats(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16, heartbeat_s=0.05)
+    pub.publish(stored(1))
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=1") as resp:
+        reader = StreamReader(resp)
+        assert await reader.next() is None  # at once: the headers must not wait for the first batch
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await reader.next(within=1.0) is None
+        assert loop.time() - t0 >= 0.03
+        pub.publish(stored(2))
+        batch = await reader.next_batch()
+        assert batch.seq == 2
+
+
+async def test_events_endpoint_answers_410_when_batches_are_gone(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16, ring_size=3)
+    for h in range(5):
+        pub.publish(stored(h))
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session:
+        for after in (0, 1, 6):  # 6: ahead of the engine (it restarted), also a resync
+            async with session.get(f"{url}/v1/kv_events?after={after}") as resp:
+                assert resp.status == 410, after
+                assert resp.headers["x-kv-seq"] == "5"
+        async with session.get(f"{url}/v1/kv_events?after=2") as resp:
+            assert resp.status == 200
+            reader = StreamReader(resp)
+            assert [(await reader.next_batch()).seq for _ in range(3)] == [3, 4, 5]
+
+
+@pytest.mark.parametrize("query", ["", "?after=", "?after=abc", "?after=1.5", "?after=-1"])
+async def test_events_endpoint_rejects_a_bad_after(serve: Serve, query: str) -> None:
+    pub = KvEventPublisher("e1", 16)
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events{query}") as resp:
+        assert resp.status == 400
+
+
+async def test_overflowing_stream_is_closed(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16, queue_limit=4)
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=0") as resp:
+        reader = StreamReader(resp)
+        assert await reader.next() is None
+        await wait_for(lambda: pub.subscriber_count == 1)
+        # Published without yielding to the loop: the stream cannot drain in between.
+        for h in range(10):
+            pub.publish(stored(h))
+        assert pub.subscriber_count == 0
+        with pytest.raises(EOFError):
+            await reader.next()
+    # It reconnects and resyncs from where it was.
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=0") as resp:
+        reader = StreamReader(resp)
+        assert (await reader.next_batch()).seq == 1
+
+
+async def test_a_consumer_that_stops_reading_is_cut_off(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16, queue_limit=4)
+    url = await serve(pub)
+    big = tuple(range(2**40, 2**40 + 20_000))  # ~180 KB per batch: fills the socket buffers fast
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=0") as resp:
+        assert resp.status == 200
+        await wait_for(lambda: pub.subscriber_count == 1)
+        # The client reads nothing: the stream's writes block, its queue fills, and it is dropped.
+        async with asyncio.timeout(10):
+            while pub.subscriber_count:
+                pub.publish([BlockStored(big, None)])
+                await asyncio.sleep(0.001)
+        await wait_for(lambda: pub.subscriber_count == 0)

@@ -1,0 +1,210 @@
+"""Request parsing and response formatting shared by kvgate engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from cache.tokens import ByteTokenizer, render_chat
+from engine.openai_api import (
+    GenerationRequest,
+    OpenAIError,
+    SseFormatter,
+    parse_request,
+    response_body,
+    usage,
+)
+
+TOK = ByteTokenizer()
+
+
+def parse(body: dict[str, Any], kind: str = "completion", **kwargs: Any) -> GenerationRequest:
+    return parse_request(orjson.dumps(body), kind, served_model="m", tokenizer=TOK, **kwargs)  # type: ignore[arg-type]
+
+
+def error_of(body: dict[str, Any] | bytes, kind: str = "completion", **kwargs: Any) -> OpenAIError:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    with pytest.raises(OpenAIError) as info:
+        parse_request(raw, kind, served_model="m", tokenizer=TOK, **kwargs)  # type: ignore[arg-type]
+    return info.value
+
+
+def test_completion_defaults() -> None:
+    req = parse({"model": "m", "prompt": "hey"})
+    assert req.kind == "completion"
+    assert req.prompt_token_ids.dtype == np.uint32
+    assert req.prompt_token_ids.tolist() == list(b"hey")
+    assert (req.max_tokens, req.stop, req.stream, req.include_usage) == (16, (), False, False)
+    assert (req.seed, req.temperature, req.top_p, req.top_k, req.cache_salt) == (None, 1.0, 1.0, 0, "")
+    assert req.model == "m"
+    assert req.response_id.startswith("cmpl-") and len(req.request_id) == 32
+    assert req.prompt_tokens == 3
+
+
+def test_all_fields() -> None:
+    req = parse(
+        {
+            "prompt": "hey",
+            "max_tokens": 5,
+            "stop": ["a", "", "b"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "seed": -4,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 40,
+            "cache_salt": "t1",
+            "n": 1,
+            "user": "ignored",
+        },
+        request_id="rid",
+    )
+    assert (req.max_tokens, req.stop, req.stream, req.include_usage) == (5, ("a", "b"), True, True)
+    assert (req.seed, req.temperature, req.top_p, req.top_k, req.cache_salt) == (-4, 0.0, 0.5, 40, "t1")
+    assert req.request_id == "rid"
+
+
+def test_include_usage_needs_stream() -> None:
+    assert parse({"prompt": "x", "stream_options": {"include_usage": True}}).include_usage is False
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[104, 105], ["hi"], [[104, 105]]],
+)
+def test_completion_prompt_forms(prompt: Any) -> None:
+    assert parse({"prompt": prompt}).prompt_token_ids.tolist() == [104, 105]
+
+
+def test_prompt_token_ids_win_over_prompt_and_messages() -> None:
+    assert parse({"prompt": "abc", "prompt_token_ids": [7, 8]}).prompt_token_ids.tolist() == [7, 8]
+    chat = parse({"messages": [{"role": "user", "content": "x"}], "prompt_token_ids": [2**32 - 1]}, "chat")
+    assert chat.prompt_token_ids.tolist() == [2**32 - 1]
+
+
+def test_chat_renders_messages() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    req = parse({"messages": messages, "max_tokens": 3, "max_completion_tokens": 9}, "chat")
+    assert req.kind == "chat" and req.response_id.startswith("chatcmpl-")
+    assert req.prompt_token_ids.tolist() == list(render_chat(messages).encode())
+    assert req.max_tokens == 9  # the newer name wins
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"prompt": ["a", "b"]}, "prompt", "only one prompt per request is supported"),
+        ({"prompt": [[1], [2]]}, "prompt", "only one prompt"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [1.5]}, "prompt", "array of token ids"),
+        ({"prompt": [1, 1.5]}, "prompt", "integers"),
+        ({"prompt": [2**32]}, "prompt", "2**32"),
+        ({"prompt_token_ids": [[1, 2]]}, "prompt_token_ids", "integers"),
+        ({"prompt_token_ids": [True, False]}, "prompt_token_ids", "integers"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),
+        ({"prompt": "x", "n": True}, "n", "n=1"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "best_of"),
+        ({"prompt": "x", "echo": True}, "echo", "echo"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k", "top_k"),
+        ({"prompt": "x", "seed": "1"}, "seed", "seed"),
+        ({"prompt": "x", "stop": [1]}, "stop", "stop"),
+        ({"prompt": "x", "stream_options": True}, "stream_options", "object"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+            "",
+        ),
+        ({"prompt": "x", "model": 3}, "model", "string"),
+    ],
+)
+def test_client_errors(body: dict[str, Any], param: str, fragment: str) -> None:
+    err = error_of(body)
+    assert (err.status, err.param, err.error_type) == (400, param, "invalid_request_error")
+    assert fragment in err.message
+
+
+def test_context_length() -> None:
+    assert parse({"prompt": "abcd", "max_tokens": 6}, max_model_len=10).max_tokens == 6
+    err = error_of({"prompt": "abcd", "max_tokens": 7}, max_model_len=10)
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+
+
+def test_unknown_model_and_bad_json() -> None:
+    err = error_of({"model": "other", "prompt": "x"})
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+    assert error_of(b"\xff\xfe").status == 400
+    assert error_of(b"null").status == 400
+    assert orjson.loads(error_of(b"{").body()) == {
+        "error": {
+            "message": "the request body is not valid JSON",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+def test_chat_message_errors() -> None:
+    assert error_of({"messages": [1]}, "chat").param == "messages[0]"
+    assert error_of({"messages": [{"role": ""}]}, "chat").param == "messages[0].role"
+    assert error_of({"prompt": "x"}, "chat").param == "messages"
+
+
+def test_response_bodies() -> None:
+    u = usage(10, 3, 8)
+    assert u == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    comp = orjson.loads(response_body(parse({"prompt": "x"}), "abc", "length", u))
+    assert comp["object"] == "text_completion"
+    assert comp["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}]
+    assert comp["usage"] == u
+    chat = orjson.loads(response_body(parse({"messages": [{"role": "user"}]}, "chat"), "hi", "stop", u))
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert chat["choices"][0]["finish_reason"] == "stop"
+
+
+def sse_payloads(data: bytes) -> list[Any]:
+    text = data.decode()
+    assert text.endswith("\n\n")
+    out = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: ")
+        body = block[6:]
+        out.append(body if body == "[DONE]" else orjson.loads(body))
+    return out
+
+
+def test_sse_chunks_quote_text_safely() -> None:
+    req = parse({"messages": [{"role": "user", "content": "x"}], "stream": True}, "chat")
+    fmt = SseFormatter(req)
+    tricky = 'a"\\\n\u00e9'
+    [start, tok] = sse_payloads(fmt.start() + fmt.token(tricky))
+    assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert tok["choices"][0]["delta"] == {"content": tricky}
+    assert tok["id"] == req.response_id and tok["created"] == req.created and tok["model"] == "m"
+    final, done = sse_payloads(fmt.finish("length", usage(1, 1, 0)))
+    assert final["choices"][0]["finish_reason"] == "length" and "usage" not in final
+    assert done == "[DONE]"
+
+
+def test_sse_completion_chunks_with_usage() -> None:
+    req = parse({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    fmt = SseFormatter(req)
+    assert fmt.start() == b""
+    [tok] = sse_payloads(fmt.token("z"))
+    assert tok["object"] == "text_completion" and tok["choices"][0]["text"] == "z"
+    final, usage_chunk, done = sse_payloads(fmt.finish("stop", usage(1, 1, 0)))
+    assert final["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 2
+    assert done == "[DONE]"

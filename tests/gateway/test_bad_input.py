@@ -1,0 +1,257 @@
+"""Bad input gets a clear OpenAI-shaped 4xx, never a 5xx and never a stack trace."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.harness import MODEL, Cluster, start_cluster
+
+
+class BackgroundCluster:
+    """A cluster on its own event loop in a thread, so that synchronous (hypothesis) tests can call it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.cluster: Cluster = asyncio.run_coroutine_threadsafe(start_cluster(**kwargs), self.loop).result(
+            30
+        )
+        host_port = self.cluster.url.removeprefix("http://")
+        self.host, port = host_port.split(":")
+        self.port = int(port)
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.cluster.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[BackgroundCluster]:
+    cluster = BackgroundCluster(regions={"eu-west": 2}, max_body_bytes=64 * 1024, max_prompt_tokens=4096)
+    yield cluster
+    cluster.close()
+
+
+def assert_openai_error(status: int, raw: bytes, expected_status: int | None = None) -> dict[str, Any]:
+    assert 400 <= status < 500, (status, raw[:300])
+    if expected_status is not None:
+        assert status == expected_status, (status, raw[:300])
+    body = json.loads(raw)
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def post(
+    gw: BackgroundCluster,
+    body: Any,
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/chat/completions",
+) -> tuple[int, bytes]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, _, data = gw.request("POST", path, raw, {"Content-Type": "application/json", **(headers or {})})
+    return status, data
+
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_the_good_request_works(gw: BackgroundCluster) -> None:
+    status, data = post(gw, GOOD)
+    assert status == 200, data
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"", None),
+        (b"[1, 2]", None),
+        (b'"just a string"', None),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": "hello"}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": MODEL, "messages": [{"content": "x"}]}, "messages.0.role"),
+        ({**GOOD, "max_tokens": "10"}, "max_tokens"),
+        ({**GOOD, "max_tokens": 0}, "max_tokens"),
+        ({**GOOD, "max_tokens": 10**9}, "max_tokens"),
+        ({**GOOD, "temperature": "hot"}, "temperature"),
+        ({**GOOD, "temperature": 7}, "temperature"),
+        ({**GOOD, "stream": "yes"}, "stream"),
+        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**GOOD, "model": 42}, "model"),
+        ({**GOOD, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            "messages",
+        ),
+    ],
+)
+def test_malformed_bodies(gw: BackgroundCluster, body: Any, param: str | None) -> None:
+    status, data = post(gw, body)
+    error = assert_openai_error(status, data, 400)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_completions_body_errors(gw: BackgroundCluster) -> None:
+    cases = [
+        ({"model": MODEL, "prompt": 5}, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2]}, "prompt"),
+        ({"model": MODEL, "prompt": ["one", "two"]}, "prompt"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "x" * 5000}, "prompt"),
+    ]
+    for body, param in cases:
+        status, data = post(gw, body, path="/v1/completions")
+        assert assert_openai_error(status, data, 400)["param"] == param
+
+
+def test_a_too_long_prompt_says_so(gw: BackgroundCluster) -> None:
+    status, data = post(gw, {"model": MODEL, "prompt": "x" * 5000}, path="/v1/completions")
+    assert assert_openai_error(status, data, 400)["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(gw: BackgroundCluster) -> None:
+    status, data = post(gw, {**GOOD, "model": "gpt-17"})
+    assert assert_openai_error(status, data, 404)["code"] == "model_not_found"
+
+
+def test_oversized_body_is_413(gw: BackgroundCluster) -> None:
+    big = {**GOOD, "messages": [{"role": "user", "content": "x" * (100 * 1024)}]}
+    status, data = post(gw, big)
+    assert assert_openai_error(status, data, 413)["code"] == "request_too_large"
+
+
+def test_oversized_body_without_content_length_is_413(gw: BackgroundCluster) -> None:
+    conn = http.client.HTTPConnection(gw.host, gw.port, timeout=10)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.putheader("Content-Type", "application/json")
+    conn.endheaders()
+    payload = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * (100 * 1024)}]}).encode()
+    for i in range(0, len(payload), 8192):
+        part = payload[i : i + 8192]
+        conn.send(b"%x\r\n%s\r\n" % (len(part), part))
+    conn.send(b"0\r\n\r\n")
+    response = conn.getresponse()
+    assert_openai_error(response.status, response.read(), 413)
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "x" * 257, "has space", "tab\there", "naïve", 'quote"ok\x7f'],
+)
+def test_bad_session_header_values(gw: BackgroundCluster, value: str) -> None:
+    """Every bad value is a 400 OpenAI error; the ones HTTP itself forbids (DEL) are refused by the HTTP
+    parser, before the gateway could name the header."""
+    raw = value.encode("utf-8")
+    conn = http.client.HTTPConnection(gw.host, gw.port, timeout=10)
+    body = json.dumps(GOOD).encode()
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(len(body)))
+    conn.putheader("x-session-affinity", raw)
+    conn.endheaders(body)
+    response = conn.getresponse()
+    error = assert_openai_error(response.status, response.read(), 400)
+    if "\x7f" in value:
+        assert error["code"] == "bad_http_request"
+    else:
+        assert error["param"] == "x-session-affinity"
+    conn.close()
+
+
+def test_unknown_paths_and_methods_are_openai_errors(gw: BackgroundCluster) -> None:
+    status, _, data = gw.request("GET", "/v1/nothing-here")
+    assert_openai_error(status, data, 404)
+    status, headers, data = gw.request("GET", "/v1/chat/completions")
+    assert_openai_error(status, data, 405)
+    assert headers["Allow"] == "POST"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from([MODEL, "other"]) | json_values,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "role": st.sampled_from(["user", "system", "x"]) | json_values,
+                    "content": json_values,
+                },
+            ),
+            max_size=3,
+        )
+        | json_values,
+        "prompt": json_values,
+        "max_tokens": st.integers(-5, 40) | json_values,
+        "stream": st.booleans() | json_values,
+        "temperature": json_values,
+        "stop": json_values,
+        "n": st.integers(-1, 3),
+        "stream_options": json_values,
+    },
+)
+header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=bodies,
+    session=st.none() | header_values,
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+def test_fuzzed_requests_never_get_a_5xx(
+    gw: BackgroundCluster, body: dict[str, Any], session: str | None, path: str
+) -> None:
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 4)  # keep generation short
+    headers = {} if session is None else {"x-session-affinity": session.strip() or "-"}
+    status, data = post(gw, body, headers, path)
+    if status == 200:
+        if body.get("stream") is True:
+            assert data.endswith(b"data: [DONE]\n\n")
+        else:
+            assert "usage" in json.loads(data)
+    else:
+        assert_openai_error(status, data)

@@ -1,0 +1,41 @@
+"""The SSE usage tap: forwards events untouched, finds the usage, drops it only when not asked for."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.sse import SseUsageTap
+
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+USAGE_EVENT = b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_usage_is_captured_and_forwarded_only_on_request(forward: bool) -> None:
+    tap = SseUsageTap(forward_usage_event=forward)
+    out = tap.feed(CHUNK + CHUNK + USAGE_EVENT + DONE)
+    assert tap.usage == USAGE and tap.saw_done
+    assert out == (CHUNK + CHUNK + (USAGE_EVENT if forward else b"") + DONE)
+
+
+def test_events_split_across_reads_are_reassembled() -> None:
+    tap = SseUsageTap(forward_usage_event=False)
+    stream = CHUNK + USAGE_EVENT + DONE
+    out = b"".join(tap.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + tap.flush()
+    assert out == CHUNK + DONE and tap.usage == USAGE
+
+
+def test_crlf_events_and_null_usage_in_content_chunks() -> None:
+    tap = SseUsageTap(forward_usage_event=False)
+    content = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\r\n\r\n'
+    out = tap.feed(content + USAGE_EVENT.replace(b"\n\n", b"\r\n\r\n"))
+    assert out == content and tap.usage == USAGE
+
+
+def test_an_unterminated_last_event_is_flushed() -> None:
+    tap = SseUsageTap(forward_usage_event=True)
+    assert tap.feed(b"data: partial") == b""
+    assert tap.flush() == b"data: partial"

@@ -1,0 +1,130 @@
+"""A real cluster in one event loop: simulated engines and gateways on free ports, talking over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engine.sim.server import SIM_ENGINE, SimEngine, SimEngineConfig
+from engine.sim.server import build_app as build_sim_app
+from gateway.app import GATEWAY, build_app
+from gateway.config import parse_config
+from gateway.server import runner_for
+from gateway.service import Gateway
+
+FAST_SIM = {"prefill_s_per_token": 0.0, "decode_s_per_token": 0.0005}
+MODEL = "kvgate-sim"
+
+
+async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = runner_for(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Cluster:
+    engines: dict[str, tuple[SimEngine, str]]  # engine id ("region/name") -> (simulator, url)
+    gateways: list[tuple[Gateway, str]] = field(default_factory=list)
+    session: aiohttp.ClientSession | None = None
+    engine_runners: dict[str, web.AppRunner] = field(default_factory=dict)
+    _runners: list[web.AppRunner] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.gateways[0][1]
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.gateways[0][0]
+
+    def sim(self, engine_id: str) -> SimEngine:
+        return self.engines[engine_id][0]
+
+    async def add_gateway(self, region: str, **gateway: Any) -> tuple[Gateway, str]:
+        regions: dict[str, list[dict[str, Any]]] = {}
+        extra = gateway.pop("engine_options", {})
+        for engine_id, (_, url) in self.engines.items():
+            r, name = engine_id.split("/")
+            regions.setdefault(r, []).append(
+                {"name": name, "url": url, "model": MODEL, **extra.get(engine_id, {})}
+            )
+        settings = {"health_interval_s": 0.05, "gateway_id": f"gw-{uuid.uuid4().hex[:6]}", **gateway}
+        config = parse_config(
+            {
+                "region": region,
+                "regions": [{"name": r, "engines": es} for r, es in regions.items()],
+                "rtt_ms": {f"{a}.{b}": 40 for a in regions for b in regions if a < b},
+                "gateway": settings,
+            }
+        )
+        app = build_app(config)
+        runner, url = await _start(app)
+        self._runners.append(runner)
+        entry = (app[GATEWAY], url)
+        self.gateways.append(entry)
+        return entry
+
+    async def post(
+        self, path: str, body: Any, *, url: str | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, Any]:
+        assert self.session is not None
+        async with self.session.post((url or self.url) + path, json=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None), r.headers
+
+    async def wait_for(self, predicate: Callable[[], bool], within_s: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + within_s
+        while not predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("condition not reached in time")
+            await asyncio.sleep(0.02)
+
+    async def stop_engine(self, engine_id: str) -> None:
+        """Shut one engine down (its port then refuses connections)."""
+        await self.engine_runners.pop(engine_id).cleanup()
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        for runner in [*reversed(self._runners), *self.engine_runners.values()]:
+            await runner.cleanup()
+
+
+ClusterFactory = Callable[..., Awaitable[Cluster]]
+
+
+async def start_cluster(
+    regions: dict[str, int] | None = None,
+    *,
+    sim: dict[str, Any] | None = None,
+    gateway_region: str | None = None,
+    **gateway: Any,
+) -> Cluster:
+    """Simulated engines per region (``{"eu-west": 2}``) and one gateway in front of them."""
+    regions = regions or {"eu-west": 2, "us-east": 2}
+    cluster = Cluster(engines={})
+    try:
+        for region, count in regions.items():
+            for i in range(count):
+                engine_id = f"{region}/e{i}"
+                app = build_sim_app(
+                    SimEngineConfig(engine_id=engine_id, model=MODEL, **{**FAST_SIM, **(sim or {})})
+                )
+                runner, url = await _start(app)
+                cluster.engine_runners[engine_id] = runner
+                cluster.engines[engine_id] = (app[SIM_ENGINE], url)
+        cluster.session = aiohttp.ClientSession()
+        await cluster.add_gateway(gateway_region or next(iter(regions)), **gateway)
+    except BaseException:
+        await cluster.close()
+        raise
+    return cluster

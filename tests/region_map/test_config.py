@@ -1,0 +1,109 @@
+"""The deployment file: valid files load, and every error names the key at fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import load_config, parse_config
+from region_map.config import ConfigError, Role
+
+GOOD = """
+region = "eu-west"
+default_rtt_ms = 70
+
+[[regions]]
+name = "eu-west"
+engines = [
+  { name = "e0", url = "http://127.0.0.1:8001", role = "prefill", kv_capacity_blocks = 4096 },
+  { name = "e1", url = "http://127.0.0.1:8002" },
+]
+
+[[regions]]
+name = "us-east"
+engines = [{ name = "e0", url = "http://10.1.0.5:8000", model = "llama" }]
+
+[rtt_ms]
+"eu-west.us-east" = 80
+
+[gateway]
+port = 9000
+block_size = 32
+
+[gateway.routing]
+policy = "cache_aware"
+max_waiting = 4
+"""
+
+
+def test_a_good_file_loads(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    topo = config.topology
+    assert topo.region == "eu-west"
+    assert [r.name for r in topo.regions] == ["eu-west", "us-east"]
+    assert topo.regions[0].engines[0].role is Role.PREFILL
+    assert topo.regions[0].engines[1].role is Role.BOTH
+    assert topo.rtt_s("us-east", "eu-west") == pytest.approx(0.080)
+    assert topo.rtt_s("eu-west", "eu-west") == 0.0
+    assert config.gateway.port == 9000 and config.gateway.block_size == 32
+    assert config.gateway.routing.policy == "cache_aware" and config.gateway.routing.max_waiting == 4
+
+
+def test_yaml_works_too(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        "region: a\nregions:\n  - name: a\n    engines:\n      - {name: e0, url: 'http://127.0.0.1:9'}\n"
+    )
+    assert load_config(path).topology.regions[0].engines[0].base_url == "http://127.0.0.1:9"
+
+
+def _base() -> dict:
+    return {
+        "region": "a",
+        "regions": [{"name": "a", "engines": [{"name": "e0", "url": "http://127.0.0.1:9"}]}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("patch", "key"),
+    [
+        (lambda d: d["regions"][0]["engines"][0].update(url="not a url"), "regions.0.engines.0.url"),
+        (lambda d: d["regions"][0]["engines"][0].update(role="both-ish"), "regions.0.engines.0.role"),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kv_capacity_blocks=-1),
+            "regions.0.engines.0.kv_capacity_blocks",
+        ),
+        (lambda d: d["regions"][0]["engines"][0].update(urll="x"), "regions.0.engines.0.urll"),
+        (lambda d: d.update(region="nowhere"), "nowhere"),
+        (lambda d: d.update(rtt_ms={"a.b": 5}), "a.b"),
+        (lambda d: d.update(gateway={"port": "eighty"}), "gateway.port"),
+        (lambda d: d.update(gateway={"routing": {"max_waiting": 0}}), "gateway.routing.max_waiting"),
+        (lambda d: d.update(gatewy={}), "gatewy"),
+        (lambda d: d["regions"][0]["engines"].append({"name": "e0", "url": "http://x:1"}), "e0"),
+    ],
+)
+def test_errors_name_the_bad_key(patch, key: str) -> None:  # type: ignore[no-untyped-def]
+    data = _base()
+    patch(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert key in str(info.value)
+
+
+def test_environment_and_flags_override_the_file() -> None:
+    data = _base() | {"gateway": {"port": 1000, "redis_url": "redis://file"}}
+    config = parse_config(data, environ={"KVGATE_PORT": "2000"}, overrides={"redis_url": "redis://flag"})
+    assert config.gateway.port == 2000
+    assert config.gateway.redis_url == "redis://flag"
+
+
+def test_unreadable_or_invalid_files_say_why(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("region = ")
+    with pytest.raises(ConfigError, match="not valid toml"):
+        load_config(bad)
