@@ -9,7 +9,7 @@ sees a gap resynchronises that engine from a snapshot instead of guessing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -49,13 +49,16 @@ class KvEventBatch:
     events: tuple[KvEvent, ...] = field(default_factory=tuple)
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "engine": self.engine,
-                "seq": self.seq,
-                "ts": self.ts,
-                "events": [_event_to_wire(e) for e in self.events],
-            }
+        return cast(
+            bytes,
+            msgpack.packb(
+                {
+                    "engine": self.engine,
+                    "seq": self.seq,
+                    "ts": self.ts,
+                    "events": [_event_to_wire(e) for e in self.events],
+                }
+            ),
         )
 
 
@@ -69,13 +72,16 @@ class KvSnapshot:
     block_hashes: tuple[int, ...]
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "engine": self.engine,
-                "seq": self.seq,
-                "block_size": self.block_size,
-                "blocks": list(self.block_hashes),
-            }
+        return cast(
+            bytes,
+            msgpack.packb(
+                {
+                    "engine": self.engine,
+                    "seq": self.seq,
+                    "block_size": self.block_size,
+                    "blocks": list(self.block_hashes),
+                }
+            ),
         )
 
 

@@ -10,20 +10,21 @@ from collections.abc import Callable, Iterable, Sequence
 from cache.events import KvEventBatch
 from cache.residency import EngineHoldings, batch_ops
 
-_EXACT = math.inf
 _SLOT_S = 0.25
 
 
 class MemoryResidencyIndex:
     """Residency in dicts. ``lookup`` is the synchronous read the gateway routes with.
 
-    Cost of a lookup: one dict probe per matched block and per engine still matching, independent of how
-    many prefixes are cached in total.
+    Exact and approximate entries live apart: the common case of a lookup (every engine still matching
+    holds the next block exactly) is then one dict probe and one C-level set comparison per block, and
+    the cost never depends on how many prefixes are cached in total.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._holders: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry (inf = exact)}
+        self._exact: dict[int, set[str]] = {}  # hash -> engines holding it (from KV events)
+        self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._by_engine: dict[str, set[int]] = {}
         self._seq: dict[str, int] = {}
         # Approximate entries grouped by the time slot (_SLOT_S) in which they expire, so a sweep costs
@@ -33,46 +34,72 @@ class MemoryResidencyIndex:
 
     # -- synchronous core ------------------------------------------------------------------------------
 
+    def _holders(self, h: int, now: float) -> set[str]:
+        exact = self._exact.get(h)
+        approx = self._approx.get(h)
+        if approx is None:
+            return set(exact) if exact else set()
+        live = {e for e, expiry in approx.items() if expiry > now}
+        return live | exact if exact else live
+
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
         now = self._clock()
-        first = self._holders.get(hashes[0])
-        if not first:
-            return {}
-        alive = [e for e, expiry in first.items() if expiry > now]
+        alive = self._holders(hashes[0], now)
         if not alive:
             return {}
+        exact = self._exact
         matched: dict[str, int] = {}
-        depth = 1
         for depth in range(1, len(hashes)):
-            holders = self._holders.get(hashes[depth])
-            if not holders:
-                break
-            still = [e for e in alive if holders.get(e, 0.0) > now]
-            if len(still) != len(alive):
-                for e in alive:
-                    if holders.get(e, 0.0) <= now:
-                        matched[e] = depth
-                alive = still
-                if not alive:
-                    break
-        else:
-            depth = len(hashes)
+            h = hashes[depth]
+            holders = exact.get(h)
+            if holders is not None and alive <= holders:
+                continue  # the common case: every engine still matching holds this block exactly
+            holders = self._holders(h, now)
+            if alive <= holders:
+                continue
+            for e in alive - holders:
+                matched[e] = depth
+            alive &= holders
+            if not alive:
+                return matched
         for e in alive:
-            matched[e] = depth
+            matched[e] = len(hashes)
         return matched
 
     def add_now(self, engine: str, hashes: Sequence[int], ttl_s: float | None = None) -> None:
-        expiry = _EXACT if ttl_s is None else self._clock() + ttl_s
+        if not hashes:
+            return
         owned = self._by_engine.setdefault(engine, set())
-        if ttl_s is not None and hashes:
-            self._file_expiry(engine, expiry, hashes)
+        exact, approx = self._exact, self._approx
+        if ttl_s is None:
+            for h in hashes:
+                holders = exact.get(h)
+                if holders is None:
+                    exact[h] = {engine}
+                else:
+                    holders.add(engine)
+                guesses = approx.get(h)
+                if guesses is not None and guesses.pop(engine, None) is not None and not guesses:
+                    del approx[h]
+            owned.update(hashes)
+            return
+        expiry = self._clock() + ttl_s
+        added = []
         for h in hashes:
-            holders = self._holders.setdefault(h, {})
-            if holders.get(engine, 0.0) < expiry:
-                holders[engine] = expiry
-            owned.add(h)
+            holders = exact.get(h)
+            if holders is not None and engine in holders:
+                continue  # an approximate add never downgrades an exact entry
+            guesses = approx.get(h)
+            if guesses is None:
+                approx[h] = {engine: expiry}
+            elif guesses.get(engine, 0.0) < expiry:
+                guesses[engine] = expiry
+            added.append(h)
+        if added:
+            owned.update(added)
+            self._file_expiry(engine, expiry, added)
 
     def _file_expiry(self, engine: str, expiry: float, hashes: Iterable[int]) -> None:
         slot = math.floor(expiry / _SLOT_S)
@@ -82,18 +109,24 @@ class MemoryResidencyIndex:
             heapq.heappush(self._bucket_heap, slot)
         bucket.setdefault(engine, set()).update(hashes)
 
-    def remove_now(self, engine: str, hashes: Sequence[int]) -> None:
+    def remove_now(self, engine: str, hashes: Iterable[int]) -> None:
+        exact, approx = self._exact, self._approx
         owned = self._by_engine.get(engine)
         for h in hashes:
-            holders = self._holders.get(h)
-            if holders is not None and holders.pop(engine, None) is not None and not holders:
-                del self._holders[h]
+            holders = exact.get(h)
+            if holders is not None:
+                holders.discard(engine)
+                if not holders:
+                    del exact[h]
+            guesses = approx.get(h)
+            if guesses is not None and guesses.pop(engine, None) is not None and not guesses:
+                del approx[h]
             if owned is not None:
                 owned.discard(h)
 
     def clear_now(self, engine: str) -> None:
         owned = self._by_engine.pop(engine, set())
-        self.remove_now(engine, list(owned))
+        self.remove_now(engine, owned)
 
     def apply_now(self, engine: str, batch: KvEventBatch) -> bool:
         last = self._seq.get(engine)
@@ -117,6 +150,9 @@ class MemoryResidencyIndex:
     def seq_of(self, engine: str) -> int | None:
         return self._seq.get(engine)
 
+    def holds_exactly(self, engine: str, block_hash: int) -> bool:
+        return engine in self._exact.get(block_hash, ())
+
     def sweep_now(self) -> int:
         now = self._clock()
         dropped = 0
@@ -127,12 +163,20 @@ class MemoryResidencyIndex:
                 # Entries may have been refreshed, made exact or removed since: drop only the expired ones.
                 expired = []
                 for h in hashes:
-                    expiry = self._holders.get(h, {}).get(engine, 0.0)
-                    if 0.0 < expiry <= now:
+                    expiry = self._approx.get(h, {}).get(engine)
+                    if expiry is None:
+                        continue
+                    if expiry <= now:
                         expired.append(h)
-                    elif now < expiry < _EXACT:
+                    else:
                         refile.append((engine, expiry, h))  # the slot in progress: not yet expired
-                self.remove_now(engine, expired)
+                for h in expired:
+                    guesses = self._approx[h]
+                    del guesses[engine]
+                    if not guesses:
+                        del self._approx[h]
+                    if not self.holds_exactly(engine, h):
+                        self._by_engine.get(engine, set()).discard(h)
                 dropped += len(expired)
         for engine, expiry, h in refile:
             self._file_expiry(engine, expiry, (h,))
@@ -167,10 +211,11 @@ class MemoryResidencyIndex:
         exact: set[int] = set()
         approximate: dict[int, float] = {}
         for h in self._by_engine.get(engine, ()):
-            expiry = self._holders.get(h, {}).get(engine, 0.0)
-            if expiry == _EXACT:
+            if self.holds_exactly(engine, h):
                 exact.add(h)
-            elif expiry > now:
+                continue
+            expiry = self._approx.get(h, {}).get(engine, 0.0)
+            if expiry > now:
                 approximate[h] = expiry - now
         return EngineHoldings(self._seq.get(engine), frozenset(exact), approximate)
 

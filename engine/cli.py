@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from collections.abc import Sequence
 
 SIM_ENGINE_HELP = (
@@ -113,7 +114,11 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         port=port,
         max_model_len=args.max_model_len,
     )
-    return serve(config, sock=sock)
+    try:
+        return serve(config, sock=sock)
+    except OSError as exc:  # the address is taken, or not ours to bind: say so without a traceback
+        print(f"kvgate sim-engine: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
+        return 1
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

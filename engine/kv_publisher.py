@@ -9,6 +9,10 @@ so a snapshot always matches a ``seq``, and streams batches to subscribers:
   then live; a msgpack nil (0xc0) is a heartbeat. 410 Gone when the batches after ``N`` have left the ring
   (or ``N`` is ahead of this engine, i.e. it restarted): the consumer re-snapshots.
 
+Both carry ``x-kv-epoch``, random per publisher: seqs restart at 1 with the engine, so a consumer resuming
+with ``&epoch=E`` from a snapshot of an earlier life of the engine gets 410 instead of batches numbered in
+another life (an optional extension; without it only ``N`` > the current seq is detected).
+
 Not thread-safe: call :meth:`KvEventPublisher.publish` on the event loop's thread (an engine whose scheduler
 runs in another thread hands events over with ``loop.call_soon_threadsafe``).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -29,6 +34,7 @@ MSGPACK_CONTENT_TYPE = "application/msgpack"
 STREAM_CONTENT_TYPE = "application/x-msgpack-stream"
 HEARTBEAT = b"\xc0"  # msgpack nil
 SEQ_HEADER = "x-kv-seq"
+EPOCH_HEADER = "x-kv-epoch"
 
 DEFAULT_RING_SIZE = 4096
 DEFAULT_QUEUE_LIMIT = 8192
@@ -111,6 +117,7 @@ class KvEventPublisher:
         self.heartbeat_s = heartbeat_s
         self.queue_limit = queue_limit
         self._seq = 0  # 0: nothing published yet
+        self.epoch = os.urandom(8).hex()
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._hashes: set[int] = set()
         self._subscribers: set[Subscription] = set()
@@ -192,11 +199,12 @@ class KvEventPublisher:
     async def _on_shutdown(self, app: web.Application) -> None:
         self.close_all()
 
+    def _headers(self) -> dict[str, str]:
+        return {SEQ_HEADER: str(self._seq), EPOCH_HEADER: self.epoch}
+
     async def handle_snapshot(self, request: web.Request) -> web.Response:
-        snap = self.snapshot()
-        return web.Response(
-            body=snap.encode(), content_type=MSGPACK_CONTENT_TYPE, headers={SEQ_HEADER: str(snap.seq)}
-        )
+        body = self.snapshot().encode()
+        return web.Response(body=body, content_type=MSGPACK_CONTENT_TYPE, headers=self._headers())
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
         raw = request.query.get("after")
@@ -206,17 +214,20 @@ class KvEventPublisher:
             after = None
         if after is None or after < 0:
             raise web.HTTPBadRequest(text="query parameter 'after' (a seq: an integer >= 0) is required")
+        epoch = request.query.get("epoch")
+        if epoch is not None and epoch != self.epoch:
+            raise web.HTTPGone(text="the engine restarted since that seq", headers=self._headers())
         try:
             # Subscribing before the first await guarantees no batch falls between backlog and live.
             backlog, sub = self.subscribe(after)
         except GoneError as exc:
-            raise web.HTTPGone(text=str(exc), headers={SEQ_HEADER: str(self._seq)}) from None
-        resp = web.StreamResponse(headers={SEQ_HEADER: str(self._seq)})
+            raise web.HTTPGone(text=str(exc), headers=self._headers()) from None
+        resp = web.StreamResponse(headers=self._headers())
         resp.content_type = STREAM_CONTENT_TYPE
         resp.enable_chunked_encoding()
+        sub.transport = request.transport
         try:
             await resp.prepare(request)
-            sub.transport = request.transport
             # Something at once, so the consumer gets the headers now instead of at the first batch.
             chunk: bytes | None = b"".join(backlog) or HEARTBEAT
             while chunk is not None:

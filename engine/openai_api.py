@@ -7,6 +7,7 @@ the non-streaming bodies, the SSE chunks and the usage object. Engines own only 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Mapping
@@ -91,12 +92,20 @@ class GenerationRequest:
         return int(self.prompt_token_ids.shape[0])
 
 
+# Ids are a random per-process prefix plus a counter: unique across processes and restarts without a
+# system call per request.
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count(1)
+
+
 def new_request_id() -> str:
-    return os.urandom(16).hex()
+    """32 hex digits, for requests that arrive without an x-request-id."""
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 def new_response_id(kind: RequestKind) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + os.urandom(12).hex()
+    """``cmpl-<hex>`` or ``chatcmpl-<hex>``."""
+    return f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 # --------------------------------------------------------------------------------------------- parsing
@@ -134,13 +143,16 @@ def parse_request(
 
     _reject_unsupported(data, kind)
     if data.get("prompt_token_ids") is not None:
-        ids = _token_ids(data["prompt_token_ids"], "prompt_token_ids")
+        prompt_param = "prompt_token_ids"
+        ids = _token_ids(data["prompt_token_ids"], prompt_param)
     elif kind == "chat":
+        prompt_param = "messages"
         ids = tokenizer.encode(_render_messages(data.get("messages")))
     else:
+        prompt_param = "prompt"
         ids = _completion_prompt(data.get("prompt"), tokenizer)
     if ids.shape[0] == 0:
-        raise OpenAIError("the prompt must not be empty", param="messages" if kind == "chat" else "prompt")
+        raise OpenAIError("the prompt must not be empty", param=prompt_param)
 
     max_tokens_param = "max_tokens"
     max_tokens_raw = data.get("max_tokens")

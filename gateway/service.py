@@ -150,7 +150,7 @@ class Gateway:
     def _common(
         self, request: web.Request, body: dict[str, Any], parsed: ChatCompletionRequest | CompletionRequest
     ) -> tuple[str, str | None, str]:
-        if parsed.model not in self.fleet.models():
+        if not self.fleet.serving(parsed.model):
             raise ModelNotFound(f"The model '{parsed.model}' does not exist", param="model")
         request_id = _request_id(request.headers.get("x-request-id"))
         session_id = self._session_id(request.headers.get(SESSION_HEADER))
@@ -291,7 +291,8 @@ class Gateway:
             if attempt:
                 decision = RouteDecision(decision.engine, "failover", decision.cached_blocks)
             try:
-                return await self._dispatch(request, received, p, engine, decision)
+                known_blocks = cached.get(engine.id, 0)
+                return await self._dispatch(request, received, p, engine, decision, known_blocks)
             except _Retryable as exc:
                 excluded.add(engine.id)
                 last_error = exc.error
@@ -321,7 +322,13 @@ class Gateway:
         return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def _dispatch(
-        self, request: web.Request, received: float, p: Prepared, engine: EngineState, decision: RouteDecision
+        self,
+        request: web.Request,
+        received: float,
+        p: Prepared,
+        engine: EngineState,
+        decision: RouteDecision,
+        known_blocks: int,
     ) -> web.StreamResponse:
         block_size = self.settings.block_size
         predicted = min(decision.cached_blocks * block_size, len(p.token_ids))
@@ -344,7 +351,7 @@ class Gateway:
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
                 raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}")) from None
-            self._after_dispatch(p, engine, decision, predicted)
+            self._after_dispatch(p, engine, decision, predicted, known_blocks)
             response_headers = {
                 "x-request-id": p.request_id,
                 "x-kvgate-region": engine.region,
@@ -365,7 +372,7 @@ class Gateway:
                 engine.pending_prefill_tokens -= uncached
 
     def _after_dispatch(
-        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int
+        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_blocks: int
     ) -> None:
         """The engine accepted the request: bind the session, remember where the prefix went."""
         if p.session_id is not None:
@@ -374,7 +381,8 @@ class Gateway:
                 self.state.bind_session(p.tenant, p.session_id, SessionBinding(engine.region, engine.id))
         s = self.settings
         if engine.kv_events:
-            self.state.record_route(engine.id, p.hashes, s.pending_ttl_s, share=False)
+            # Its events will report these blocks; until then, note the ones the view does not know of.
+            self.state.record_route(engine.id, p.hashes[known_blocks:], s.pending_ttl_s, share=False)
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routing.labels(engine.region, engine.id, decision.reason).inc()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httptools
 
@@ -55,8 +56,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but they implement the interface.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._response is None:

@@ -75,8 +75,10 @@ class EngineState:
             waiting = max(waiting, self.inflight - self.load.max_running)
         return total, waiting
 
-    def apply_health(self, payload: dict[str, Any]) -> None:
-        """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated)."""
+    def apply_health(self, payload: dict[str, Any]) -> bool:
+        """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
+        Returns whether the model it serves changed (the fleet's model table must then be rebuilt)."""
+        model_before = self.model
         self.healthy = True
         self.consecutive_failures = 0
         self.last_error = None
@@ -100,6 +102,7 @@ class EngineState:
                 kv_blocks_used=_int(load.get("kv_blocks_used")),
                 kv_blocks_free=_int(load.get("kv_blocks_free")),
             )
+        return self.model != model_before
 
     def mark_failure(self, error: str, *, unhealthy_after: int) -> None:
         self.consecutive_failures += 1
@@ -140,6 +143,8 @@ class Fleet:
                 engine_id = f"{region.name}/{engine.name}"
                 self.engines[engine_id] = EngineState(id=engine_id, region=region.name, config=engine)
         self._rtt = {r.name: topology.rtt_s(self.region, r.name) for r in topology.regions}
+        self._by_model: dict[str, list[EngineState]] = {}
+        self.refresh_models()
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(self.engines.values())
@@ -153,9 +158,17 @@ class Fleet:
     def rtt_s(self, region: str) -> float:
         return self._rtt.get(region, self.topology.default_rtt_ms / 1000.0)
 
+    def refresh_models(self) -> None:
+        """Rebuild the model -> engines table (after an engine reported a different model)."""
+        by_model: dict[str, list[EngineState]] = {}
+        for e in self:
+            if e.model:
+                by_model.setdefault(e.model, []).append(e)
+        self._by_model = by_model
+
     def models(self) -> list[str]:
-        return sorted({e.model for e in self if e.model})
+        return sorted(self._by_model)
 
     def serving(self, model: str) -> list[EngineState]:
-        """Engines configured for or reporting ``model`` (healthy or not)."""
-        return [e for e in self if e.model == model]
+        """Engines configured for or reporting ``model`` (healthy or not); empty for an unknown model."""
+        return self._by_model.get(model, [])

@@ -48,7 +48,8 @@ class HealthPoller:
                 log.warning("engine %s is unhealthy: %s", engine.id, engine.last_error)
             return False
         was_healthy = engine.healthy
-        engine.apply_health(payload if isinstance(payload, dict) else {})
+        if engine.apply_health(payload if isinstance(payload, dict) else {}):
+            self.fleet.refresh_models()
         if not was_healthy:
             log.info("engine %s is healthy", engine.id)
         return True

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cache.redis_keys import RedisKeys
 
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Tests run on uvloop, as the gateway and engines do in production."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ through ``on_events``, one list per operation. Plain Python, no asyncio.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
 
@@ -108,9 +108,7 @@ class PrefixCache:
         """
         refs, lru = self._refs, self._lru
         n = len(hashes)
-        start = 0
-        while start < n and hashes[start] in refs:
-            start += 1
+        start = self.match(hashes)
         if start == n:  # all cached already (a repeated prompt): only recency changes
             self._touch(hashes)
             return 0
@@ -157,7 +155,14 @@ class PrefixCache:
 
     def _touch(self, hashes: Sequence[int]) -> None:
         """Make the chain's unpinned blocks the most recent, tail first so that its head ends up last."""
-        refs, lru = self._refs, self._lru
+        lru = self._lru
+        try:
+            # The common case, every block unpinned and in the LRU, at C speed.
+            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
+            return
+        except KeyError:
+            pass  # some are pinned or held out by store(): redo it block by block (same final order)
+        refs = self._refs
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)

@@ -272,12 +272,10 @@ class SimEngine:
             hashes = block_hashes(ids, bs, ns_seed)
             n_cached = self.cache.match(hashes)
             cached_tokens = n_cached * bs
-            if self._zero_cost:
-                # Nothing below awaits before the answer's blocks are stored, so no other request can
-                # evict this one's blocks meanwhile: pins would protect nothing, and skipping them keeps
-                # the benchmark path lean. store() also refreshes their recency, as a release would.
-                self.cache.store(hashes)
-            else:
+            if not self._zero_cost:
+                # With every cost at zero nothing below awaits before _store_answer() stores the prompt
+                # and the answer at once, so no other request can evict these blocks meanwhile: pins
+                # would protect nothing, and skipping them keeps the benchmark path lean.
                 pinned = self.cache.acquire(hashes[:n_cached])
                 uncached = req.prompt_tokens - cached_tokens
                 if uncached and cfg.prefill_s_per_token > 0:
@@ -346,20 +344,19 @@ class SimEngine:
         return resp
 
     def _store_answer(self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int) -> None:
-        """Cache the full blocks of prompt + answer: a chat's next turn starts with exactly those tokens."""
-        if not text:
-            return
+        """Cache the full blocks of prompt + answer: a chat's next turn starts with exactly those tokens.
+
+        The whole chain is stored, not just the answer's blocks, so that under pressure the answer cannot
+        evict its own prompt and be left hanging on a missing parent.
+        """
         bs = self.config.block_size
         tail_start = len(hashes) * bs
-        out_ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint32)
-        tail = np.concatenate((ids[tail_start:], out_ids))
-        if tail.shape[0] < bs:
-            return
-        parent = hashes[-1] if hashes else None
-        if parent is not None and parent not in self.cache:
-            return  # the prompt did not fit in the cache: blocks hung on a missing parent could never match
-        # Continue the prompt's chain, whose blocks are cached already.
-        self.cache.store(block_hashes(tail, bs, ns_seed, parent=parent), parent=parent)
+        chain = hashes
+        if text and ids.shape[0] - tail_start + len(text) >= bs:
+            out_ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint32)
+            tail = np.concatenate((ids[tail_start:], out_ids))
+            chain = hashes + block_hashes(tail, bs, ns_seed, parent=hashes[-1] if hashes else None)
+        self.cache.store(chain)
 
 
 SIM_ENGINE = web.AppKey("kvgate_sim_engine", SimEngine)

@@ -203,6 +203,24 @@ async def test_events_endpoint_answers_410_when_batches_are_gone(serve: Serve) -
             assert [(await reader.next_batch()).seq for _ in range(3)] == [3, 4, 5]
 
 
+async def test_events_endpoint_checks_the_epoch(serve: Serve) -> None:
+    pub = KvEventPublisher("e1", 16)
+    pub.publish(stored(1))
+    url = await serve(pub)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/v1/kv_snapshot") as resp:
+            epoch = resp.headers["x-kv-epoch"]
+        assert epoch == pub.epoch
+        # The same engine: the stream resumes.
+        async with session.get(f"{url}/v1/kv_events?after=0&epoch={epoch}") as resp:
+            assert resp.status == 200 and resp.headers["x-kv-epoch"] == epoch
+            assert (await StreamReader(resp).next_batch()).seq == 1
+        # A snapshot from an earlier life of the engine: resync, even though seq 0 exists here.
+        async with session.get(f"{url}/v1/kv_events?after=0&epoch=0123456789abcdef") as resp:
+            assert resp.status == 410
+    assert KvEventPublisher("e1", 16).epoch != pub.epoch
+
+
 @pytest.mark.parametrize("query", ["", "?after=", "?after=abc", "?after=1.5", "?after=-1"])
 async def test_events_endpoint_rejects_a_bad_after(serve: Serve, query: str) -> None:
     pub = KvEventPublisher("e1", 16)

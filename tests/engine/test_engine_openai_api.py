@@ -104,6 +104,7 @@ def test_chat_renders_messages() -> None:
         ({"prompt": [1, 1.5]}, "prompt", "integers"),
         ({"prompt": [2**32]}, "prompt", "2**32"),
         ({"prompt_token_ids": [[1, 2]]}, "prompt_token_ids", "integers"),
+        ({"prompt_token_ids": []}, "prompt_token_ids", "empty"),
         ({"prompt_token_ids": [True, False]}, "prompt_token_ids", "integers"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),
         ({"prompt": "x", "n": True}, "n", "n=1"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache.events import BlockRemoved, BlockStored, KvEvent
 from engine.sim.prefix_cache import PrefixCache
@@ -170,3 +172,45 @@ def test_zero_capacity_caches_nothing() -> None:
 def test_negative_capacity_is_rejected() -> None:
     with pytest.raises(ValueError):
         PrefixCache(-1)
+
+
+# A chain universe small enough for collisions: chain c, block i is hash c * 100 + i.
+_ops = st.lists(
+    st.tuples(st.sampled_from(["store", "acquire", "release"]), st.integers(0, 4), st.integers(1, 6)),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(0, 12), ops=_ops)
+def test_invariants_under_random_operations(capacity: int, ops: list[tuple[str, int, int]]) -> None:
+    rec = Recorder()
+    cache = PrefixCache(capacity, on_events=rec)
+    held: list[list[int]] = []
+    replay: set[int] = set()
+    for op, chain, length in ops:
+        hashes = [chain * 100 + i for i in range(length)]
+        if op == "store":
+            cache.store(hashes)
+        elif op == "acquire":
+            held.append(cache.acquire(hashes))
+        elif held:
+            cache.release(held.pop(0))
+        for event in rec.take():
+            if isinstance(event, BlockStored):
+                # A stored run always hangs on a cached parent (or starts a chain).
+                assert event.parent is None or event.parent in replay or event.parent in cache
+                replay.update(event.block_hashes)
+            else:
+                assert isinstance(event, BlockRemoved)
+                assert all(cache.refcount(h) == 0 for h in event.block_hashes)
+                replay.difference_update(event.block_hashes)
+        assert len(cache) <= capacity
+        # The events describe the cache exactly, and the LRU holds exactly the unpinned blocks.
+        assert replay == {h for c in range(5) for h in range(c * 100, c * 100 + 6) if h in cache}
+        assert set(cache.lru_order()) == {h for h in replay if cache.refcount(h) == 0}
+        # Every cached block's parent is cached too: prefixes never lose their middle.
+        assert all(h % 100 == 0 or h - 1 in cache for h in replay)
+    for pins in held:
+        cache.release(pins)
+    assert cache.pinned == 0

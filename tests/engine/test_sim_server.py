@@ -410,6 +410,7 @@ async def test_client_disconnect_mid_stream_frees_the_slot(start_sim: StartSim) 
         f"{sim.url}/v1/completions", data=orjson.dumps({"prompt": prompt, "max_tokens": 200, "stream": True})
     )
     assert resp.status == 200
+    assert resp.headers["x-request-id"]
     line = await resp.content.readline()
     assert line.startswith(b"data: ")
     assert (await sim.health())["load"]["running"] == 1

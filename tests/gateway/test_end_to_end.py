@@ -80,17 +80,12 @@ async def test_kv_events_reach_the_gateway_view(make_cluster: ClusterFactory) ->
     engine = headers["x-kvgate-engine"]
     state = cluster.gateway.state
     # The engine's stored events turn the gateway's provisional record into exact entries.
-    await cluster.wait_for(
-        lambda: (
-            len(state.index._by_engine.get(engine, ())) > 0
-            and any(
-                v == float("inf")
-                for h in state.index._by_engine[engine]
-                for e, v in state.index._holders[h].items()
-                if e == engine
-            )
-        )
-    )
+    for _ in range(100):
+        held = await state.index.holdings(engine)
+        if len(held.exact) >= 200 // BLOCK:
+            break
+        await asyncio.sleep(0.02)
+    assert len(held.exact) >= 200 // BLOCK and held.seq is not None and held.seq >= 1
 
 
 async def test_an_overloaded_engine_loses_the_session_and_the_binding_follows(

@@ -138,17 +138,27 @@ async def test_server_closing_after_response_is_not_reused(server: tuple[Server,
     pool.close()
 
 
-async def test_a_pooled_connection_the_engine_closed_is_not_reused(server: tuple[Server, int]) -> None:
-    _, port = server
-    pool = UpstreamPool("127.0.0.1", port)
-    await (await pool.request("POST", "/echo", b"1")).read()
-    # Simulate the engine closing an idle keep-alive connection without us having noticed yet.
-    conn = pool._idle[0]
-    assert conn.transport is not None
-    conn.transport.get_extra_info("socket").shutdown(1)  # our side half-closes: the server closes too
-    await asyncio.sleep(0.05)
-    assert await (await pool.request("POST", "/echo", b"2")).read() == b"2"
+async def test_a_pooled_connection_the_engine_closed_is_not_reused() -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # then drop the idle keep-alive connection, as servers do
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = UpstreamPool("127.0.0.1", server.sockets[0].getsockname()[1])
+    assert await (await pool.request("GET", "/")).read() == b"ok"
+    await asyncio.sleep(0.2)
+    assert pool.open_connections == 0  # noticed the close while idle
+    assert await (await pool.request("GET", "/")).read() == b"ok"
+    assert connections == 2
     pool.close()
+    server.close()
 
 
 async def test_a_slow_consumer_pauses_reading(server: tuple[Server, int]) -> None:
