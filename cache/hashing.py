@@ -8,6 +8,7 @@ tenant cache salt, adapter): equal text under two namespaces never shares a hash
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,3 +76,63 @@ def block_hashes(
 def to_hex(block_hash: BlockHash) -> str:
     """A block hash as 16 hex digits: the form used in Redis keys (Lua numbers lose 64-bit precision)."""
     return f"{block_hash:016x}"
+
+
+class PrefixHashMemo:
+    """``block_hashes`` with a memory: a prompt that repeats a known prefix is hashed from there on.
+
+    Prompts repeat (every turn of a conversation resends the last one; agents resend long system prompts),
+    and chaining costs a Python call per block. The memo keeps the chain in segments of ``every`` blocks,
+    keyed by a 128-bit hash of all token bytes up to the segment's end, which one streaming pass over the
+    prompt computes at C speed. The result is always exactly ``block_hashes(...)``.
+    """
+
+    def __init__(self, every: int = 32, max_segments: int = 20_000) -> None:
+        if every < 1 or max_segments < 1:
+            raise ValueError("every and max_segments must be positive")
+        self.every = every
+        self.max_segments = max_segments
+        self._segments: OrderedDict[tuple[int, int, int], tuple[int, ...]] = OrderedDict()
+        self.hits = 0  # segments reused rather than recomputed
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def block_hashes(self, token_ids: TokenIds, block_size: int, seed: int) -> list[BlockHash]:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        data = token_bytes(token_ids)
+        span = block_size * 4 * self.every
+        checkpoints = len(data) // span
+        if not checkpoints:
+            return block_hashes(data_view(data), block_size, seed)
+        stream = xxhash.xxh3_128(seed=seed)
+        keys = []
+        for i in range(checkpoints):
+            stream.update(data[i * span : (i + 1) * span])
+            keys.append((block_size, seed, stream.intdigest()))
+        out: list[BlockHash] = []
+        segments = self._segments
+        done = 0
+        for key in keys:
+            segment = segments.get(key)
+            if segment is None:
+                break
+            segments.move_to_end(key)
+            out.extend(segment)
+            done += 1
+        self.hits += done
+        parent = out[-1] if out else None
+        rest = block_hashes(data_view(data[done * span :]), block_size, seed, parent=parent)
+        for i in range(done, checkpoints):
+            segment = tuple(rest[(i - done) * self.every : (i - done + 1) * self.every])
+            segments[keys[i]] = segment
+        while len(segments) > self.max_segments:
+            segments.popitem(last=False)
+        out.extend(rest)
+        return out
+
+
+def data_view(data: bytes) -> np.ndarray:
+    """Already-encoded token bytes as the uint32 array ``block_hashes`` accepts without copying."""
+    return np.frombuffer(data, dtype="<u4")

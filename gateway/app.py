@@ -53,7 +53,7 @@ def _error_middleware(
             response = GatewayError("internal error in the gateway; it has been logged").response()
         info = request.match_info.route.resource
         endpoint = info.canonical if info is not None else "unmatched"
-        metrics.requests.labels(endpoint, str(response.status)).inc()
+        metrics.answered(endpoint, response.status)
         return response
 
     return middleware

@@ -7,6 +7,7 @@ engines' own usage reports, per region and engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -81,6 +82,48 @@ class GatewayMetrics:
             ["engine", "kind"],
             registry=r,
         )
+
+        # labels() validates and builds a key on every call; the gateway reuses a handful of children.
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def routed(self, region: str, engine: str, reason: str, predicted_cached: int) -> None:
+        self._child(self.routing, region, engine, reason).inc()
+        self._child(self.predicted_cached_tokens, region, engine).inc(predicted_cached)
+
+    def finished(
+        self,
+        region: str,
+        engine: str,
+        model: str,
+        *,
+        latency_s: float,
+        ttft_s: float | None,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        self._child(self.latency, region, model).observe(latency_s)
+        if ttft_s is not None:
+            self._child(self.ttft, region, model).observe(ttft_s)
+        if prompt_tokens:
+            self._child(self.prompt_tokens, region, engine).inc(prompt_tokens)
+        if cached_tokens:
+            self._child(self.cached_tokens, region, engine).inc(cached_tokens)
+        if completion_tokens:
+            self._child(self.completion_tokens, region, engine).inc(completion_tokens)
+
+    def upstream_error(self, engine: str, kind: str) -> None:
+        self._child(self.upstream_errors, engine, kind).inc()
+
+    def answered(self, endpoint: str, status: int) -> None:
+        self._child(self.requests, endpoint, str(status)).inc()
 
     def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Engine health and in-flight requests, and the given process gauges, read at scrape time."""

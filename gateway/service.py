@@ -18,7 +18,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from cache.hashing import block_hashes, namespace_seed
+from cache.hashing import PrefixHashMemo, namespace_seed
 from cache.sessions import SessionBinding
 from cache.tokens import ChatContentError, Tokenizer, render_chat
 from gateway.config import KvgateConfig
@@ -92,6 +92,7 @@ class Gateway:
         self.started = int(time.time())
         self._seq = 0
         self._seeds: dict[tuple[str, str], int] = {}
+        self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
 
     # -- endpoints -------------------------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class Gateway:
             stream=stream,
             client_wants_usage=wants_usage,
             token_ids=token_ids,
-            hashes=block_hashes(token_ids, self.settings.block_size, seed),
+            hashes=self._hasher.block_hashes(token_ids, self.settings.block_size, seed),
             cache_salt=cache_salt,
         )
 
@@ -346,7 +347,7 @@ class Gateway:
                     "POST", p.path, payload, headers, header_timeout=self.settings.read_timeout_s
                 )
             except UpstreamError as exc:
-                self.metrics.upstream_errors.labels(engine.id, type(exc).__name__).inc()
+                self.metrics.upstream_error(engine.id, type(exc).__name__)
                 if isinstance(exc, UpstreamConnectError):
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
@@ -385,8 +386,7 @@ class Gateway:
             self.state.record_route(engine.id, p.hashes[known_blocks:], s.pending_ttl_s, share=False)
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
-        self.metrics.routing.labels(engine.region, engine.id, decision.reason).inc()
-        self.metrics.predicted_cached_tokens.labels(engine.region, engine.id).inc(predicted)
+        self.metrics.routed(engine.region, engine.id, decision.reason, predicted)
 
     async def _relay_whole(
         self, p: Prepared, engine: EngineState, upstream: Response, headers: dict[str, str], received: float
@@ -394,10 +394,10 @@ class Gateway:
         try:
             data = await upstream.read(self.settings.read_timeout_s)
         except UpstreamTimeout:
-            self.metrics.upstream_errors.labels(engine.id, "timeout").inc()
+            self.metrics.upstream_error(engine.id, "timeout")
             raise UpstreamTimedOut(f"engine {engine.id} did not finish in time") from None
         except UpstreamError as exc:
-            self.metrics.upstream_errors.labels(engine.id, type(exc).__name__).inc()
+            self.metrics.upstream_error(engine.id, type(exc).__name__)
             raise UpstreamFailed(f"engine {engine.id} broke off the response: {exc}") from None
         except asyncio.CancelledError:
             upstream.abort()  # the client went away: stop the engine's work too
@@ -439,7 +439,7 @@ class Gateway:
             await response.write_eof()
         except UpstreamError as exc:
             # Bytes already reached the client: end the stream with an error event, never retry.
-            self.metrics.upstream_errors.labels(engine.id, type(exc).__name__).inc()
+            self.metrics.upstream_error(engine.id, type(exc).__name__)
             error = UpstreamFailed(f"engine {engine.id} broke off the stream: {exc}")
             await _try_write(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -460,7 +460,7 @@ class Gateway:
             body, message = None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
         if 400 <= status < 500 and isinstance(body, dict):
             return web.Response(body=data, status=status, content_type="application/json", headers=headers)
-        self.metrics.upstream_errors.labels(engine.id, f"http_{status}").inc()
+        self.metrics.upstream_error(engine.id, f"http_{status}")
         error = UpstreamFailed(f"engine {engine.id} answered {status}: {message}")
         if 400 <= status < 500:
             error.status = status
@@ -478,18 +478,22 @@ class Gateway:
         first_byte: float | None,
     ) -> None:
         now = time.perf_counter()
-        region = engine.region
-        self.metrics.latency.labels(region, p.model).observe(now - received)
-        if first_byte is not None:
-            self.metrics.ttft.labels(region, p.model).observe(first_byte - received)
-        if usage is None:
-            return
-        prompt = _count(usage.get("prompt_tokens"))
-        details = usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-        self.metrics.prompt_tokens.labels(region, engine.id).inc(prompt)
-        self.metrics.cached_tokens.labels(region, engine.id).inc(min(cached, prompt))
-        self.metrics.completion_tokens.labels(region, engine.id).inc(_count(usage.get("completion_tokens")))
+        prompt = cached = completion = 0
+        if usage is not None:
+            prompt = _count(usage.get("prompt_tokens"))
+            details = usage.get("prompt_tokens_details")
+            cached = min(_count(details.get("cached_tokens")), prompt) if isinstance(details, dict) else 0
+            completion = _count(usage.get("completion_tokens"))
+        self.metrics.finished(
+            engine.region,
+            engine.id,
+            p.model,
+            latency_s=now - received,
+            ttft_s=None if first_byte is None else first_byte - received,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+        )
 
 
 class _Retryable(Exception):

@@ -5,7 +5,9 @@ gateway, interleaved in one run (A B A B ...), reported as differences and ratio
 
 Engines are zero-cost simulators (pure HTTP), each in its own process, as is the gateway; the load
 generator is a lean keep-alive client. Measures added p50/p99 latency at concurrency 1 (non-streaming and
-time to first byte of a stream) and throughput at concurrency 32.
+time to first byte of a stream) and throughput at concurrency 32. A bare relay (relay_floor.py: the same
+server stack and upstream client, no parsing, hashing or routing) runs beside it as the floor any Python
+proxy on this machine pays, so the gateway's own cost reads as "gateway - floor".
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from gateway.loop import install_best_loop
 from gateway.upstream import UpstreamPool
 
 MODEL = "kvgate-sim"
-SYSTEM = "You are a helpful assistant. " * 60  # ~1.7 kB: a realistic system prompt to tokenize and hash
+SYSTEM = ["You are a helpful assistant. " * 60]  # ~1.7 kB: a realistic system prompt to tokenize and hash
 
 
 def body(i: int, *, stream: bool = False) -> bytes:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question number {i % 50}"}]
+    messages = [
+        {"role": "system", "content": SYSTEM[0]},
+        {"role": "user", "content": f"question number {i % 50}"},
+    ]
     return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "stream": stream})
 
 
@@ -49,14 +54,20 @@ def start_engines(count: int) -> list[EngineProcess]:
     return engines
 
 
-def start_gateway(engines: list[EngineProcess], redis_url: str | None, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_gateway(
+    engines: list[EngineProcess], redis_url: str | None, workdir: Path
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    engine_lines = ",\n".join(f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines)
-    redis_line = f'redis_url = "{redis_url}"\nredis_prefix = "kvgate-bench-{os.getpid()}"' if redis_url else ""
+    engine_lines = ",\n".join(
+        f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines
+    )
+    redis_line = (
+        f'redis_url = "{redis_url}"\nredis_prefix = "kvgate-bench-{os.getpid()}"' if redis_url else ""
+    )
     config = workdir / "bench.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{engine_lines}\n]\n'
-        f'[gateway]\nport = {port}\n{redis_line}\n'
+        f"[gateway]\nport = {port}\n{redis_line}\n"
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
@@ -64,7 +75,9 @@ def start_gateway(engines: list[EngineProcess], redis_url: str | None, workdir: 
 
 async def one(pool: UpstreamPool, payload: bytes, *, first_byte: bool = False) -> float:
     start = time.perf_counter()
-    response = await pool.request("POST", "/v1/chat/completions", payload, [("Content-Type", "application/json")])
+    response = await pool.request(
+        "POST", "/v1/chat/completions", payload, [("Content-Type", "application/json")]
+    )
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
     if first_byte:
@@ -106,20 +119,31 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(direct_port: int, gateway_port: int, rounds: int, n: int, concurrency: int, duration_s: float) -> dict:
-    pools = {"direct": UpstreamPool("127.0.0.1", direct_port), "gateway": UpstreamPool("127.0.0.1", gateway_port)}
+PATHS = ("direct", "floor", "gateway")
+
+
+def start_floor(engine_port: int) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    script = Path(__file__).with_name("relay_floor.py")
+    return subprocess.Popen(
+        [sys.executable, str(script), str(port), str(engine_port)], stdin=subprocess.DEVNULL
+    ), port
+
+
+async def measure(ports: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float) -> dict:
+    pools = {name: UpstreamPool("127.0.0.1", port) for name, port in ports.items()}
     for pool in pools.values():  # warm up connections, caches and the gateway's view
         for i in range(200):
             await one(pool, body(i))
-    lat: dict[str, list[float]] = {"direct": [], "gateway": []}
-    ttfb: dict[str, list[float]] = {"direct": [], "gateway": []}
-    tput: dict[str, list[float]] = {"direct": [], "gateway": []}
+    lat: dict[str, list[float]] = {name: [] for name in pools}
+    ttfb: dict[str, list[float]] = {name: [] for name in pools}
+    tput: dict[str, list[float]] = {name: [] for name in pools}
     for _ in range(rounds):
         for name, values in (await latency_round(pools, n, stream=False)).items():
             lat[name].extend(values)
         for name, values in (await latency_round(pools, n // 2, stream=True)).items():
             ttfb[name].extend(values)
-        for name in ("direct", "gateway"):
+        for name in pools:
             tput[name].append(await throughput_round(pools[name], concurrency, duration_s))
     for pool in pools.values():
         pool.close()
@@ -128,39 +152,51 @@ async def measure(direct_port: int, gateway_port: int, rounds: int, n: int, conc
 
 def report(results: dict, label: str, concurrency: int) -> dict:
     lat, ttfb, tput = results["latency"], results["ttfb"], results["throughput"]
-    d50, g50 = statistics.median(lat["direct"]) * 1e3, statistics.median(lat["gateway"]) * 1e3
-    d99, g99 = pct(lat["direct"], 0.99) * 1e3, pct(lat["gateway"], 0.99) * 1e3
-    s50, t50 = statistics.median(ttfb["direct"]) * 1e3, statistics.median(ttfb["gateway"]) * 1e3
-    dt, gt = statistics.median(tput["direct"]), statistics.median(tput["gateway"])
+    p50 = {k: statistics.median(v) * 1e3 for k, v in lat.items()}
+    p99 = {k: pct(v, 0.99) * 1e3 for k, v in lat.items()}
+    s50 = {k: statistics.median(v) * 1e3 for k, v in ttfb.items()}
+    rps = {k: statistics.median(v) for k, v in tput.items()}
+    d = "direct"
     summary = {
         "setup": label,
-        "added_p50_ms": round(g50 - d50, 3),
-        "added_p99_ms": round(g99 - d99, 3),
-        "added_stream_ttfb_p50_ms": round(t50 - s50, 3),
-        "throughput_ratio": round(gt / dt, 3),
-        "direct_p50_ms": round(d50, 3),
-        "gateway_p50_ms": round(g50, 3),
-        "direct_rps": round(dt, 1),
-        "gateway_rps": round(gt, 1),
+        "added_p50_ms": round(p50["gateway"] - p50[d], 3),
+        "added_p99_ms": round(p99["gateway"] - p99[d], 3),
+        "added_stream_ttfb_p50_ms": round(s50["gateway"] - s50[d], 3),
+        "throughput_ratio": round(rps["gateway"] / rps[d], 3),
+        "floor_added_p50_ms": round(p50["floor"] - p50[d], 3),
+        "floor_throughput_ratio": round(rps["floor"] / rps[d], 3),
+        "gateway_minus_floor_p50_ms": round(p50["gateway"] - p50["floor"], 3),
     }
-    print(f"\n== {label}")
-    print(f"  concurrency 1, non-streaming: p50 direct {d50:.3f} ms, via gateway {g50:.3f} ms -> added {g50 - d50:+.3f} ms")
-    print(f"                                p99 direct {d99:.3f} ms, via gateway {g99:.3f} ms -> added {g99 - d99:+.3f} ms")
-    print(f"  concurrency 1, streaming TTFB: p50 direct {s50:.3f} ms, via gateway {t50:.3f} ms -> added {t50 - s50:+.3f} ms")
-    print(f"  concurrency {concurrency} throughput: direct {dt:.0f} req/s, via gateway {gt:.0f} req/s -> ratio {gt / dt:.2f}")
+    print(f"\n== {label}   (added = path - direct, same run, interleaved)")
+    print(
+        f"  {'':9s} {'p50 ms':>8s} {'added':>8s} {'p99 ms':>8s} {'added':>8s} {'TTFB ms':>8s} {'added':>8s} "
+        f"{'req/s c=' + str(concurrency):>12s} {'ratio':>6s}"
+    )
+    for k in PATHS:
+        print(
+            f"  {k:9s} {p50[k]:8.3f} {p50[k] - p50[d]:+8.3f} {p99[k]:8.3f} {p99[k] - p99[d]:+8.3f} "
+            f"{s50[k]:8.3f} {s50[k] - s50[d]:+8.3f} {rps[k]:12.0f} {rps[k] / rps[d]:6.2f}"
+        )
+    print(f"  gateway - floor (the gateway's own work), p50: {p50['gateway'] - p50['floor']:+.3f} ms")
     return summary
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--redis", default=None, help="also run with the gateway's shared state in this Redis")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--redis", default=None, help="also run with the gateway's shared state in this Redis"
+    )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=400, help="requests per path per latency round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput round")
+    parser.add_argument("--system-chars", type=int, default=1700, help="length of the system prompt (bytes)")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON too")
     args = parser.parse_args()
+    SYSTEM[0] = ("You are a helpful assistant. " * (args.system_chars // 28 + 1))[: args.system_chars]
     install_best_loop()
     engines = start_engines(args.engines)
     summaries = []
@@ -170,15 +206,25 @@ def main() -> int:
         for label, redis_url in setups:
             with tempfile.TemporaryDirectory() as tmp:
                 gateway, port = start_gateway(engines, redis_url, Path(tmp))
+                floor, floor_port = start_floor(engines[0].port)
                 try:
-                    asyncio.run(wait_healthy([EngineProcess("gw", "gw", port, gateway)]))
+                    asyncio.run(
+                        wait_healthy(
+                            [
+                                EngineProcess("gw", "gw", port, gateway),
+                                EngineProcess("fl", "fl", floor_port, floor),
+                            ]
+                        )
+                    )
+                    ports = {"direct": engines[0].port, "floor": floor_port, "gateway": port}
                     results = asyncio.run(
-                        measure(engines[0].port, port, args.rounds, args.requests, args.concurrency, args.duration)
+                        measure(ports, args.rounds, args.requests, args.concurrency, args.duration)
                     )
                     summaries.append(report(results, label, args.concurrency))
                 finally:
-                    gateway.terminate()
-                    gateway.wait(10)
+                    for process in (gateway, floor):
+                        process.terminate()
+                        process.wait(10)
     finally:
         stop_engines(engines)
     if args.json:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.hashing import block_hashes, hash_block, namespace_seed, token_bytes
+from cache.hashing import PrefixHashMemo, block_hashes, hash_block, namespace_seed, token_bytes
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
 block_sizes = st.integers(min_value=1, max_value=32)
@@ -78,3 +78,31 @@ def test_invalid_token_ids_are_rejected(bad: list[object]) -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         block_hashes([1, 2], 0, 0)
+
+
+@given(st.lists(tokens, min_size=1, max_size=6), st.integers(1, 8), st.integers(1, 4))
+@settings(max_examples=200)
+def test_the_memo_always_equals_plain_hashing(prompts: list[list[int]], bs: int, every: int) -> None:
+    memo = PrefixHashMemo(every=every, max_segments=5)
+    seed = namespace_seed("m")
+    base = prompts[0]
+    # Conversations: each prompt extends an earlier one, the way chats resend their history.
+    for extra in prompts:
+        for p in (base, base + extra, extra):
+            assert memo.block_hashes(p, bs, seed) == block_hashes(p, bs, seed)
+        base = base + extra
+
+
+def test_the_memo_reuses_a_repeated_prefix() -> None:
+    memo = PrefixHashMemo(every=4)
+    seed = namespace_seed("m")
+    first = list(range(16 * 40))
+    memo.block_hashes(first, 16, seed)
+    assert memo.hits == 0 and len(memo) == 10
+    longer = [*first, *range(5000, 5000 + 16 * 9)]
+    assert memo.block_hashes(longer, 16, seed) == block_hashes(longer, 16, seed)
+    assert memo.hits == 10  # all 40 known blocks came from the memo
+    assert memo.block_hashes(first, 16, namespace_seed("other")) == block_hashes(
+        first, 16, namespace_seed("other")
+    )
+    assert memo.hits == 10  # another namespace shares nothing
