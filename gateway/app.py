@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cache.redis_keys import RedisKeys
@@ -33,9 +34,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error_middleware(
-    metrics: GatewayMetrics,
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _error_middleware(metrics: GatewayMetrics) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:

@@ -85,8 +85,8 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
         if part in _UNION_NAMES or part.startswith(_UNION_TAGS):
             field = path[-1] if path else ""
             if field in _UNION_HINTS and i > 0:
-                param = ".".join(path)
-                return InvalidRequest(f"{param}: {_UNION_HINTS[field]}", param=param)
+                where = ".".join(path)
+                return InvalidRequest(f"{where}: {_UNION_HINTS[field]}", param=where)
             continue
         path.append(part)
     param = ".".join(path) or None

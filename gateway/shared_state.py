@@ -215,7 +215,7 @@ class SharedState:
                 backoff = min(backoff * 2, 10.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _sweep_forever(self, every_s: float = 10.0) -> None:
         while True:

@@ -46,8 +46,9 @@ def start_engines(count: int) -> list[EngineProcess]:
     for i in range(count):
         port = free_port()
         cmd = [
-            sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL, "--engine-id", f"bench/e{i}",
-            "--prefill-s-per-token", "0", "--decode-s-per-token", "0", "--max-running", "1024",
+            sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL,
+            "--engine-id", f"bench/e{i}", "--prefill-s-per-token", "0", "--decode-s-per-token", "0",
+            "--max-running", "1024",
         ]  # fmt: skip
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         engines.append(EngineProcess("bench", f"e{i}", port, process))

@@ -1,0 +1,145 @@
+"""Turning an OpenAI request into what routing needs: validated, tokenized and block-hashed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from cache.hashing import PrefixHashMemo, namespace_seed
+from cache.tokens import ChatContentError, Tokenizer, render_chat
+from gateway.config import GatewaySettings
+from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from region_map.fleet import Fleet
+
+DEFAULT_TENANT = "default"
+SESSION_HEADER = "x-session-affinity"
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, tokenized and hashed: everything routing needs."""
+
+    request_id: str
+    tenant: str
+    session_id: str | None
+    model: str
+    path: str  # the engine endpoint it goes to
+    body: dict[str, Any]  # the client's body, forwarded with the gateway's additions
+    stream: bool
+    client_wants_usage: bool
+    token_ids: np.ndarray
+    hashes: list[int]
+    cache_salt: str
+
+
+class RequestPreparer:
+    def __init__(self, settings: GatewaySettings, fleet: Fleet, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self._seeds: dict[tuple[str, str], int] = {}
+        self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
+
+    async def read_json(self, request: web.Request) -> Any:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(
+                f"request body of {request.content_length} bytes exceeds the {limit}-byte limit"
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit") from None
+        if not raw:
+            raise InvalidRequest("request body is empty; send a JSON object")
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+
+    def chat(self, request: web.Request, body: Any) -> Prepared:
+        parsed = parse_chat(body)
+        try:
+            text = render_chat(body["messages"])
+        except ChatContentError as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
+        return self._prepare(request, body, parsed, "/v1/chat/completions", self.tokenizer.encode(text))
+
+    def completion(self, request: web.Request, body: Any) -> Prepared:
+        parsed = parse_completion(body)
+        prompt: Any = parsed.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        tokens = (
+            self.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
+        )
+        return self._prepare(request, body, parsed, "/v1/completions", tokens)
+
+    def _prepare(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        parsed: ChatCompletionRequest | CompletionRequest,
+        path: str,
+        token_ids: np.ndarray,
+    ) -> Prepared:
+        s = self.settings
+        model = parsed.model
+        if not self.fleet.serving(model):
+            raise ModelNotFound(f"The model '{model}' does not exist", param="model")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(max_tokens, int) and max_tokens > s.max_output_tokens:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
+                param="max_tokens",
+            )
+        if len(token_ids) > s.max_prompt_tokens:
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens; this gateway allows at most {s.max_prompt_tokens}",
+                param="messages" if path == "/v1/chat/completions" else "prompt",
+                code="context_length_exceeded",
+            )
+        cache_salt = parsed.cache_salt or ""
+        seed = self._seeds.get((model, cache_salt))
+        if seed is None:
+            seed = self._seeds[(model, cache_salt)] = namespace_seed(model, cache_salt)
+        return Prepared(
+            request_id=request_id(request.headers.get("x-request-id")),
+            tenant=DEFAULT_TENANT,
+            session_id=self._session_id(request.headers.get(SESSION_HEADER)),
+            model=model,
+            path=path,
+            body=body,
+            stream=bool(parsed.stream),
+            client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+            token_ids=token_ids,
+            hashes=self._hasher.block_hashes(token_ids, s.block_size, seed),
+            cache_salt=cache_salt,
+        )
+
+    def _session_id(self, raw: str | None) -> str | None:
+        if raw is None:
+            return None
+        limit = self.settings.max_session_id_length
+        if not raw or len(raw) > limit or not all("!" <= ch <= "~" for ch in raw):
+            raise InvalidRequest(
+                f"{SESSION_HEADER} must be 1 to {limit} visible ASCII characters (no spaces)",
+                param=SESSION_HEADER,
+                code="invalid_header",
+            )
+        return raw
+
+
+def request_id(raw: str | None) -> str:
+    """The client's ``x-request-id`` when it is a sane token, else a new one."""
+    if raw and len(raw) <= 128 and all("!" <= ch <= "~" for ch in raw):
+        return raw
+    return "req-" + os.urandom(12).hex()

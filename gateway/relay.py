@@ -1,0 +1,126 @@
+"""Carrying an engine's answer back to the client, whole or as a stream of SSE events.
+
+Each relay reports the engine's usage exactly once through ``on_done`` (also when the client left
+mid-stream), so that whatever accounts for the request never counts it twice or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import UpstreamFailed, UpstreamTimedOut
+from gateway.metrics import GatewayMetrics
+from gateway.sse import SseUsageTap
+from gateway.upstream import Response, UpstreamError, UpstreamTimeout
+
+# (usage reported by the engine or None, perf_counter of the first streamed byte or None)
+OnDone = Callable[[dict[str, Any] | None, float | None], None]
+
+
+async def relay_whole(
+    upstream: Response,
+    *,
+    engine_id: str,
+    headers: dict[str, str],
+    read_timeout_s: float,
+    metrics: GatewayMetrics,
+    on_done: OnDone,
+) -> web.Response:
+    try:
+        data = await upstream.read(read_timeout_s)
+    except UpstreamTimeout:
+        metrics.upstream_error(engine_id, "timeout")
+        raise UpstreamTimedOut(f"engine {engine_id} did not finish in time") from None
+    except UpstreamError as exc:
+        metrics.upstream_error(engine_id, type(exc).__name__)
+        raise UpstreamFailed(f"engine {engine_id} broke off the response: {exc}") from None
+    except asyncio.CancelledError:
+        upstream.abort()  # the client went away: stop the engine's work too
+        raise
+    if upstream.status != 200:
+        return engine_error(engine_id, upstream.status, data, headers, metrics)
+    try:
+        usage = orjson.loads(data).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        usage = None
+    on_done(usage if isinstance(usage, dict) else None, None)
+    return web.Response(body=data, status=200, content_type="application/json", headers=headers)
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: Response,
+    *,
+    engine_id: str,
+    headers: dict[str, str],
+    forward_usage_event: bool,
+    read_timeout_s: float,
+    metrics: GatewayMetrics,
+    on_done: OnDone,
+    on_first_byte: Callable[[], None] | None = None,
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=headers)
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+    tap = SseUsageTap(forward_usage_event=forward_usage_event)
+    first_byte: float | None = None
+    try:
+        await response.prepare(request)
+        while (data := await upstream.next_batch(read_timeout_s)) is not None:
+            if first_byte is None:
+                first_byte = time.perf_counter()
+                if on_first_byte is not None:
+                    on_first_byte()
+            out = tap.feed(data)
+            if out:
+                await response.write(out)
+        rest = tap.flush()
+        if rest:
+            await response.write(rest)
+        await response.write_eof()
+    except UpstreamError as exc:
+        # Bytes already reached the client: end the stream with an error event, never retry.
+        metrics.upstream_error(engine_id, type(exc).__name__)
+        error = UpstreamFailed(f"engine {engine_id} broke off the stream: {exc}")
+        await _try_write(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        upstream.abort()  # the client went away: stop the engine's work too
+        on_done(tap.usage, first_byte)
+        raise
+    on_done(tap.usage, first_byte)
+    return response
+
+
+def engine_error(
+    engine_id: str, status: int, data: bytes, headers: dict[str, str], metrics: GatewayMetrics
+) -> web.Response:
+    """An engine's own error: its 4xx pass through (they are about the request); a 5xx becomes a 502."""
+    try:
+        body = orjson.loads(data)
+        message = body["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        body, message = None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
+    if 400 <= status < 500 and isinstance(body, dict):
+        return web.Response(body=data, status=status, content_type="application/json", headers=headers)
+    metrics.upstream_error(engine_id, f"http_{status}")
+    error = UpstreamFailed(f"engine {engine_id} answered {status}: {message}")
+    if 400 <= status < 500:
+        error.status = status
+        error.type = "invalid_request_error"
+    response = error.response()
+    response.headers.update(headers)
+    return response
+
+
+async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+        await response.write_eof()
+    except (ConnectionResetError, RuntimeError):
+        pass

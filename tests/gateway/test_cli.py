@@ -1,0 +1,92 @@
+"""The kvgate command: help, a bad deployment file, and `kvgate demo` started and stopped like a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from gateway.demo import free_port
+
+KVGATE = [sys.executable, "-m", "gateway.cli"]
+
+
+def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVGATE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_command() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("serve", "demo", "sim-engine"):
+        assert command in result.stdout
+
+
+def test_a_bad_deployment_file_is_named_and_refused(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('region = "a"\n[[regions]]\nname = "a"\nengines = [{ name = "e0", url = "ftp://x" }]\n')
+    result = run("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "regions.0.engines.0.url" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_demo_serves_and_stops_everything_on_ctrl_c() -> None:
+    port = free_port()
+    demo = subprocess.Popen(
+        [*KVGATE, "demo", "--port", str(port), "--regions", "2", "--engines-per-region", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        health = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    health = json.loads(r.read())
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert health is not None, "the demo gateway never answered"
+        assert health["engines_total"] == 2
+        engine_ports = [int(e["url"].rsplit(":", 1)[1]) for e in health["engines"]]
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hello"}]
+        headers = {"x-session-affinity": "demo-test"}
+        first = client.chat.completions.with_raw_response.create(
+            model="kvgate-sim", messages=messages, max_tokens=4, extra_headers=headers  # type: ignore[arg-type]
+        )
+        second = client.chat.completions.create(
+            model="kvgate-sim", messages=messages, max_tokens=4, extra_headers=headers  # type: ignore[arg-type]
+        )
+        assert first.headers["x-kvgate-engine"].split("/")[0] in {"eu-west", "us-east"}
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+        demo.send_signal(signal.SIGINT)
+        out, _ = demo.communicate(timeout=30)
+        assert demo.returncode == 0
+        assert "curl" in out and "stopped" in out
+        assert not any(_port_open(p) for p in [port, *engine_ports])
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
