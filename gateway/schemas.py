@@ -6,7 +6,7 @@ does not know are kept and forwarded, so newer client options still reach engine
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
@@ -62,6 +62,7 @@ class CompletionRequest(_Common):
     echo: bool | None = None
 
 
+_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest)
 _CHAT = TypeAdapter(ChatCompletionRequest)
 _COMPLETION = TypeAdapter(CompletionRequest)
 
@@ -94,19 +95,18 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-def parse_chat(body: Any) -> ChatCompletionRequest:
+def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        return _CHAT.validate_python(body)
+        return adapter.validate_python(body)
     except ValidationError as exc:
         raise _invalid(exc) from None
+
+
+def parse_chat(body: Any) -> ChatCompletionRequest:
+    return _parse(_CHAT, body)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return _COMPLETION.validate_python(body)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
+    return _parse(_COMPLETION, body)
