@@ -1,4 +1,4 @@
-"""The kvgate command: help, a bad deployment file, and `kvgate demo` started and stopped like a user would."""
+"""The kvgate command: help, a bad deployment file, and `kvgate demo` run and stopped as a user would."""
 
 from __future__ import annotations
 
@@ -72,10 +72,16 @@ def test_demo_serves_and_stops_everything_on_ctrl_c() -> None:
         messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hello"}]
         headers = {"x-session-affinity": "demo-test"}
         first = client.chat.completions.with_raw_response.create(
-            model="kvgate-sim", messages=messages, max_tokens=4, extra_headers=headers  # type: ignore[arg-type]
+            model="kvgate-sim",
+            messages=messages,
+            max_tokens=4,
+            extra_headers=headers,  # type: ignore[arg-type]
         )
         second = client.chat.completions.create(
-            model="kvgate-sim", messages=messages, max_tokens=4, extra_headers=headers  # type: ignore[arg-type]
+            model="kvgate-sim",
+            messages=messages,
+            max_tokens=4,
+            extra_headers=headers,  # type: ignore[arg-type]
         )
         assert first.headers["x-kvgate-engine"].split("/")[0] in {"eu-west", "us-east"}
         assert second.usage is not None and second.usage.prompt_tokens_details is not None

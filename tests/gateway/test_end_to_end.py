@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
+from cache.tokens import render_chat
 from tests.harness import MODEL, ClusterFactory
+from tests.models import make_tokenizer_dir
 
 BLOCK = 16
 
@@ -313,3 +317,37 @@ async def test_every_policy_serves_requests(make_cluster: ClusterFactory, policy
         policy, "miss"
     )
     assert headers["x-kvgate-route"] == expected
+
+
+async def test_a_model_tokenizer_drives_the_hashing(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = await make_cluster({"eu-west": 3}, tokenizer=str(make_tokenizer_dir(tmp_path / "tok")))
+    session = {"x-session-affinity": "bpe"}
+    turn = [
+        {"role": "system", "content": "the quick brown fox " * 40},
+        {"role": "user", "content": "hello world"},
+    ]
+    _, body1, headers1 = await cluster.post("/v1/chat/completions", chat(turn), headers=session)
+    prompt1 = body1["usage"]["prompt_tokens"]
+    assert prompt1 < len(render_chat(turn).encode())  # BPE tokens, not bytes
+    turn2 = [*turn, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    _, body2, headers2 = await cluster.post("/v1/chat/completions", chat(turn2), headers=session)
+    assert headers2["x-kvgate-engine"] == headers1["x-kvgate-engine"]
+    assert body2["usage"]["prompt_tokens_details"]["cached_tokens"] >= (prompt1 // BLOCK) * BLOCK > 0
+
+
+async def test_a_client_that_leaves_a_non_streaming_request_aborts_it(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster({"eu-west": 1}, sim={"decode_s_per_token": 0.05})
+    assert cluster.session is not None
+    sim = cluster.sim("eu-west/e0")
+    request = asyncio.create_task(
+        cluster.session.post(
+            cluster.url + "/v1/chat/completions",
+            json=chat([{"role": "user", "content": "x"}], max_tokens=1000),
+        )
+    )
+    await cluster.wait_for(lambda: sim.running == 1)
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    await cluster.wait_for(lambda: sim.running == 0)
+    await cluster.wait_for(lambda: cluster.gateway.fleet.engines["eu-west/e0"].inflight == 0)

@@ -1,0 +1,22 @@
+"""Tiny models and tokenizers that tests build for themselves (nothing can be downloaded here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+
+def make_tokenizer_dir(directory: Path) -> Path:
+    """A tiny trained BPE tokenizer saved in the Hugging Face layout (no downloads)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"])
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello kvgate"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return directory
