@@ -19,6 +19,7 @@ class Tokenizer(Protocol):
     name: str
     eos_token_id: int
     vocab_size: int
+    chat_template: ChatTemplate | None  # the model's own (tokenizer_config.json); None: ChatML
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids (uint32) of ``text``, with no special tokens added."""
@@ -33,6 +34,7 @@ class ByteTokenizer:
     name = "kvgate-bytes"
     eos_token_id = 256
     vocab_size = 257
+    chat_template: ChatTemplate | None = None
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.uint32)
@@ -44,10 +46,13 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (fast tokenizer) loaded with the ``tokenizers`` package."""
 
-    def __init__(self, path: Path, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, path: Path, eos_token_id: int | None = None, chat_template: ChatTemplate | None = None
+    ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
+        self.chat_template = chat_template
         self.name = path.parent.name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._guess_eos()
@@ -88,8 +93,9 @@ def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
         if isinstance(raw_eos, list) and raw_eos:
             raw_eos = raw_eos[0]
         eos = raw_eos if isinstance(raw_eos, int) else None
+    template = load_chat_template(directory)
     try:
-        return HFTokenizer(path, eos)
+        return HFTokenizer(path, eos, template)
     except Exception as exc:  # the tokenizers package raises its own Exception subclass
         raise TokenizerError(f"{path}: {exc}") from None
 
@@ -126,3 +132,77 @@ def render_chat(messages: Iterable[Mapping[str, Any]], *, add_generation_prompt:
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
+
+
+def render_messages(tokenizer: Tokenizer, messages: Iterable[Mapping[str, Any]]) -> str:
+    """A conversation as prompt text: the model's own chat template when it has one, ChatML otherwise.
+    Gateway and engine both call this, so they tokenize a chat identically."""
+    if tokenizer.chat_template is not None:
+        return tokenizer.chat_template.render(messages)
+    return render_chat(messages)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (Jinja, in ``tokenizer_config.json``), rendered the way
+    ``transformers`` renders it: sandboxed, with ``trim_blocks`` and ``lstrip_blocks``."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatContentError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"the chat template does not compile: {exc}") from None
+        self._bos, self._eos = bos_token, eos_token
+
+    def render(self, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        plain = [{**m, "content": message_text(m.get("content"))} for m in messages]
+        try:
+            return str(
+                self._template.render(
+                    messages=plain,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self._bos,
+                    eos_token=self._eos,
+                )
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatContentError(f"the model's chat template failed: {exc}") from None
+
+
+def load_chat_template(model_dir: Path) -> ChatTemplate | None:
+    """The model's ``chat_template`` (``tokenizer_config.json`` or ``chat_template.jinja``), if any."""
+    config_path = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{config_path}: {exc}") from None
+    source = config.get("chat_template")
+    if isinstance(source, list):  # several named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    jinja_path = model_dir / "chat_template.jinja"
+    if not source and jinja_path.is_file():
+        source = jinja_path.read_text()
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(
+        source, bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token"))
+    )
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        value = value.get("content")
+    return value if isinstance(value, str) else ""

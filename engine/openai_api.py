@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from cache.tokens import ChatContentError, Tokenizer, render_chat
+from cache.tokens import ChatContentError, Tokenizer, render_messages
 
 RequestKind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
@@ -147,7 +147,7 @@ def parse_request(
         ids = _token_ids(data["prompt_token_ids"], prompt_param)
     elif kind == "chat":
         prompt_param = "messages"
-        ids = tokenizer.encode(_render_messages(data.get("messages")))
+        ids = tokenizer.encode(_render_messages(data.get("messages"), tokenizer))
     else:
         prompt_param = "prompt"
         ids = _completion_prompt(data.get("prompt"), tokenizer)
@@ -266,7 +266,7 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:
     )
 
 
-def _render_messages(messages: Any) -> str:
+def _render_messages(messages: Any, tokenizer: Tokenizer) -> str:
     if messages is None:
         raise OpenAIError("messages is required", param="messages")
     if not isinstance(messages, list) or not messages:
@@ -277,7 +277,7 @@ def _render_messages(messages: Any) -> str:
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise OpenAIError(f"messages[{i}].role must be a non-empty string", param=f"messages[{i}].role")
     try:
-        return render_chat(messages)
+        return render_messages(tokenizer, messages)
     except ChatContentError as exc:
         raise OpenAIError(str(exc), param="messages") from None
 

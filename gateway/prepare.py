@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from cache.hashing import PrefixHashMemo, namespace_seed
-from cache.tokens import ChatContentError, Tokenizer, render_chat
+from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
@@ -66,7 +66,7 @@ class RequestPreparer:
     def chat(self, request: web.Request, body: Any) -> Prepared:
         parsed = parse_chat(body)
         try:
-            text = render_chat(body["messages"])
+            text = render_messages(self.tokenizer, body["messages"])
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param="messages") from None
         return self._prepare(request, body, parsed, "/v1/chat/completions", self.tokenizer.encode(text))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cache.tokens import ByteTokenizer, ChatContentError, TokenizerError, load_tokenizer, render_chat
+from cache.tokens import (
+    ByteTokenizer,
+    ChatContentError,
+    TokenizerError,
+    load_tokenizer,
+    render_chat,
+    render_messages,
+)
 from tests.models import make_tokenizer_dir
 
 
@@ -45,3 +53,56 @@ def test_content_parts_and_unsupported_parts() -> None:
     assert "ab" in render_chat([{"role": "user", "content": parts}])
     with pytest.raises(ChatContentError, match="image_url"):
         render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'"
+    " + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": " hi "}]},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "again"},
+]
+
+
+def _with_template(directory: Path, template: str) -> Path:
+    make_tokenizer_dir(directory)
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_chatml_template_renders_like_the_builtin(tmp_path: Path) -> None:
+    tok = load_tokenizer(_with_template(tmp_path / "m", CHATML))
+    assert tok.chat_template is not None
+    assert render_messages(tok, MESSAGES) == render_chat(MESSAGES)
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_STYLE])
+def test_templates_render_as_transformers_renders_them(tmp_path: Path, template: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    directory = _with_template(tmp_path / "m", template)
+    ours = render_messages(load_tokenizer(directory), MESSAGES)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>"
+    )
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else " hi "} for m in MESSAGES]
+    expected = hf.apply_chat_template(
+        plain, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == expected
+
+
+def test_a_template_that_raises_is_a_content_error(tmp_path: Path) -> None:
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    tok = load_tokenizer(_with_template(tmp_path / "m", template))
+    with pytest.raises(ChatContentError, match="first must be user"):
+        render_messages(tok, MESSAGES)

@@ -1,0 +1,129 @@
+"""Attention over the paged KV cache, in torch (the CPU path; Triton kernels come later).
+
+A step's tokens arrive flattened: T new tokens from B sequences, each sequence with some tokens already in
+the cache (a cached prefix, earlier prefill chunks, earlier decode steps). ``AttentionMetadata`` says, once
+per step, where each new token's K/V goes (``slot_mapping``) and which cache slots each sequence reads
+(``key_slots``); every layer then stores, gathers and runs one batched SDPA call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's part of a step: its block table, tokens already cached, tokens computed now."""
+
+    block_table: Sequence[int]
+    num_computed: int
+    num_new: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]  # keys each sequence attends to, this step's tokens included
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    key_slots: torch.Tensor  # [B, Lk] long: cache slot of each key position (padding reads slot 0)
+    query_rows: torch.Tensor  # [B, Lq] long: flat row of each (padded) query
+    query_valid: torch.Tensor  # [B, Lq] bool
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool: True where a query may attend a key
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def build_metadata(
+    slices: Sequence[SeqSlice], block_size: int, device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    if not slices:
+        raise ValueError("a step needs at least one sequence")
+    q_max = max(s.num_new for s in slices)
+    k_max = max(s.num_computed + s.num_new for s in slices)
+    slots: list[int] = []
+    key_slots = torch.zeros(len(slices), k_max, dtype=torch.long)
+    query_rows = torch.zeros(len(slices), q_max, dtype=torch.long)
+    query_valid = torch.zeros(len(slices), q_max, dtype=torch.bool)
+    mask = torch.zeros(len(slices), 1, q_max, k_max, dtype=torch.bool)
+    row = 0
+    for b, s in enumerate(slices):
+        ctx = s.num_computed + s.num_new
+        if s.num_new < 1 or len(s.block_table) * block_size < ctx:
+            raise ValueError(
+                f"sequence {b}: {s.num_new} new tokens, {ctx} in context, {len(s.block_table)} blocks"
+            )
+        table = torch.as_tensor(list(s.block_table), dtype=torch.long)
+        positions = torch.arange(ctx, dtype=torch.long)
+        seq_slots = table[positions // block_size] * block_size + positions % block_size
+        key_slots[b, :ctx] = seq_slots
+        slots.extend(seq_slots[s.num_computed :].tolist())
+        query_rows[b, : s.num_new] = torch.arange(row, row + s.num_new)
+        query_valid[b, : s.num_new] = True
+        # Query i sits at position num_computed + i and sees keys 0..that position (causal).
+        q_pos = torch.arange(s.num_computed, ctx).unsqueeze(1)
+        mask[b, 0, : s.num_new, :ctx] = positions.unsqueeze(0) <= q_pos
+        mask[b, 0, s.num_new :, 0] = True  # padding rows attend somewhere: an all-False row gives NaN
+        row += s.num_new
+    return AttentionMetadata(
+        query_lens=tuple(s.num_new for s in slices),
+        context_lens=tuple(s.num_computed + s.num_new for s in slices),
+        slot_mapping=torch.as_tensor(slots, dtype=torch.long, device=device),
+        key_slots=key_slots.to(device),
+        query_rows=query_rows.to(device),
+        query_valid=query_valid.to(device),
+        mask=mask.to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Store this step's K/V in the cache, then attend each query to its sequence's cached context."""
+    k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+    v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+    keys = k_cache[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lk, D]
+    values = v_cache[meta.key_slots].transpose(1, 2).to(q.dtype)
+    queries = q[meta.query_rows].transpose(1, 2)  # [B, Hq, Lq, D]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=queries.shape[1] != keys.shape[1]
+    )
+    return out.transpose(1, 2)[meta.query_valid]  # [T, Hq, D], flat order
+
+
+class KVCache:
+    """Per-layer K and V tensors of ``num_blocks * block_size`` slots each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]

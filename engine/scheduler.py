@@ -1,0 +1,105 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step has a token budget. Running sequences go first, in admission order: a decoding sequence takes
+one token, a sequence still prefilling takes as much of its prompt as the budget allows (chunked prefill).
+Then waiting sequences are admitted, first come first served, sharing their cached prefix. When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
+released and it waits again, to be recomputed (cheaply, when its blocks are still in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed for it in this step, from seq.num_computed on
+    samples: bool  # the step reaches the end of its known tokens, so it yields a new one
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new: int) -> ScheduledSeq:
+        return cls(seq, num_new, seq.num_computed + num_new == seq.num_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.waiting)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted_before = self.preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # it preempted itself; the same index now holds the next sequence (or none)
+            self.blocks.grow(seq, seq.num_computed + n)
+            scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+            i += 1
+        # After a preemption, admitting newcomers would only take the blocks the victim needs back.
+        admit = self.preemptions == preempted_before
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            cached = self.blocks.allocate(seq)
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (finished, or aborted by its client) and release its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

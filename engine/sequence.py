@@ -1,0 +1,80 @@
+"""One request inside the engine: its tokens, its blocks, how far its KV cache is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cache.hashing import block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or negative: off
+    seed: int | None = None  # same seed, same output
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then every generated token
+    params: SamplingParams
+    hash_seed: int  # namespace of the block hashes (model + cache salt)
+    num_prompt_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V sit in the cache
+    num_registered: int = 0  # leading full blocks entered into the prefix cache
+    num_cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission (what usage reports)
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    _hashes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chain hashes of every full block of the tokens so far (extended incrementally, never rehashed)."""
+        full = len(self.token_ids) // block_size
+        done = len(self._hashes)
+        if full > done:
+            parent = self._hashes[-1] if self._hashes else None
+            tail = self.token_ids[done * block_size : full * block_size]
+            self._hashes.extend(block_hashes(tail, block_size, self.hash_seed, parent=parent))
+        return self._hashes[:full]
+
+    def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[index * block_size : (index + 1) * block_size])
