@@ -57,7 +57,8 @@ def test_content_parts_and_unsupported_parts() -> None:
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
