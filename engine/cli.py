@@ -10,9 +10,14 @@ import argparse
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 SIM_ENGINE_HELP = (
     "run the SIMULATED engine: an OpenAI-compatible server with a cost model, for tests and benchmarks"
+)
+MAKE_MODEL_HELP = (
+    "write a RANDOM-weight model (Hugging Face layout, with a tokenizer) for tests and demos; "
+    "nothing is downloaded and its output is meaningless text"
 )
 
 
@@ -121,11 +126,64 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         return 1
 
 
+def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="where to write the model (created if needed)")
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "small"),
+        required=True,
+        help="tiny: ~0.1M parameters, for fast tests; small: ~88M parameters",
+    )
+    parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="(default: %(default)s)")
+    parser.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="the same seed writes the same bytes (default: 0)"
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="(default: %(default)s)"
+    )
+    parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """Write the random model; returns the exit status."""
+    directory = Path(args.directory)
+    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not args.force)):
+        print(
+            f"kvgate make-model: {directory} exists and is not an empty directory (--force writes into it)",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        "kvgate make-model: the weights are RANDOM (nothing is downloaded): the model runs, "
+        "but its output is meaningless text."
+    )
+    from engine.make_model import count_parameters, make_model
+    from engine.model.config import ModelConfig
+
+    make_model(
+        directory,
+        args.preset,
+        arch=args.arch,
+        seed=args.seed,
+        dtype=args.dtype,
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+    )
+    config = ModelConfig.from_dir(directory)
+    print(
+        f"wrote {directory}: {config.architecture}, preset {args.preset}, {count_parameters(config):,} "
+        f"RANDOM parameters, vocab {config.vocab_size}, {args.dtype}, seed {args.seed}"
+    )
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the engine's subcommands to the ``kvgate`` parser."""
     parser = subparsers.add_parser("sim-engine", help=SIM_ENGINE_HELP, description=SIM_ENGINE_HELP)
     add_sim_engine_arguments(parser)
     parser.set_defaults(func=run_sim_engine)
+    parser = subparsers.add_parser("make-model", help=MAKE_MODEL_HELP, description=MAKE_MODEL_HELP)
+    add_make_model_arguments(parser)
+    parser.set_defaults(func=run_make_model)
 
 
 def sim_engine_main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -48,3 +49,22 @@ async def redis_keys(redis_client: aioredis.Redis) -> AsyncIterator[RedisKeys]:
     yield keys
     async for key in redis_client.scan_iter(match=f"*{keys.prefix}*", count=1000):
         await redis_client.delete(key)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight tiny Llama in the Hugging Face layout, written once per test session."""
+    from engine.make_model import make_model
+
+    return make_model(
+        tmp_path_factory.mktemp("models") / "tiny-llama", "tiny", arch="llama", seed=0, dtype="float32"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.make_model import make_model
+
+    return make_model(
+        tmp_path_factory.mktemp("models") / "tiny-qwen3", "tiny", arch="qwen3", seed=1, dtype="float32"
+    )

@@ -6,11 +6,15 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.server import ENGINE_SERVER, ServerConfig
+from engine.server import build_app as build_engine_app
 from engine.sim.server import SIM_ENGINE, SimEngine, SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
 from gateway.app import GATEWAY, build_app
@@ -33,7 +37,8 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
 
 @dataclass
 class Cluster:
-    engines: dict[str, tuple[SimEngine, str]]  # engine id ("region/name") -> (simulator, url)
+    engines: dict[str, tuple[Any, str]]  # engine id ("region/name") -> (SimEngine or EngineServer, url)
+    model: str = MODEL
     gateways: list[tuple[Gateway, str]] = field(default_factory=list)
     session: aiohttp.ClientSession | None = None
     engine_runners: dict[str, web.AppRunner] = field(default_factory=dict)
@@ -56,7 +61,7 @@ class Cluster:
         for engine_id, (_, url) in self.engines.items():
             r, name = engine_id.split("/")
             regions.setdefault(r, []).append(
-                {"name": name, "url": url, "model": MODEL, **extra.get(engine_id, {})}
+                {"name": name, "url": url, "model": self.model, **extra.get(engine_id, {})}
             )
         settings = {"health_interval_s": 0.05, "gateway_id": f"gw-{uuid.uuid4().hex[:6]}", **gateway}
         config = parse_config(
@@ -106,22 +111,32 @@ async def start_cluster(
     regions: dict[str, int] | None = None,
     *,
     sim: dict[str, Any] | None = None,
+    real_model: Path | None = None,
     gateway_region: str | None = None,
     **gateway: Any,
 ) -> Cluster:
-    """Simulated engines per region (``{"eu-west": 2}``) and one gateway in front of them."""
+    """Engines per region (``{"eu-west": 2}``) and one gateway in front of them: simulated engines, or
+    kvgate's real engine serving ``real_model`` (a model directory)."""
     regions = regions or {"eu-west": 2, "us-east": 2}
     cluster = Cluster(engines={})
+    if real_model is not None:
+        cluster.model = real_model.name
     try:
         for region, count in regions.items():
             for i in range(count):
                 engine_id = f"{region}/e{i}"
-                app = build_sim_app(
-                    SimEngineConfig(engine_id=engine_id, model=MODEL, **{**FAST_SIM, **(sim or {})})
-                )
+                if real_model is None:
+                    app = build_sim_app(
+                        SimEngineConfig(engine_id=engine_id, model=MODEL, **{**FAST_SIM, **(sim or {})})
+                    )
+                    handle: Any = app[SIM_ENGINE]
+                else:
+                    llm = LLMEngine(EngineConfig(str(real_model), num_kv_blocks=256, device="cpu"))
+                    app = build_engine_app(llm, ServerConfig(engine_id=engine_id))
+                    handle = app[ENGINE_SERVER]
                 runner, url = await _start(app)
                 cluster.engine_runners[engine_id] = runner
-                cluster.engines[engine_id] = (app[SIM_ENGINE], url)
+                cluster.engines[engine_id] = (handle, url)
         cluster.session = aiohttp.ClientSession()
         await cluster.add_gateway(gateway_region or next(iter(regions)), **gateway)
     except BaseException:

@@ -70,7 +70,7 @@ def test_unreferenced_blocks_stay_cached_and_go_least_recently_used_first() -> N
         bm.free(s)
     bm.drain_events()
     assert bm.num_free == 4 and bm.num_cached == 4
-    c = seq(list(range(200, 204)) + [1], "c")  # needs 2 fresh blocks: a's, the older, go first
+    c = seq([*range(200, 204), 1], "c")  # needs 2 fresh blocks: a's, the older, go first
     bm.allocate(c)
     events = bm.drain_events()
     ha = block_hashes(a.token_ids, BS, SEED)

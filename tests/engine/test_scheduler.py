@@ -5,7 +5,7 @@ from __future__ import annotations
 from cache.hashing import namespace_seed
 from engine.block_manager import BlockManager
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import SamplingParams, Sequence, SeqStatus
+from engine.sequence import SamplingParams, SeqStatus, Sequence
 
 BS = 4
 
@@ -73,7 +73,7 @@ def test_preemption_recomputes_and_every_sequence_completes() -> None:
     assert a.status is SeqStatus.FINISHED and b.status is SeqStatus.FINISHED
     assert a.num_output_tokens == 8 and b.num_output_tokens == 8
     assert sched.preemptions >= 1
-    # The stand-in model's tokens depend only on positions: a recomputed sequence ends like an undisturbed one.
+    # The stand-in model's tokens depend only on positions: recomputed, a sequence ends as if undisturbed.
     assert a.output_token_ids == [(7 + i) * 7 % 1000 for i in range(8)]
     assert bm.num_free == 6
 

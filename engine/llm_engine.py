@@ -1,0 +1,229 @@
+"""The engine: requests in, tokens out, one ``step()`` at a time (synchronous; see async_engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache.hashing import namespace_seed
+from cache.tokens import Tokenizer, load_tokenizer
+from engine.attention import KVCache
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import make_generator, sample
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    served_model_name: str | None = None  # default: the model directory's name
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: as many as kv_memory_gib holds
+    kv_memory_gib: float = 0.5
+    dtype: str | None = None  # default: the checkpoint's own
+    device: str | None = None  # default: cuda when available
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    request_id: str
+    text: str  # new text since the last output
+    token_ids: tuple[int, ...]  # new tokens since the last output
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long for its context or its KV cache)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _DTYPES[config.dtype] if config.dtype else None
+        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        bytes_per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim
+        bytes_per_block *= torch.empty((), dtype=self.dtype).element_size()
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+        self.kv_cache = KVCache(
+            mc.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        eos = mc.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list | tuple) else [] if eos is None else [eos])
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._sent_tokens: dict[str, int] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def hash_seed(self, cache_salt: str = "") -> int:
+        return namespace_seed(self.model_name, cache_salt)
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def check_request(self, prompt: Seq[int], params: SamplingParams) -> None:
+        """Raise RequestRejected for a request this engine could never serve."""
+        if not prompt:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if max(prompt) >= vocab:
+            raise RequestRejected(f"token id {max(prompt)} is outside the model's vocabulary of {vocab}")
+        needed = len(prompt) + params.max_tokens
+        if needed > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        if self.blocks.blocks_for(needed) > self.blocks.num_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {self.blocks.blocks_for(needed)} KV blocks; this engine has "
+                f"{self.blocks.num_blocks}"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, cache_salt: str = ""
+    ) -> None:
+        if request_id in self._seqs:
+            raise RequestRejected(f"request id {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        self.check_request(prompt, params)
+        seq = Sequence(request_id, prompt, params, self.hash_seed(cache_salt))
+        self._seqs[request_id] = seq
+        self._generators[request_id] = make_generator(params.seed)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._sent_tokens[request_id] = 0
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+            self._forget(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.run(batch)
+        sampling = [item.seq for item in batch if item.samples]
+        tokens = sample(
+            logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling]
+        ) if sampling else []  # fmt: skip
+        for item in batch:
+            item.seq.num_computed += item.num_new
+            self.blocks.register_full_blocks(item.seq)
+        outputs = []
+        for seq, token in zip(sampling, tokens, strict=True):
+            seq.token_ids.append(token)
+            outputs.append(self._after_token(seq, token))
+        return outputs
+
+    def _after_token(self, seq: Sequence, token: int) -> StepOutput:
+        detok = self._detok[seq.request_id]
+        reason = None
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            reason = "stop"
+        else:
+            detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        sent = self._sent_tokens[seq.request_id]
+        output = StepOutput(
+            request_id=seq.request_id,
+            text=detok.take(final=reason is not None),
+            token_ids=tuple(seq.output_token_ids[sent:]),
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_prompt_tokens or 0,
+            completion_tokens=seq.num_output_tokens,
+        )
+        self._sent_tokens[seq.request_id] = seq.num_output_tokens
+        if reason is not None:
+            self._forget(seq.request_id)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        for table in (self._seqs, self._generators, self._detok, self._sent_tokens):
+            table.pop(request_id, None)  # type: ignore[attr-defined]
+
+    # -- offline use --------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together (continuous batching); the generated token ids of each."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"offline-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+            self.add_request(request_id, prompt, p)
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_work():
+            for out in self.step():
+                results[out.request_id].extend(out.token_ids)
+        return [results[i] for i in ids]
+
+    # -- load -------------------------------------------------------------------------------------------
+
+    def load(self) -> dict[str, int]:
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "waiting_tokens": s.waiting_tokens,
+            "max_running": s.max_num_seqs,
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_free": self.blocks.num_free,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_cached": self.blocks.num_cached,
+            "preemptions": s.preemptions,
+        }

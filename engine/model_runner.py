@@ -1,0 +1,42 @@
+"""Runs one scheduled step on the model: builds the flattened batch, runs it, returns next-token logits.
+
+The only part of the engine that touches the device; everything else is plain Python bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import KVCache, SeqSlice, build_metadata
+from engine.model.llama import CausalLM
+from engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Compute every scheduled token; returns float32 logits [N, vocab] for the N entries that sample,
+        in batch order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slices: list[SeqSlice] = []
+        sample_rows: list[int] = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed
+            end = start + item.num_new
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slices.append(SeqSlice(seq.block_table, start, item.num_new))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = build_metadata(slices, self.kv_cache.block_size, self.device)
+        input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, self.kv_cache, meta)
+        rows = torch.as_tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float().cpu()

@@ -1,0 +1,241 @@
+"""kvgate's engine over HTTP: the OpenAI API and KV events of the simulator, served by a real model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine, EngineDead
+from engine.kv_publisher import KvEventPublisher
+from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected, StepOutput
+from engine.openai_api import (
+    GenerationRequest,
+    OpenAIError,
+    RequestKind,
+    SseFormatter,
+    json_response,
+    models_body,
+    new_request_id,
+    parse_request,
+    response_body,
+    sse_response,
+    usage,
+)
+from engine.sequence import SamplingParams
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_BODY_BYTES = 64 * 2**20  # the token ids of a long prompt outgrow aiohttp's 1 MiB default
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    role: str = "both"
+
+
+class EngineServer:
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        self.llm = engine
+        self.publisher = KvEventPublisher(config.engine_id, engine.config.block_size)
+        self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish)
+        self.created = int(time.time())
+
+    @property
+    def model(self) -> str:
+        return self.llm.model_name
+
+    async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        self.engine.start()
+        yield
+        await self.engine.stop()
+
+    # -- endpoints --------------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response(models_body(self.model, self.created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        alive = self.engine.alive
+        body: dict[str, Any] = {
+            "status": "ok" if alive else "error",
+            "engine_id": self.config.engine_id,
+            "role": self.config.role,
+            "model": self.model,
+            "block_size": self.llm.config.block_size,
+            "kv_events": True,
+            "simulated": False,
+            "device": str(self.llm.device),
+            "dtype": str(self.llm.dtype).removeprefix("torch."),
+            "load": self.engine.load(),
+        }
+        if not alive:
+            body["error"] = str(self.engine.error or "the engine loop is not running")
+        return json_response(orjson.dumps(body), status=200 if alive else 503)
+
+    # -- generation -------------------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise OpenAIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413) from None
+            req = parse_request(
+                body,
+                kind,
+                served_model=self.model,
+                tokenizer=self.llm.tokenizer,
+                request_id=request_id,
+                max_model_len=self.llm.max_model_len,
+            )
+            params = SamplingParams(
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop=req.stop,
+            )
+            outputs = self.engine.generate(
+                f"{request_id}-{req.response_id}", req.prompt_token_ids.tolist(), params, req.cache_salt
+            )
+            first = await anext(outputs)  # errors before the first token still become an HTTP error
+        except OpenAIError as exc:
+            return exc.to_response(headers)
+        except RequestRejected as exc:
+            return OpenAIError(str(exc), code="context_length_exceeded").to_response(headers)
+        except EngineDead as exc:
+            return OpenAIError(
+                str(exc), status=503, error_type="server_error", code="engine_failed"
+            ).to_response(headers)
+        async with contextlib.aclosing(outputs):  # closing early (client gone) aborts the request
+            if req.stream:
+                return await self._stream(request, req, first, outputs, headers)
+            return await self._whole(req, first, outputs, headers)
+
+    async def _whole(
+        self,
+        req: GenerationRequest,
+        first: StepOutput,
+        rest: AsyncIterator[StepOutput],
+        headers: dict[str, str],
+    ) -> web.Response:
+        parts, last = [first.text], first
+        if not first.finished:
+            async for out in rest:
+                parts.append(out.text)
+                last = out
+        body = response_body(req, "".join(parts), _reason(last), _usage(last))
+        return json_response(body, headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        first: StepOutput,
+        rest: AsyncIterator[StepOutput],
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        response = sse_response(headers)
+        fmt = SseFormatter(req)
+        await response.prepare(request)
+        try:
+            await response.write(fmt.start() + (fmt.token(first.text) if first.text else b""))
+            last = first
+            if not first.finished:
+                async for out in rest:
+                    if out.text:
+                        await response.write(fmt.token(out.text))
+                    last = out
+            await response.write(fmt.finish(_reason(last), _usage(last)))
+            await response.write_eof()
+        except EngineDead as exc:
+            error = OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(b"data: " + error.body() + b"\n\n")
+        except ConnectionResetError:
+            pass  # the client left; closing the iterator aborts the request
+        return response
+
+
+def _reason(out: StepOutput) -> Any:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+
+
+def _usage(out: StepOutput) -> dict[str, Any]:
+    return usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
+
+ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
+    server = EngineServer(engine, config)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[ENGINE_SERVER] = server
+    app.cleanup_ctx.append(server.lifespan)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    server.publisher.add_routes(app)
+    return app
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model, serve until SIGINT/SIGTERM (on uvloop when installed); returns the exit status."""
+    try:
+        import uvloop
+
+        loop_factory: Any = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    engine = LLMEngine(engine_config)
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(engine, server_config))
+
+
+async def _serve(engine: LLMEngine, config: ServerConfig) -> int:
+    runner = web.AppRunner(
+        build_app(engine, config), handler_cancellation=True, access_log=None, shutdown_timeout=5
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
+        host, port = runner.addresses[0][:2]
+        blocks = f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}"
+        print(
+            f"kvgate engine {config.engine_id}: serving {engine.model_name!r} "
+            f"({engine.dtype}, {engine.device}, {blocks}) on http://{host}:{port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
