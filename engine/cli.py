@@ -15,6 +15,10 @@ from pathlib import Path
 SIM_ENGINE_HELP = (
     "run the SIMULATED engine: an OpenAI-compatible server with a cost model, for tests and benchmarks"
 )
+ENGINE_HELP = (
+    "serve a model (Hugging Face layout) with kvgate's engine: OpenAI API, paged KV cache with prefix "
+    "caching, continuous batching, KV events"
+)
 MAKE_MODEL_HELP = (
     "write a RANDOM-weight model (Hugging Face layout, with a tokenizer) for tests and demos; "
     "nothing is downloaded and its output is meaningless text"
@@ -176,8 +180,88 @@ def run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, metavar="DIR", help="model directory (config.json, safetensors)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, required=True, help="port to listen on")
+    parser.add_argument(
+        "--engine-id", default=None, help="its id in KV events and /health (default: engine-<port>)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: DIR's name)"
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)"
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=_positive_int,
+        default=None,
+        help="KV cache size in blocks (default: --kv-memory-gib)",
+    )
+    parser.add_argument(
+        "--kv-memory-gib", type=float, default=0.5, help="KV cache size when --kv-blocks is not given (0.5)"
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: the model's"
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument(
+        "--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: 64)"
+    )
+    parser.add_argument(
+        "--max-batched-tokens", type=_positive_int, default=2048, help="token budget per step (default: 2048)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=_positive_int, default=None, help="default: the model's context"
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: all)"
+    )
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """Load the model and serve it until SIGINT/SIGTERM; returns the exit status."""
+    import torch
+
+    from engine.llm_engine import EngineConfig
+    from engine.model.errors import ModelLoadError
+    from engine.server import ServerConfig, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_config = EngineConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name,
+        block_size=args.block_size,
+        num_kv_blocks=args.kv_blocks,
+        kv_memory_gib=args.kv_memory_gib,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    server_config = ServerConfig(
+        engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port
+    )
+    try:
+        return serve(engine_config, server_config)
+    except ModelLoadError as exc:
+        print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvgate engine: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the engine's subcommands to the ``kvgate`` parser."""
+    parser = subparsers.add_parser("engine", help=ENGINE_HELP, description=ENGINE_HELP)
+    add_engine_arguments(parser)
+    parser.set_defaults(func=run_engine)
     parser = subparsers.add_parser("sim-engine", help=SIM_ENGINE_HELP, description=SIM_ENGINE_HELP)
     add_sim_engine_arguments(parser)
     parser.set_defaults(func=run_sim_engine)
@@ -191,3 +275,11 @@ def sim_engine_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.sim", description=SIM_ENGINE_HELP)
     add_sim_engine_arguments(parser)
     return run_sim_engine(parser.parse_args(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engine COMMAND``: the engine's subcommands without the console script."""
+    parser = argparse.ArgumentParser(prog="python -m engine", description="kvgate's engine commands")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))

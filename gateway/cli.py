@@ -27,14 +27,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     demo = subparsers.add_parser(
         "demo",
-        help="start simulated engines in several regions and a gateway in front of them",
-        description="Start REGIONS x ENGINES simulated engines on this machine and a gateway on 127.0.0.1, "
-        "print commands to try, and stop everything on Ctrl-C.",
+        help="start engines in several regions and a gateway in front of them",
+        description="Start REGIONS x ENGINES engines on this machine (kvgate's engine on a tiny random "
+        "model, or simulated ones) and a gateway on 127.0.0.1, print commands to try, and stop everything "
+        "on Ctrl-C.",
     )
     demo.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
     demo.add_argument("--regions", type=int, default=2, help="number of regions (default 2)")
     demo.add_argument("--engines-per-region", type=int, default=2, help="engines in each region (default 2)")
     demo.add_argument("--redis", metavar="URL", help="keep shared state in Redis instead of in process")
+    demo.add_argument("--simulated", action="store_true", help="run simulated engines instead of real ones")
+    demo.add_argument(
+        "--model", metavar="DIR", help="serve this model directory (default: a tiny random one)"
+    )
     demo.set_defaults(func=_demo)
 
 
@@ -54,7 +59,12 @@ def _demo(args: argparse.Namespace) -> int:
     if args.regions < 1 or args.engines_per_region < 1:
         raise ConfigError("--regions and --engines-per-region must be at least 1")
     return run_demo(
-        port=args.port, regions=args.regions, engines_per_region=args.engines_per_region, redis_url=args.redis
+        port=args.port,
+        regions=args.regions,
+        engines_per_region=args.engines_per_region,
+        redis_url=args.redis,
+        simulated=args.simulated,
+        model_dir=args.model,
     )
 
 

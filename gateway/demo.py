@@ -1,13 +1,17 @@
-"""``kvgate demo``: simulated engines in several regions on this machine, and a gateway in front of them.
+"""``kvgate demo``: engines in several regions on this machine, and a gateway in front of them.
 
-Engines run as separate processes (``python -m engine.sim``): the gateway talks to them over HTTP exactly as
-it would to remote ones, and never imports them.
+By default the engines are kvgate's real engine serving a tiny random-weight model (written once into the
+user's cache directory); ``--simulated`` (or a machine without torch) runs the simulator instead. Engines
+are separate processes (``python -m engine ...``): the gateway talks to them over HTTP exactly as it would
+to remote ones, and never imports them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import json
 import os
 import signal
 import socket
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,8 +30,66 @@ from gateway.loop import install_best_loop
 from gateway.server import serve_until_signal
 
 REGION_NAMES = ("eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ap-east", "us-west")
-DEMO_MODEL = "kvgate-sim"
+SIM_MODEL = "kvgate-sim"
+TINY_MODEL = "kvgate-tiny"
 INTER_REGION_RTT_MS = 40.0
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """What the demo's engines run: the command (port and engine id appended), the model id they serve,
+    and the model directory whose tokenizer the gateway must hash with (None: the byte tokenizer)."""
+
+    command: tuple[str, ...]
+    model: str
+    tokenizer: str | None
+    label: str
+
+
+def simulated_engines() -> EngineKind:
+    return EngineKind(
+        (sys.executable, "-m", "engine", "sim-engine", "--model", SIM_MODEL), SIM_MODEL, None, "SIMULATED"
+    )
+
+
+def real_engines(model_dir: Path, model: str) -> EngineKind:
+    command = (
+        sys.executable, "-m", "engine", "engine", "--model", str(model_dir), "--served-model-name", model,
+        "--threads", "1", "--kv-blocks", "2048", "--dtype", "float32",
+    )  # fmt: skip
+    return EngineKind(command, model, str(model_dir), f"kvgate's engine (model {model_dir})")
+
+
+def demo_model_dir() -> Path:
+    """Where the demo keeps its tiny random model (made on first use)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvgate" / "models" / "tiny-llama"
+
+
+def ensure_demo_model() -> Path:
+    directory = demo_model_dir()
+    if not (directory / "config.json").is_file():
+        print(f"kvgate demo: writing a tiny RANDOM-weight model to {directory}", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "engine", "make-model", str(directory), "--preset", "tiny", "--force"],
+            check=True,
+        )
+    return directory
+
+
+def choose_engines(*, simulated: bool, model_dir: str | None) -> EngineKind:
+    if simulated:
+        return simulated_engines()
+    if importlib.util.find_spec("torch") is None:
+        print(
+            "kvgate demo: torch is not installed, so the engines are SIMULATED "
+            "(install kvgate[engine] for the real engine).",
+            flush=True,
+        )
+        return simulated_engines()
+    if model_dir is not None:
+        return real_engines(Path(model_dir), Path(model_dir).resolve().name)
+    return real_engines(ensure_demo_model(), TINY_MODEL)
 
 
 @dataclass
@@ -51,17 +114,12 @@ def region_names(count: int) -> list[str]:
     return [REGION_NAMES[i] if i < len(REGION_NAMES) else f"region-{i}" for i in range(count)]
 
 
-def start_engines(
-    regions: int, engines_per_region: int, extra_args: list[str] | None = None
-) -> list[EngineProcess]:
+def start_engines(kind: EngineKind, regions: int, engines_per_region: int) -> list[EngineProcess]:
     engines = []
     for region in region_names(regions):
         for i in range(engines_per_region):
             port = free_port()
-            cmd = [
-                sys.executable, "-m", "engine.sim", "--port", str(port), "--model", DEMO_MODEL,
-                "--engine-id", f"{region}/e{i}", *(extra_args or []),
-            ]  # fmt: skip
+            cmd = [*kind.command, "--port", str(port), "--engine-id", f"{region}/e{i}"]
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             engines.append(EngineProcess(region, f"e{i}", port, process))
     return engines
@@ -100,7 +158,9 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float = 5.0) -> None:
             e.process.wait()
 
 
-def demo_config(engines: list[EngineProcess], port: int, redis_url: str | None) -> dict[str, Any]:
+def demo_config(
+    engines: list[EngineProcess], kind: EngineKind, port: int, redis_url: str | None
+) -> dict[str, Any]:
     names = list(dict.fromkeys(e.region for e in engines))
     return {
         "region": names[0],
@@ -108,26 +168,34 @@ def demo_config(engines: list[EngineProcess], port: int, redis_url: str | None) 
             {
                 "name": r,
                 "engines": [
-                    {"name": e.name, "url": e.url, "model": DEMO_MODEL} for e in engines if e.region == r
+                    {"name": e.name, "url": e.url, "model": kind.model} for e in engines if e.region == r
                 ],
             }
             for r in names
         ],
         "rtt_ms": {f"{a}.{b}": INTER_REGION_RTT_MS for i, a in enumerate(names) for b in names[i + 1 :]},
-        "gateway": {"host": "127.0.0.1", "port": port, "redis_url": redis_url},
+        "gateway": {"host": "127.0.0.1", "port": port, "redis_url": redis_url, "tokenizer": kind.tokenizer},
     }
 
 
-def tour(port: int) -> str:
+def tour(port: int, kind: EngineKind) -> str:
     base = f"http://127.0.0.1:{port}"
-    stream = '{"model": "kvgate-sim", "stream": true, "stream_options": {"include_usage": true}, "messages": [{"role": "user", "content": "hello"}]}'  # noqa: E501
-    first = '{"model": "kvgate-sim", "messages": [{"role": "system", "content": "You are a terse assistant that answers in one line."}, {"role": "user", "content": "Name three prime numbers."}]}'  # noqa: E501
+    model = json.dumps(kind.model)
+    stream = (
+        f'{{"model": {model}, "stream": true, "stream_options": {{"include_usage": true}}, "max_tokens": 8, '
+        '"messages": [{"role": "user", "content": "hello"}]}'
+    )
+    first = (
+        f'{{"model": {model}, "max_tokens": 12, "messages": [{{"role": "system", "content": "You are a terse '
+        'assistant that answers in one line."}, {"role": "user", "content": "Name three prime numbers."}]}'
+    )
     return f"""
-kvgate demo: a gateway on {base} in front of simulated engines (SIMULATED: the answers are filler text).
+kvgate demo: a gateway on {base}; its engines run {kind.label}.
+The answers are meaningless text (random weights or a simulator); the caching, routing and usage are real.
 
 Try a conversation with session affinity (run it twice: the second answer reports cached tokens):
   curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
-       -H 'x-session-affinity: demo-chat-1' -d '{first}' -D - | grep -iE '^x-kvgate|cached_tokens|"content"'
+       -H 'x-session-affinity: demo-chat-1' -d '{first}' -D - | grep -iE '^x-kvgate|cached_tokens'
 
 Stream it:
   curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\
@@ -142,20 +210,33 @@ Ctrl-C stops the gateway and every engine.
 """
 
 
-async def _serve(config: dict[str, Any], port: int) -> None:
+async def _serve(config: dict[str, Any], kind: EngineKind, port: int) -> None:
     app = build_app(parse_config(config, environ=os.environ))
     try:
-        await serve_until_signal(app, "127.0.0.1", port, on_ready=lambda: print(tour(port), flush=True))
+        await serve_until_signal(app, "127.0.0.1", port, on_ready=lambda: print(tour(port, kind), flush=True))
     finally:
         print("\nkvgate demo: stopping ...", flush=True)
 
 
-def run_demo(*, port: int, regions: int, engines_per_region: int, redis_url: str | None) -> int:
+def run_demo(
+    *,
+    port: int,
+    regions: int,
+    engines_per_region: int,
+    redis_url: str | None,
+    simulated: bool = False,
+    model_dir: str | None = None,
+) -> int:
     install_best_loop()
-    engines = start_engines(regions, engines_per_region)
     try:
-        asyncio.run(wait_healthy(engines))
-        asyncio.run(_serve(demo_config(engines, port, redis_url), port))
+        kind = choose_engines(simulated=simulated, model_dir=model_dir)
+    except subprocess.CalledProcessError as exc:
+        print(f"kvgate demo: could not write the demo model ({exc})", file=sys.stderr)
+        return 1
+    engines = start_engines(kind, regions, engines_per_region)
+    try:
+        asyncio.run(wait_healthy(engines, timeout_s=120.0))
+        asyncio.run(_serve(demo_config(engines, kind, port, redis_url), kind, port))
     except RuntimeError as exc:
         print(f"kvgate demo: {exc}", file=sys.stderr)
         return 1

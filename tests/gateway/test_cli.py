@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 
 from gateway.demo import free_port
 
@@ -45,17 +46,21 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_demo_serves_and_stops_everything_on_ctrl_c() -> None:
+@pytest.mark.parametrize("engines", ["real", "simulated"])
+def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str) -> None:
     port = free_port()
+    extra = ["--simulated"] if engines == "simulated" else []
+    model = "kvgate-sim" if engines == "simulated" else "kvgate-tiny"
     demo = subprocess.Popen(
-        [*KVGATE, "demo", "--port", str(port), "--regions", "2", "--engines-per-region", "1"],
+        [*KVGATE, "demo", "--port", str(port), "--regions", "2", "--engines-per-region", "1", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # The demo writes its tiny model into the cache directory: keep it inside the test's.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)},
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         health = None
         while time.monotonic() < deadline:
             try:
@@ -72,13 +77,13 @@ def test_demo_serves_and_stops_everything_on_ctrl_c() -> None:
         messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hello"}]
         headers = {"x-session-affinity": "demo-test"}
         first = client.chat.completions.with_raw_response.create(
-            model="kvgate-sim",
+            model=model,
             messages=messages,
             max_tokens=4,
             extra_headers=headers,  # type: ignore[arg-type]
         )
         second = client.chat.completions.create(
-            model="kvgate-sim",
+            model=model,
             messages=messages,
             max_tokens=4,
             extra_headers=headers,  # type: ignore[arg-type]
