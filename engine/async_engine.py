@@ -1,9 +1,13 @@
 """The engine's step loop on a thread of its own, with an asyncio face for the HTTP server.
 
 Model steps are long and hold the CPU (torch releases the GIL inside its kernels), so they must not run on
-the event loop. Requests cross to the engine thread through a locked queue; outputs and KV events come
-back with ``call_soon_threadsafe``. A step that raises marks the engine dead: every open request fails
-cleanly and ``/health`` turns red.
+the event loop. Requests cross to the engine thread through a locked queue; outputs, KV events and KV
+transfer work come back with ``call_soon_threadsafe``. A step that raises marks the engine dead: every open
+request fails cleanly and ``/health`` turns red.
+
+Disaggregation: a request with a ``prefill_url`` is admitted holding blocks for its prompt, then its K/V is
+pulled from that prefill engine on the event loop (``kv_fetcher``) while other sequences keep stepping;
+``export`` is the prefill engine's side, yielding K/V frames as the layers of its prefill finish.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from cache.events import KvEvent
-from engine.llm_engine import LLMEngine, StepOutput
+from engine.kv_export import ExportSink
+from engine.kv_transfer import KvTransferError, frame
+from engine.llm_engine import ImportTicket, LLMEngine, StepOutput
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
+
+# fetch(ticket, prefill_url, cache_salt) -> the prefill engine's cached tokens; raises KvTransferError
+KvFetcher = Callable[[ImportTicket, str, str], Awaitable[int]]
 
 
 class EngineDead(RuntimeError):
@@ -29,16 +38,23 @@ class EngineDead(RuntimeError):
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, *, on_kv_events: Callable[[list[KvEvent]], Any] | None = None
+        self,
+        engine: LLMEngine,
+        *,
+        on_kv_events: Callable[[list[KvEvent]], Any] | None = None,
+        kv_fetcher: KvFetcher | None = None,
     ) -> None:
         self.engine = engine
         self._on_kv_events = on_kv_events
+        self._kv_fetcher = kv_fetcher
         self._commands: deque[tuple[Any, ...]] = deque()
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._import_sources: dict[str, tuple[str, str]] = {}  # request id -> (prefill url, cache salt)
+        self._imports: dict[str, asyncio.Task[None]] = {}
         self.error: BaseException | None = None
         self.steps = 0
         self._load = engine.load()
@@ -53,6 +69,8 @@ class AsyncEngine:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        for task in list(self._imports.values()):
+            task.cancel()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
@@ -67,15 +85,27 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        *,
+        prefill_url: str | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Outputs of one request as they are produced. Closing the iterator early aborts the request."""
+        """Outputs of one request as they are produced. Closing the iterator early aborts the request.
+        With ``prefill_url`` the prompt's K/V is pulled from that prefill engine instead of computed here;
+        a failed transfer raises KvTransferError before any output."""
         if self.error is not None:
             raise EngineDead(f"the engine failed: {self.error}")
         self.engine.check_request(prompt_token_ids, params)  # RequestRejected, before anything is queued
+        if prefill_url is not None and self._kv_fetcher is None:
+            raise KvTransferError("this engine cannot receive KV transfers")
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        if prefill_url is not None:
+            self._import_sources[request_id] = (prefill_url, cache_salt)
+        self._submit(("add", request_id, list(prompt_token_ids), params, cache_salt, prefill_url is not None))
         finished = False
         try:
             while True:
@@ -86,6 +116,46 @@ class AsyncEngine:
                 if item.finished:
                     finished = True
                     return
+        finally:
+            self._queues.pop(request_id, None)
+            self._import_sources.pop(request_id, None)
+            task = self._imports.pop(request_id, None)
+            if task is not None:
+                task.cancel()
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def export(
+        self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str, from_position: int
+    ) -> AsyncIterator[bytes]:
+        """Prefill a prompt here and yield its K/V frames (positions ``from_position`` on) as its layers
+        finish, then the closing frame. Closing the iterator early aborts the prefill."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        prompt = list(prompt_token_ids)
+        self.engine.check_request(prompt, SamplingParams(max_tokens=0))
+        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        post = self._post
+
+        def send(buffers: list[Any]) -> None:  # on the engine thread
+            post(queue.put_nowait, b"".join(memoryview(b) for b in buffers))
+
+        def close(header: dict[str, Any]) -> None:  # on the engine thread
+            post(queue.put_nowait, b"".join(frame(header)))
+            post(queue.put_nowait, None)
+
+        self._queues[request_id] = queue  # an engine failure reaches it like any other request
+        self._submit(("export", request_id, prompt, cache_salt, from_position, ExportSink(send, close)))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:
@@ -103,10 +173,7 @@ class AsyncEngine:
             while self._commands:
                 command = self._commands.popleft()
                 try:
-                    if command[0] == "add":
-                        engine.add_request(*command[1:])
-                    else:
-                        engine.abort(command[1])
+                    self._execute(command)
                 except Exception as exc:  # a request that cannot be added fails alone
                     self._post(self._fail_one, command[1], exc)
             if not engine.has_work():
@@ -123,7 +190,27 @@ class AsyncEngine:
             self.steps += 1
             self._load = engine.load()
             events = engine.blocks.drain_events()
-            self._post(self._deliver, outputs, events)
+            tickets = engine.take_import_tickets()
+            self._post(self._deliver, outputs, events, tickets)
+            if engine.idle:
+                # All that is left waits on transfers (or on blocks they hold): wait for news, don't spin.
+                self._wake.wait(0.01)
+                self._wake.clear()
+
+    def _execute(self, command: tuple[Any, ...]) -> None:
+        engine, kind = self.engine, command[0]
+        if kind == "add":
+            _, request_id, prompt, params, salt, import_kv = command
+            engine.add_request(request_id, prompt, params, salt, import_kv=import_kv)
+        elif kind == "export":
+            engine.add_export(*command[1:])
+        elif kind == "imported":
+            engine.finish_import(command[1], command[2])
+        elif kind == "import_failed":
+            engine.abort(command[1])  # frees the blocks it reserved
+            self._post(self._fail_one, command[1], KvTransferError(command[2]))
+        else:
+            engine.abort(command[1])
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -132,13 +219,35 @@ class AsyncEngine:
 
     # -- back on the event loop -------------------------------------------------------------------------
 
-    def _deliver(self, outputs: list[StepOutput], events: list[KvEvent]) -> None:
+    def _deliver(self, outputs: list[StepOutput], events: list[KvEvent], tickets: list[ImportTicket]) -> None:
         if events and self._on_kv_events is not None:
             self._on_kv_events(events)
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        for ticket in tickets:
+            source = self._import_sources.pop(ticket.request_id, None)
+            if source is None:  # its client already left; the abort is on its way
+                continue
+            self._imports[ticket.request_id] = asyncio.create_task(self._import(ticket, *source))
+
+    async def _import(self, ticket: ImportTicket, prefill_url: str, cache_salt: str) -> None:
+        assert self._kv_fetcher is not None
+        try:
+            if ticket.start >= ticket.end:  # its own cache held everything: nothing to fetch
+                cached = ticket.start
+            else:
+                cached = await self._kv_fetcher(ticket, prefill_url, cache_salt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("KV transfer for %s failed: %s", ticket.request_id, exc)
+            self._submit(("import_failed", ticket.request_id, str(exc)))
+        else:
+            self._submit(("imported", ticket.request_id, cached))
+        finally:
+            self._imports.pop(ticket.request_id, None)
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:
         queue = self._queues.get(request_id)

@@ -8,7 +8,7 @@ per step, where each new token's K/V goes (``slot_mapping``) and which cache slo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +120,8 @@ class KVCache:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Called after each layer has stored its K/V: lets a prefill engine send that layer at once.
+        self.on_layer_stored: Callable[[int], None] | None = None
 
     @property
     def bytes(self) -> int:
@@ -127,3 +129,7 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+    def layer_stored(self, i: int) -> None:
+        if self.on_layer_stored is not None:
+            self.on_layer_stored(i)

@@ -220,6 +220,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: all)"
     )
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default="both",
+        help="its part in disaggregated serving, as the gateway sees it (default: both)",
+    )
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -245,7 +251,7 @@ def run_engine(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
     )
     server_config = ServerConfig(
-        engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port
+        engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role
     )
     try:
         return serve(engine_config, server_config)

@@ -40,8 +40,17 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
+    def _flush(self) -> None:
+        """At the end, text still waiting for the rest of a character goes out as it is (with U+FFFD)."""
+        if self._read < len(self._ids) and not self.stopped:
+            before = self._tok.decode(self._ids[self._prefix : self._read])
+            self.text += self._tok.decode(self._ids[self._prefix :])[len(before) :]
+            self._prefix = self._read = len(self._ids)
+
     def take(self, final: bool = False) -> str:
         """Text not handed out yet: all of it when ``final``, else all but a possible stop-string start."""
+        if final:
+            self._flush()
         if final or self.stopped or not self.stop:
             end = len(self.text)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,7 +18,10 @@ from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from engine.kv_export import ExportSink
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +54,18 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    kv_transferred_tokens: int = 0  # prompt positions whose K/V came from a prefill engine
+
+
+@dataclass(frozen=True, slots=True)
+class ImportTicket:
+    """A decode-side sequence that now holds blocks and waits for positions ``start .. end`` of its K/V."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    start: int
+    end: int
+    block_table: list[int]
 
 
 class RequestRejected(ValueError):
@@ -87,6 +103,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         eos = mc.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list | tuple) else [] if eos is None else [eos])
+        self._transferred: dict[str, int] = {}
+        self.idle = True  # the last step found nothing to compute
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -121,18 +139,73 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, cache_salt: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        *,
+        import_kv: bool = False,
     ) -> None:
+        """Queue a request. With ``import_kv`` its prompt's K/V (all but the last token) will come from a
+        prefill engine: see ``take_import_tickets`` and ``finish_import``."""
         if request_id in self._seqs:
             raise RequestRejected(f"request id {request_id!r} is already running")
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, params)
-        seq = Sequence(request_id, prompt, params, self.hash_seed(cache_salt))
+        seq = Sequence(request_id, prompt, params, self.hash_seed(cache_salt), awaiting_kv=import_kv)
         self._seqs[request_id] = seq
         self._generators[request_id] = make_generator(params.seed)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self._sent_tokens[request_id] = 0
         self.scheduler.add(seq)
+
+    def add_export(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        cache_salt: str,
+        from_position: int,
+        sink: ExportSink,
+    ) -> None:
+        """Prefill ``prompt_token_ids`` without sampling; stream their K/V from ``from_position`` on."""
+        if request_id in self._seqs:
+            raise RequestRejected(f"request id {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        self.check_request(prompt, SamplingParams(max_tokens=0))
+        if not 0 <= from_position < len(prompt):
+            raise RequestRejected(
+                f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
+            )
+        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=0), self.hash_seed(cache_salt))
+        seq.export, seq.export_from = sink, from_position
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def take_import_tickets(self) -> list[ImportTicket]:
+        """Sequences admitted since the last call that wait for their K/V (the rest of their prompt)."""
+        tickets = []
+        for seq in self.scheduler.admitted_importers:
+            if seq.status is SeqStatus.RUNNING and seq.awaiting_kv:
+                tickets.append(
+                    ImportTicket(seq.request_id, list(seq.token_ids), seq.num_computed, seq.num_tokens - 1,
+                                 list(seq.block_table))
+                )  # fmt: skip
+        self.scheduler.admitted_importers.clear()
+        return tickets
+
+    def finish_import(self, request_id: str, prefill_cached_tokens: int) -> None:
+        """The K/V of every prompt position but the last has arrived: the sequence computes its last prompt
+        token itself (so sampling starts from the very generator state a colocated run would have)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.awaiting_kv:
+            return
+        self._transferred[request_id] = seq.num_tokens - 1 - seq.num_computed
+        seq.num_computed = seq.num_tokens - 1
+        seq.awaiting_kv = False
+        # Tokens nobody computed for this request: those the prefill engine found in its own cache.
+        seq.num_cached_prompt_tokens = min(prefill_cached_tokens, seq.num_prompt_tokens)
+        self.blocks.register_full_blocks(seq)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
@@ -147,6 +220,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.idle = not batch
         if not batch:
             return []
         logits = self.runner.run(batch)
@@ -155,8 +229,14 @@ class LLMEngine:
             logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling]
         ) if sampling else []  # fmt: skip
         for item in batch:
-            item.seq.num_computed += item.num_new
-            self.blocks.register_full_blocks(item.seq)
+            seq = item.seq
+            seq.num_computed += item.num_new
+            self.blocks.register_full_blocks(seq)
+            if seq.export is not None and seq.num_computed == seq.num_tokens:
+                cached = seq.num_cached_prompt_tokens or 0
+                self.scheduler.finish(seq, "prefilled")
+                seq.export.close({"t": "done", "tokens": seq.num_tokens, "cached_tokens": cached})
+                self._forget(seq.request_id)
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
             seq.token_ids.append(token)
@@ -186,6 +266,7 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             completion_tokens=seq.num_output_tokens,
+            kv_transferred_tokens=self._transferred.get(seq.request_id, 0),
         )
         self._sent_tokens[seq.request_id] = seq.num_output_tokens
         if reason is not None:
@@ -193,7 +274,7 @@ class LLMEngine:
         return output
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._seqs, self._generators, self._detok, self._sent_tokens):
+        for table in (self._seqs, self._generators, self._detok, self._sent_tokens, self._transferred):
             table.pop(request_id, None)  # type: ignore[attr-defined]
 
     # -- offline use --------------------------------------------------------------------------------------

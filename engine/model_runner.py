@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import KVCache, SeqSlice, build_metadata
+from engine.kv_export import layer_sender, plan_exports
 from engine.model.llama import CausalLM
 from engine.scheduler import ScheduledSeq
 
@@ -37,6 +38,13 @@ class ModelRunner:
         meta = build_metadata(slices, self.kv_cache.block_size, self.device)
         input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, self.kv_cache, meta)
+        plans = plan_exports(batch, self.kv_cache.block_size)
+        self.kv_cache.on_layer_stored = layer_sender(plans, self.kv_cache) if plans else None
+        try:
+            hidden = self.model(input_ids, pos, self.kv_cache, meta)
+        finally:
+            self.kv_cache.on_layer_stored = None
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size)
         rows = torch.as_tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]).float().cpu()

@@ -85,6 +85,7 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
     cache_salt: str = ""
+    prefill_url: str | None = None  # disaggregated: pull the prompt's K/V from this prefill engine
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -187,6 +188,7 @@ def parse_request(
         raise OpenAIError("cache_salt must be a string", param="cache_salt")
     top_k_raw = data.get("top_k")
     top_k = 0 if top_k_raw is None else _int(top_k_raw, "top_k", lo=-1)
+    prefill_url = _prefill_url(data.get("kv_transfer_params"))
 
     return GenerationRequest(
         kind=kind,
@@ -203,7 +205,22 @@ def parse_request(
         top_p=_number(data.get("top_p"), "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
         top_k=max(top_k, 0),
         cache_salt=cache_salt or "",
+        prefill_url=prefill_url,
     )
+
+
+def _prefill_url(params: Any) -> str | None:
+    """``kv_transfer_params.prefill_url``: the engine to pull this prompt's K/V from (disaggregation)."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise OpenAIError("kv_transfer_params must be an object", param="kv_transfer_params")
+    url = params.get("prefill_url")
+    if url is None:
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise OpenAIError("kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
+    return url.rstrip("/")
 
 
 def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:

@@ -24,7 +24,7 @@ class ScheduledSeq:
 
     @classmethod
     def of(cls, seq: Sequence, num_new: int) -> ScheduledSeq:
-        return cls(seq, num_new, seq.num_computed + num_new == seq.num_tokens)
+        return cls(seq, num_new, seq.num_computed + num_new == seq.num_tokens and seq.export is None)
 
 
 class Scheduler:
@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.admitted_importers: list[Sequence] = []  # given blocks this step; their K/V is to be fetched
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -58,9 +59,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_kv:
+                i += 1  # holds its blocks; nothing to compute until its K/V has arrived
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_grow(seq, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = next((s for s in reversed(self.running) if not s.awaiting_kv), seq)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -82,6 +86,9 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.awaiting_kv:
+                self.admitted_importers.append(seq)
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n

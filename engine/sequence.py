@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cache.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from engine.kv_export import ExportSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,11 @@ class Sequence:
     num_cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission (what usage reports)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # Disaggregation. A decode-side sequence waits (holding its blocks) while its prompt's K/V arrives; a
+    # prefill-side sequence computes its tokens and streams their K/V from ``export_from`` on, never sampling.
+    awaiting_kv: bool = False
+    export: ExportSink | None = None
+    export_from: int = 0
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

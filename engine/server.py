@@ -15,7 +15,10 @@ import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
+from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
+from engine.kv_transfer import KvTransferError, frame
 from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected, StepOutput
 from engine.openai_api import (
     GenerationRequest,
@@ -33,6 +36,9 @@ from engine.openai_api import (
 from engine.sequence import SamplingParams
 
 REQUEST_ID_HEADER = "x-request-id"
+TRANSFER_HEADER = "x-kvgate-kv-transfer"  # remote: the prompt's K/V came from a prefill engine; else local
+TRANSFERRED_HEADER = "x-kvgate-kv-transferred-tokens"
+ROLES = ("prefill", "decode", "both")
 MAX_BODY_BYTES = 64 * 2**20  # the token ids of a long prompt outgrow aiohttp's 1 MiB default
 
 
@@ -46,10 +52,13 @@ class ServerConfig:
 
 class EngineServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        if config.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {config.role!r}")
         self.config = config
         self.llm = engine
         self.publisher = KvEventPublisher(config.engine_id, engine.config.block_size)
-        self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish)
+        self.importer = KvImporter(engine.kv_cache, engine.model_name)
+        self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish, kv_fetcher=self.importer)
         self.created = int(time.time())
 
     @property
@@ -60,6 +69,7 @@ class EngineServer:
         self.engine.start()
         yield
         await self.engine.stop()
+        await self.importer.close()
 
     # -- endpoints --------------------------------------------------------------------------------------
 
@@ -68,6 +78,52 @@ class EngineServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
+
+    async def kv_prefill(self, request: web.Request) -> web.StreamResponse:
+        """The prefill side of disaggregation: compute a prompt and stream its K/V, layer by layer."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise OpenAIError("the body must be a JSON object")
+            if body.get("model") != self.model:
+                raise OpenAIError(f"this engine serves {self.model!r}", status=404, code="model_not_found")
+            if body.get("block_size") != self.llm.config.block_size:
+                raise OpenAIError(f"block_size must be {self.llm.config.block_size}", param="block_size")
+            ids, salt, start = (
+                body.get("prompt_token_ids"),
+                body.get("cache_salt") or "",
+                body.get("from_position"),
+            )
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise OpenAIError("prompt_token_ids must be an array of token ids", param="prompt_token_ids")
+            if not isinstance(start, int) or isinstance(start, bool) or not isinstance(salt, str):
+                raise OpenAIError("from_position must be an integer and cache_salt a string")
+            frames = self.engine.export(f"kv-{request_id}-{new_request_id()}", ids, salt, start)
+            first = await anext(frames)
+        except orjson.JSONDecodeError:
+            return OpenAIError("the body is not valid JSON").to_response()
+        except OpenAIError as exc:
+            return exc.to_response()
+        except RequestRejected as exc:
+            return OpenAIError(str(exc)).to_response()
+        except EngineDead as exc:
+            return _engine_failed(exc).to_response()
+        response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
+        response.content_type = KV_CONTENT_TYPE
+        async with contextlib.aclosing(frames):  # the decode engine hanging up aborts the prefill
+            try:
+                await response.prepare(request)
+                await response.write(first)
+                async for chunk in frames:
+                    await response.write(chunk)
+                await response.write_eof()
+            except EngineDead as exc:
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write(b"".join(frame({"t": "error", "message": str(exc)})))
+            except ConnectionResetError:
+                pass
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.model, self.created))
@@ -117,7 +173,11 @@ class EngineServer:
                 stop=req.stop,
             )
             outputs = self.engine.generate(
-                f"{request_id}-{req.response_id}", req.prompt_token_ids.tolist(), params, req.cache_salt
+                f"{request_id}-{req.response_id}",
+                req.prompt_token_ids.tolist(),
+                params,
+                req.cache_salt,
+                prefill_url=req.prefill_url,
             )
             first = await anext(outputs)  # errors before the first token still become an HTTP error
         except OpenAIError as exc:
@@ -125,9 +185,13 @@ class EngineServer:
         except RequestRejected as exc:
             return OpenAIError(str(exc), code="context_length_exceeded").to_response(headers)
         except EngineDead as exc:
-            return OpenAIError(
-                str(exc), status=503, error_type="server_error", code="engine_failed"
-            ).to_response(headers)
+            return _engine_failed(exc).to_response(headers)
+        except KvTransferError as exc:
+            # Nothing reached the client yet: the gateway may retry with another prefill engine.
+            error = OpenAIError(str(exc), status=502, error_type="server_error", code="kv_transfer_failed")
+            return error.to_response(headers)
+        headers[TRANSFER_HEADER] = "remote" if req.prefill_url else "local"
+        headers[TRANSFERRED_HEADER] = str(first.kv_transferred_tokens)
         async with contextlib.aclosing(outputs):  # closing early (client gone) aborts the request
             if req.stream:
                 return await self._stream(request, req, first, outputs, headers)
@@ -170,12 +234,16 @@ class EngineServer:
             await response.write(fmt.finish(_reason(last), _usage(last)))
             await response.write_eof()
         except EngineDead as exc:
-            error = OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
+            error = _engine_failed(exc)
             with contextlib.suppress(ConnectionResetError):
                 await response.write(b"data: " + error.body() + b"\n\n")
         except ConnectionResetError:
             pass  # the client left; closing the iterator aborts the request
         return response
+
+
+def _engine_failed(exc: BaseException) -> OpenAIError:
+    return OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
 
 
 def _reason(out: StepOutput) -> Any:
@@ -196,6 +264,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.cleanup_ctx.append(server.lifespan)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat)
+    app.router.add_post("/v1/kv/prefill", server.kv_prefill)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     server.publisher.add_routes(app)

@@ -111,6 +111,7 @@ class Model(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # computed once per step, shared by every layer
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.layer(i), meta)
+            kv_cache.layer_stored(i)
         return self.norm(x)
 
 

@@ -63,3 +63,11 @@ def test_stop_strings_cut_the_text_even_across_tokens() -> None:
     assert feed(detok, "abc ENDING more") == "abc " and detok.stopped
     detok = IncrementalDetokenizer(ByteTokenizer(), stop=("xyz",))
     assert feed(detok, "no stop here") == "no stop here" and not detok.stopped
+
+
+def test_an_unfinished_character_at_the_end_still_goes_out() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    detok.add(ord("a"))
+    detok.add("é".encode()[0])  # the first byte of a two-byte character, and then the answer ends
+    assert detok.take() == "a"
+    assert detok.take(final=True) == "\ufffd"
