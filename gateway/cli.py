@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument(
         "--model", metavar="DIR", help="serve this model directory (default: a tiny random one)"
     )
+    demo.add_argument(
+        "--pd", action="store_true", help="disaggregate: each region runs one prefill and one decode engine"
+    )
     demo.set_defaults(func=_demo)
 
 
@@ -65,6 +68,7 @@ def _demo(args: argparse.Namespace) -> int:
         redis_url=args.redis,
         simulated=args.simulated,
         model_dir=args.model,
+        pd=args.pd,
     )
 
 

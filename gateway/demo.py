@@ -98,6 +98,7 @@ class EngineProcess:
     name: str
     port: int
     process: subprocess.Popen[bytes]
+    role: str = "both"
 
     @property
     def url(self) -> str:
@@ -114,14 +115,24 @@ def region_names(count: int) -> list[str]:
     return [REGION_NAMES[i] if i < len(REGION_NAMES) else f"region-{i}" for i in range(count)]
 
 
-def start_engines(kind: EngineKind, regions: int, engines_per_region: int) -> list[EngineProcess]:
+def start_engines(
+    kind: EngineKind, regions: int, engines_per_region: int, *, pd: bool = False
+) -> list[EngineProcess]:
+    """``engines_per_region`` engines per region; with ``pd``, one prefill and one decode engine instead."""
+    layout = (
+        [("p0", "prefill"), ("d0", "decode")]
+        if pd
+        else [(f"e{i}", "both") for i in range(engines_per_region)]
+    )
     engines = []
     for region in region_names(regions):
-        for i in range(engines_per_region):
+        for name, role in layout:
             port = free_port()
-            cmd = [*kind.command, "--port", str(port), "--engine-id", f"{region}/e{i}"]
+            cmd = [*kind.command, "--port", str(port), "--engine-id", f"{region}/{name}"]
+            if pd:
+                cmd += ["--role", role]
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            engines.append(EngineProcess(region, f"e{i}", port, process))
+            engines.append(EngineProcess(region, name, port, process, role))
     return engines
 
 
@@ -168,7 +179,9 @@ def demo_config(
             {
                 "name": r,
                 "engines": [
-                    {"name": e.name, "url": e.url, "model": kind.model} for e in engines if e.region == r
+                    {"name": e.name, "url": e.url, "model": kind.model, "role": e.role}
+                    for e in engines
+                    if e.region == r
                 ],
             }
             for r in names
@@ -226,6 +239,7 @@ def run_demo(
     redis_url: str | None,
     simulated: bool = False,
     model_dir: str | None = None,
+    pd: bool = False,
 ) -> int:
     install_best_loop()
     try:
@@ -233,7 +247,12 @@ def run_demo(
     except subprocess.CalledProcessError as exc:
         print(f"kvgate demo: could not write the demo model ({exc})", file=sys.stderr)
         return 1
-    engines = start_engines(kind, regions, engines_per_region)
+    if pd and kind.tokenizer is None:
+        print(
+            "kvgate demo: --pd needs kvgate's engine (simulated engines cannot transfer KV)", file=sys.stderr
+        )
+        return 2
+    engines = start_engines(kind, regions, engines_per_region, pd=pd)
     try:
         asyncio.run(wait_healthy(engines, timeout_s=120.0))
         asyncio.run(_serve(demo_config(engines, kind, port, redis_url), kind, port))

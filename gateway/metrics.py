@@ -76,6 +76,13 @@ class GatewayMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.pd_requests = Counter(
+            "kvgate_disaggregated_requests",
+            "Requests to disaggregated engines, by prefill path (remote: K/V transferred; local: decode "
+            "engine prefilled itself) and engines.",
+            ["region", "path", "prefill_engine", "decode_engine"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors",
             "Failed exchanges with engines, by kind.",
@@ -118,6 +125,9 @@ class GatewayMetrics:
             self._child(self.cached_tokens, region, engine).inc(cached_tokens)
         if completion_tokens:
             self._child(self.completion_tokens, region, engine).inc(completion_tokens)
+
+    def disaggregated(self, region: str, path: str, prefill_engine: str, decode_engine: str) -> None:
+        self._child(self.pd_requests, region, path, prefill_engine, decode_engine).inc()
 
     def upstream_error(self, engine: str, kind: str) -> None:
         self._child(self.upstream_errors, engine, kind).inc()

@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from cache.hashing import PrefixHashMemo, namespace_seed
+from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
@@ -108,9 +108,6 @@ class RequestPreparer:
                 code="context_length_exceeded",
             )
         cache_salt = parsed.cache_salt or ""
-        seed = self._seeds.get((model, cache_salt))
-        if seed is None:
-            seed = self._seeds[(model, cache_salt)] = namespace_seed(model, cache_salt)
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id")),
             tenant=DEFAULT_TENANT,
@@ -121,9 +118,16 @@ class RequestPreparer:
             stream=bool(parsed.stream),
             client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
             token_ids=token_ids,
-            hashes=self._hasher.block_hashes(token_ids, s.block_size, seed),
+            hashes=self.block_hashes(token_ids, model, cache_salt),
             cache_salt=cache_salt,
         )
+
+    def block_hashes(self, token_ids: TokenIds, model: str, cache_salt: str = "") -> list[int]:
+        """The prompt's block hashes in the namespace of ``model`` and ``cache_salt`` (contract 1)."""
+        seed = self._seeds.get((model, cache_salt))
+        if seed is None:
+            seed = self._seeds[(model, cache_salt)] = namespace_seed(model, cache_salt)
+        return self._hasher.block_hashes(token_ids, self.settings.block_size, seed)
 
     def _session_id(self, raw: str | None) -> str | None:
         if raw is None:

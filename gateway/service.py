@@ -23,8 +23,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
 from gateway.relay import relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
+from gateway.routing.disaggregation import choose_prefill
 from gateway.shared_state import SharedState
-from gateway.upstream import UpstreamClients, UpstreamConnectError, UpstreamError
+from gateway.upstream import Response, UpstreamClients, UpstreamConnectError, UpstreamError
+from region_map.config import Role
 from region_map.fleet import EngineState, Fleet
 
 log = logging.getLogger("kvgate.gateway")
@@ -35,9 +37,11 @@ MAX_ATTEMPTS = 3  # engines tried for one request while nothing has been sent to
 class _Retryable(Exception):
     """The engine failed before answering anything: another engine may take the request."""
 
-    def __init__(self, error: GatewayError) -> None:
+    def __init__(self, error: GatewayError, who: str, *, prefill_failed: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.who = who
+        self.prefill_failed = prefill_failed  # the decode engine is fine; its K/V transfer broke
 
 
 class Gateway:
@@ -138,23 +142,37 @@ class Gateway:
             seq=self._seq,
             session_engine=binding.engine if binding else None,
         )
+        # With dedicated prefill or decode engines, answers come from decode-capable engines and long uncached
+        # prompts are prefilled elsewhere; with only "both" engines every engine does everything.
+        disaggregated = any(e.role is not Role.BOTH for e in engines)
+        answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
+        prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
         excluded: set[str] = set()
+        failed_prefill: set[str] = set()
         last_error: GatewayError | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            decision = self.policy.pick(
-                route, self._candidates([e for e in engines if e.id not in excluded], cached)
-            )
+        for attempt in range(MAX_ATTEMPTS + len(prefilling)):
+            candidates = self._candidates([e for e in answering if e.id not in excluded], cached)
+            decision = self.policy.pick(route, candidates)
             if decision is None:
                 break
-            if attempt:
+            if attempt and decision.reason != "failover":
                 decision = RouteDecision(decision.engine, "failover", decision.cached_blocks)
             engine = self.fleet.engines[decision.engine]
+            prefill: EngineState | None = None
+            if prefilling:
+                chosen = next(c for c in candidates if c.engine == engine.id)
+                usable = self._candidates([e for e in prefilling if e.id not in failed_prefill], cached)
+                prefill_pick = choose_prefill(route, chosen, usable, self.settings.routing)
+                prefill = self.fleet.engines[prefill_pick.engine] if prefill_pick else None
             try:
-                return await self._dispatch(request, received, p, engine, decision, cached.get(engine.id, 0))
+                return await self._dispatch(request, received, p, engine, decision, cached, prefill)
             except _Retryable as exc:
-                excluded.add(engine.id)
                 last_error = exc.error
-                log.warning("request %s: engine %s failed before answering: %s", p.request_id, engine.id, exc)
+                if exc.prefill_failed and prefill is not None:
+                    failed_prefill.add(prefill.id)  # same decode engine, another prefill engine (or local)
+                else:
+                    excluded.add(engine.id)
+                log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
         if last_error is not None:
             raise last_error
         raise NoCapacity(
@@ -163,8 +181,10 @@ class Gateway:
 
     # -- dispatch --------------------------------------------------------------------------------------
 
-    def _upstream_body(self, p: Prepared, engine: EngineState) -> bytes:
+    def _upstream_body(self, p: Prepared, engine: EngineState, prefill: EngineState | None) -> bytes:
         body = dict(p.body)
+        if prefill is not None:
+            body["kv_transfer_params"] = {"prefill_url": prefill.url, "prefill_engine": prefill.id}
         if engine.config.accepts_token_ids:
             body["prompt_token_ids"] = p.token_ids
             if p.cache_salt:
@@ -181,10 +201,15 @@ class Gateway:
         p: Prepared,
         engine: EngineState,
         decision: RouteDecision,
-        known_blocks: int,
+        cached: dict[str, int],
+        prefill: EngineState | None = None,
     ) -> web.StreamResponse:
-        predicted = min(decision.cached_blocks * self.settings.block_size, len(p.token_ids))
-        pending = _PendingPrefill(engine, len(p.token_ids) - predicted)
+        block_size = self.settings.block_size
+        predicted = min(decision.cached_blocks * block_size, len(p.token_ids))
+        # The prefill work lands where the prompt is computed: the prefill engine, or the engine itself.
+        computing = prefill or engine
+        computing_cached = min(cached.get(computing.id, 0) * block_size, len(p.token_ids))
+        pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
         engine.inflight += 1
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
@@ -192,7 +217,7 @@ class Gateway:
                 upstream = await self.clients.pool(engine.url).request(
                     "POST",
                     p.path,
-                    self._upstream_body(p, engine),
+                    self._upstream_body(p, engine, prefill),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
                     header_timeout=self.settings.read_timeout_s,
                 )
@@ -201,8 +226,10 @@ class Gateway:
                 if isinstance(exc, UpstreamConnectError):
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
-                raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}")) from None
-            self._after_dispatch(p, engine, decision, predicted, known_blocks)
+                raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}"), engine.id) from None
+            if prefill is not None and upstream.status == 502:
+                await self._raise_if_transfer_failed(upstream, engine, prefill)
+            self._after_dispatch(p, engine, decision, predicted, cached.get(engine.id, 0))
             headers = {
                 "x-request-id": p.request_id,
                 "x-kvgate-region": engine.region,
@@ -210,6 +237,12 @@ class Gateway:
                 "x-kvgate-route": decision.reason,
                 "x-kvgate-predicted-cached-tokens": str(predicted),
             }
+            if prefill is not None or engine.role is not Role.BOTH:
+                path = "remote" if prefill is not None else "local"
+                headers["x-kvgate-prefill"] = path
+                headers["x-kvgate-prefill-engine"] = computing.id
+                headers["x-kvgate-decode-engine"] = engine.id
+                self.metrics.disaggregated(engine.region, path, computing.id, engine.id)
             on_done = self._accountant(p, engine, received, pending)
             timeout = self.settings.read_timeout_s
             if upstream.status != 200 or not p.stream:
@@ -235,6 +268,23 @@ class Gateway:
         finally:
             engine.inflight -= 1
             pending.settle()
+
+    async def _raise_if_transfer_failed(
+        self, upstream: Response, engine: EngineState, prefill: EngineState
+    ) -> None:
+        """A decode engine whose K/V transfer broke answers 502 before any token: retry elsewhere."""
+        data = await upstream.read(self.settings.read_timeout_s)
+        try:
+            error = orjson.loads(data)["error"]
+            code, message = error.get("code"), error.get("message")
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            code, message = None, data[:200].decode("utf-8", errors="replace")
+        self.metrics.upstream_error(
+            prefill.id if code == "kv_transfer_failed" else engine.id, f"http_502_{code}"
+        )
+        error_out = UpstreamFailed(f"engine {engine.id} answered 502: {message}")
+        raise _Retryable(error_out, prefill.id if code == "kv_transfer_failed" else engine.id,
+                         prefill_failed=code == "kv_transfer_failed")  # fmt: skip
 
     def _after_dispatch(
         self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_blocks: int

@@ -39,6 +39,7 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
 class Cluster:
     engines: dict[str, tuple[Any, str]]  # engine id ("region/name") -> (SimEngine or EngineServer, url)
     model: str = MODEL
+    roles: dict[str, str] = field(default_factory=dict)  # engine id -> prefill | decode (default both)
     gateways: list[tuple[Gateway, str]] = field(default_factory=list)
     session: aiohttp.ClientSession | None = None
     engine_runners: dict[str, web.AppRunner] = field(default_factory=dict)
@@ -61,7 +62,13 @@ class Cluster:
         for engine_id, (_, url) in self.engines.items():
             r, name = engine_id.split("/")
             regions.setdefault(r, []).append(
-                {"name": name, "url": url, "model": self.model, **extra.get(engine_id, {})}
+                {
+                    "name": name,
+                    "url": url,
+                    "model": self.model,
+                    "role": self.roles.get(engine_id, "both"),
+                    **extra.get(engine_id, {}),
+                }
             )
         settings = {"health_interval_s": 0.05, "gateway_id": f"gw-{uuid.uuid4().hex[:6]}", **gateway}
         config = parse_config(
@@ -112,13 +119,14 @@ async def start_cluster(
     *,
     sim: dict[str, Any] | None = None,
     real_model: Path | None = None,
+    roles: dict[str, str] | None = None,
     gateway_region: str | None = None,
     **gateway: Any,
 ) -> Cluster:
     """Engines per region (``{"eu-west": 2}``) and one gateway in front of them: simulated engines, or
     kvgate's real engine serving ``real_model`` (a model directory)."""
     regions = regions or {"eu-west": 2, "us-east": 2}
-    cluster = Cluster(engines={})
+    cluster = Cluster(engines={}, roles=roles or {})
     if real_model is not None:
         cluster.model = real_model.name
     try:
@@ -132,7 +140,8 @@ async def start_cluster(
                     handle: Any = app[SIM_ENGINE]
                 else:
                     llm = LLMEngine(EngineConfig(str(real_model), num_kv_blocks=256, device="cpu"))
-                    app = build_engine_app(llm, ServerConfig(engine_id=engine_id))
+                    role = cluster.roles.get(engine_id, "both")
+                    app = build_engine_app(llm, ServerConfig(engine_id=engine_id, role=role))
                     handle = app[ENGINE_SERVER]
                 runner, url = await _start(app)
                 cluster.engine_runners[engine_id] = runner

@@ -33,6 +33,11 @@ class RoutingSettings(BaseModel):
     tie_tolerance_s: float = Field(
         default=0.001, ge=0, description="estimates this close count as a tie, broken by rendezvous hashing"
     )
+    local_prefill_max_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="disaggregation: a decode engine prefills at most this many uncached tokens itself",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,10 +46,10 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize("engines", ["real", "simulated"])
+@pytest.mark.parametrize("engines", ["real", "simulated", "pd"])
 def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str) -> None:
     port = free_port()
-    extra = ["--simulated"] if engines == "simulated" else []
+    extra = {"simulated": ["--simulated"], "pd": ["--pd"]}.get(engines, [])
     model = "kvgate-sim" if engines == "simulated" else "kvgate-tiny"
     demo = subprocess.Popen(
         [*KVGATE, "demo", "--port", str(port), "--regions", "2", "--engines-per-region", "1", *extra],
@@ -70,7 +70,7 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
             except OSError:
                 time.sleep(0.2)
         assert health is not None, "the demo gateway never answered"
-        assert health["engines_total"] == 2
+        assert health["engines_total"] == (4 if engines == "pd" else 2)
         engine_ports = [int(e["url"].rsplit(":", 1)[1]) for e in health["engines"]]
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -89,6 +89,8 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
             extra_headers=headers,  # type: ignore[arg-type]
         )
         assert first.headers["x-kvgate-engine"].split("/")[0] in {"eu-west", "us-east"}
+        if engines == "pd":  # answered by a decode engine (a short prompt is prefilled there too)
+            assert first.headers["x-kvgate-decode-engine"].endswith("/d0")
         assert second.usage is not None and second.usage.prompt_tokens_details is not None
         assert second.usage.prompt_tokens_details.cached_tokens > 0
 
