@@ -170,12 +170,15 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
+            had_commands = bool(self._commands)
             while self._commands:
                 command = self._commands.popleft()
                 try:
                     self._execute(command)
                 except Exception as exc:  # a request that cannot be added fails alone
                     self._post(self._fail_one, command[1], exc)
+            if had_commands:
+                self._load = engine.load()  # aborts free blocks without a step: /health must say so
             if not engine.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()

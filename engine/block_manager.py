@@ -58,8 +58,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``, leaving at least one token to compute (the
-        step that computes it produces the next token's logits)."""
-        limit = (seq.num_tokens - 1) // self.block_size
+        step that computes it produces the next token's logits) unless ``seq`` only exports its K/V."""
+        limit = (seq.num_tokens if seq.export is not None else seq.num_tokens - 1) // self.block_size
         matched = []
         for i, h in enumerate(seq.block_hashes(self.block_size)[:limit]):
             block_id = self._by_hash.get(h)

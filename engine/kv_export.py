@@ -16,6 +16,7 @@ import torch
 from engine.attention import KVCache
 from engine.kv_transfer import kv_frame, position_slots
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -58,3 +59,16 @@ def layer_sender(plans: list[_Plan], kv_cache: KVCache) -> Callable[[int], None]
             plan.sink.send(kv_frame(i, plan.start, k_cache[plan.slots].cpu(), v_cache[plan.slots].cpu()))
 
     return on_layer
+
+
+def send_cached(seq: Sequence, kv_cache: KVCache) -> None:
+    """Every layer of positions ``export_from`` on, straight from the cache (nothing left to compute)."""
+    assert seq.export is not None
+    start, end = max(seq.export_from, seq.export.sent_positions), seq.num_computed
+    if end <= start:
+        return
+    slots = position_slots(seq.block_table, kv_cache.block_size, start, end)
+    for i in range(len(kv_cache.k)):
+        k_cache, v_cache = kv_cache.layer(i)
+        seq.export.send(kv_frame(i, start, k_cache[slots].cpu(), v_cache[slots].cpu()))
+    seq.export.sent_positions = end

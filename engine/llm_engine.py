@@ -14,6 +14,7 @@ from cache.tokens import Tokenizer, load_tokenizer
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_export import send_cached
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, sample
@@ -220,6 +221,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self._send_cached_exports()
         self.idle = not batch
         if not batch:
             return []
@@ -233,15 +235,27 @@ class LLMEngine:
             seq.num_computed += item.num_new
             self.blocks.register_full_blocks(seq)
             if seq.export is not None and seq.num_computed == seq.num_tokens:
-                cached = seq.num_cached_prompt_tokens or 0
-                self.scheduler.finish(seq, "prefilled")
-                seq.export.close({"t": "done", "tokens": seq.num_tokens, "cached_tokens": cached})
-                self._forget(seq.request_id)
+                self._finish_export(seq)
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
             seq.token_ids.append(token)
             outputs.append(self._after_token(seq, token))
         return outputs
+
+    def _send_cached_exports(self) -> None:
+        """Exports whose every position was already cached: send them from the cache, no model step."""
+        for seq in self.scheduler.cached_exports:
+            assert seq.export is not None
+            send_cached(seq, self.kv_cache)
+            self._finish_export(seq)
+        self.scheduler.cached_exports.clear()
+
+    def _finish_export(self, seq: Sequence) -> None:
+        assert seq.export is not None
+        cached = seq.num_cached_prompt_tokens or 0
+        self.scheduler.finish(seq, "prefilled")
+        seq.export.close({"t": "done", "tokens": seq.num_tokens, "cached_tokens": cached})
+        self._forget(seq.request_id)
 
     def _after_token(self, seq: Sequence, token: int) -> StepOutput:
         detok = self._detok[seq.request_id]

@@ -40,6 +40,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.admitted_importers: list[Sequence] = []  # given blocks this step; their K/V is to be fetched
+        self.cached_exports: list[
+            Sequence
+        ] = []  # admitted exports whose every token was cached: send, no step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -88,6 +91,9 @@ class Scheduler:
             self.running.append(seq)
             if seq.awaiting_kv:
                 self.admitted_importers.append(seq)
+                continue
+            if seq.num_computed == seq.num_tokens:
+                self.cached_exports.append(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             scheduled.append(ScheduledSeq.of(seq, n))

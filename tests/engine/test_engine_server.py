@@ -132,6 +132,9 @@ async def test_a_client_that_leaves_aborts_the_request(served: Running) -> None:
         await asyncio.sleep(0.02)
     assert not engine.scheduler.has_work()
     assert engine.blocks.num_free == engine.blocks.num_blocks
+    async with served.session.get(served.url + "/health") as r:
+        load = (await r.json())["load"]
+    assert load["running"] == 0 and load["kv_blocks_free"] == engine.blocks.num_blocks  # no stale load
 
 
 async def test_a_failing_engine_turns_health_red_and_fails_cleanly(served: Running) -> None:

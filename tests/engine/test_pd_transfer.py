@@ -183,3 +183,25 @@ async def test_the_prefill_endpoint_checks_its_input(pd: Any) -> None:
     for bad, status in (({"block_size": 8}, 400), ({"model": "other"}, 404), ({"from_position": 9}, 400)):
         async with session.post(prefill.url + "/v1/kv/prefill", json={**base, **bad}) as r:
             assert r.status == status, await r.text()
+
+
+async def test_a_fully_cached_pull_is_sent_without_a_model_step(pd: Any) -> None:
+    prefill, decode, session = pd
+    ids = prompt(33, offset=21)  # the pull covers positions 0..31: eight full blocks of four tokens
+    await complete(session, decode, ids, prefill, max_tokens=1)  # the prefill engine now caches them
+    steps = []
+    run = prefill.server.llm.runner.run
+
+    def counting(batch):  # type: ignore[no-untyped-def]
+        steps.append(batch)
+        return run(batch)
+
+    prefill.server.llm.runner.run = counting  # type: ignore[method-assign]
+    other = await start_node(Path(decode.server.llm.config.model_dir), "decode", "d1")
+    try:
+        status, body, headers = await complete(session, other, ids, prefill, max_tokens=1)
+    finally:
+        await other.runner.cleanup()
+    assert status == 200, body
+    assert headers["x-kvgate-kv-transferred-tokens"] == "32" and steps == []
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
