@@ -45,6 +45,33 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     demo.set_defaults(func=_demo)
 
+    sim = subparsers.add_parser(
+        "simulate",
+        help="replay a Mooncake trace through the gateway's routing on simulated regions",
+        description="Replay a Mooncake-format trace through the gateway's real routing policies, with a "
+        "discrete-event model of engines (prefill throughput, decode time, queues, LRU caches, RTTs).",
+    )
+    sim.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    sim.add_argument("--regions", type=int, default=1)
+    sim.add_argument("--engines-per-region", type=int, default=8)
+    sim.add_argument(
+        "--capacity-blocks", type=int, default=2000, help="prefix cache per engine, in trace blocks"
+    )
+    sim.add_argument(
+        "--policy",
+        default="default",
+        help="default, cache_aware (alias prefix), session, least_load, round_robin",
+    )
+    sim.add_argument("--rtt-ms", type=float, default=40.0, help="round trip between two regions")
+    sim.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
+    sim.add_argument("--decode-s-per-token", type=float, default=0.03)
+    sim.add_argument(
+        "--max-remote-share", type=float, default=0.2, help="cap on a region's traffic sent away"
+    )
+    sim.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    sim.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    sim.set_defaults(func=_simulate)
+
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config import load_config
@@ -70,6 +97,19 @@ def _demo(args: argparse.Namespace) -> int:
         model_dir=args.model,
         pd=args.pd,
     )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from gateway.simulate import main as simulate_main
+    from region_map.trace import TraceError
+
+    if args.regions < 1 or args.engines_per_region < 1 or args.capacity_blocks < 1:
+        raise ConfigError("--regions, --engines-per-region and --capacity-blocks must be at least 1")
+    try:
+        return simulate_main(args)
+    except (OSError, TraceError, ValueError) as exc:
+        print(f"kvgate simulate: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

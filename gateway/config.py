@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.home import HomeSettings
 from gateway.routing.base import RoutingSettings
 from region_map.config import (
     ConfigError,
@@ -57,6 +58,7 @@ class GatewaySettings(BaseModel):
     connect_timeout_s: float = Field(default=3.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence tolerated from an engine")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    home: HomeSettings = Field(default_factory=HomeSettings)
 
 
 ENV_OVERRIDES = {

@@ -131,9 +131,18 @@ def start_engines(
             cmd = [*kind.command, "--port", str(port), "--engine-id", f"{region}/{name}"]
             if pd:
                 cmd += ["--role", role]
-            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             engines.append(EngineProcess(region, name, port, process, role))
     return engines
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the demo dies, however the demo dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 async def wait_healthy(engines: list[EngineProcess], timeout_s: float = 30.0) -> None:
@@ -242,6 +251,8 @@ def run_demo(
     pd: bool = False,
 ) -> int:
     install_best_loop()
+    # A SIGTERM before the gateway is up must still run the clean-up below (it stops the engines).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         kind = choose_engines(simulated=simulated, model_dir=model_dir)
     except subprocess.CalledProcessError as exc:

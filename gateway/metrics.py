@@ -83,6 +83,12 @@ class GatewayMetrics:
             ["region", "path", "prefill_engine", "decode_engine"],
             registry=r,
         )
+        self.cross_region = Counter(
+            "kvgate_cross_region_requests",
+            "Requests served outside the client's home region, by home and serving region.",
+            ["home_region", "region"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors",
             "Failed exchanges with engines, by kind.",
@@ -100,9 +106,11 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def routed(self, region: str, engine: str, reason: str, predicted_cached: int) -> None:
+    def routed(self, region: str, engine: str, reason: str, predicted_cached: int, home: str) -> None:
         self._child(self.routing, region, engine, reason).inc()
         self._child(self.predicted_cached_tokens, region, engine).inc(predicted_cached)
+        if home != region:
+            self._child(self.cross_region, home, region).inc()
 
     def finished(
         self,

@@ -14,6 +14,7 @@ from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from gateway.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from region_map.fleet import Fleet
 
@@ -36,6 +37,7 @@ class Prepared:
     token_ids: np.ndarray
     hashes: list[int]
     cache_salt: str
+    home_region: str  # where the client is (see gateway.home)
 
 
 class RequestPreparer:
@@ -43,6 +45,8 @@ class RequestPreparer:
         self.settings = settings
         self.fleet = fleet
         self.tokenizer = tokenizer
+        regions = [r.name for r in fleet.topology.regions]
+        self.home = HomeRegions(settings.home, regions, fleet.region)
         self._seeds: dict[tuple[str, str], int] = {}
         self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
 
@@ -120,6 +124,7 @@ class RequestPreparer:
             token_ids=token_ids,
             hashes=self.block_hashes(token_ids, model, cache_salt),
             cache_salt=cache_salt,
+            home_region=self.home.resolve(request.headers, request.remote),
         )
 
     def block_hashes(self, token_ids: TokenIds, model: str, cache_salt: str = "") -> list[int]:

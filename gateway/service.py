@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-import xxhash
 from aiohttp import web
 
 from cache.sessions import SessionBinding
@@ -23,7 +22,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
 from gateway.relay import relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
+from gateway.routing.base import route_key
 from gateway.routing.disaggregation import choose_prefill
+from gateway.routing.regional import RemoteShareLimiter
 from gateway.shared_state import SharedState
 from gateway.upstream import Response, UpstreamClients, UpstreamConnectError, UpstreamError
 from region_map.config import Role
@@ -64,6 +65,7 @@ class Gateway:
         self.metrics = metrics
         self.policy = policy
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
+        self.limiter = RemoteShareLimiter(config.gateway.routing.max_remote_share)
         self.started = int(time.time())
         self._seq = 0
 
@@ -101,7 +103,7 @@ class Gateway:
 
     # -- routing ---------------------------------------------------------------------------------------
 
-    def _candidates(self, engines: list[EngineState], cached: dict[str, int]) -> list[Candidate]:
+    def _candidates(self, engines: list[EngineState], cached: dict[str, int], home: str) -> list[Candidate]:
         block_size = self.settings.block_size
         out = []
         for e in engines:
@@ -115,20 +117,11 @@ class Gateway:
                     load=total,
                     waiting=waiting,
                     cached_blocks=cached.get(e.id, 0) if precise else 0,
-                    rtt_s=self.fleet.rtt_s(e.region),
+                    rtt_s=self.fleet.rtt_s(e.region, home),
                     queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
                 )
             )
         return out
-
-    @staticmethod
-    def _route_key(p: Prepared) -> int:
-        """Stable for a conversation: its session, else its prompt (continuations find it by prefix)."""
-        if p.session_id is not None:
-            return xxhash.xxh3_64_intdigest(f"{p.tenant}\x00{p.session_id}".encode())
-        if p.hashes:
-            return p.hashes[-1]
-        return xxhash.xxh3_64_intdigest(p.token_ids.tobytes())
 
     async def _serve(self, request: web.Request, received: float, p: Prepared) -> web.StreamResponse:
         binding = await self.state.lookup_session(p.tenant, p.session_id) if p.session_id else None
@@ -138,9 +131,10 @@ class Gateway:
         route = RouteRequest(
             prompt_tokens=len(p.token_ids),
             block_size=self.settings.block_size,
-            route_key=self._route_key(p),
+            route_key=route_key(p.tenant, p.session_id, p.hashes, b"" if p.hashes else p.token_ids.tobytes()),
             seq=self._seq,
             session_engine=binding.engine if binding else None,
+            home_region=p.home_region,
         )
         # With dedicated prefill or decode engines, answers come from decode-capable engines and long uncached
         # prompts are prefilled elsewhere; with only "both" engines every engine does everything.
@@ -151,8 +145,10 @@ class Gateway:
         failed_prefill: set[str] = set()
         last_error: GatewayError | None = None
         for attempt in range(MAX_ATTEMPTS + len(prefilling)):
-            candidates = self._candidates([e for e in answering if e.id not in excluded], cached)
-            decision = self.policy.pick(route, candidates)
+            candidates = self._candidates(
+                [e for e in answering if e.id not in excluded], cached, p.home_region
+            )
+            decision = self.policy.pick(route, self.limiter.eligible(p.home_region, candidates))
             if decision is None:
                 break
             if attempt and decision.reason != "failover":
@@ -161,7 +157,9 @@ class Gateway:
             prefill: EngineState | None = None
             if prefilling:
                 chosen = next(c for c in candidates if c.engine == engine.id)
-                usable = self._candidates([e for e in prefilling if e.id not in failed_prefill], cached)
+                usable = self._candidates(
+                    [e for e in prefilling if e.id not in failed_prefill], cached, p.home_region
+                )
                 prefill_pick = choose_prefill(route, chosen, usable, self.settings.routing)
                 prefill = self.fleet.engines[prefill_pick.engine] if prefill_pick else None
             try:
@@ -236,6 +234,7 @@ class Gateway:
                 "x-kvgate-engine": engine.id,
                 "x-kvgate-route": decision.reason,
                 "x-kvgate-predicted-cached-tokens": str(predicted),
+                "x-kvgate-home-region": p.home_region,
             }
             if prefill is not None or engine.role is not Role.BOTH:
                 path = "remote" if prefill is not None else "local"
@@ -290,6 +289,7 @@ class Gateway:
         self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_blocks: int
     ) -> None:
         """The engine accepted the request: bind the session, remember where the prefix went."""
+        self.limiter.record(p.home_region, engine.region)
         if p.session_id is not None:
             current = self.state.sessions.get_now(p.tenant, p.session_id)
             if current is None or current.engine != engine.id:
@@ -300,7 +300,7 @@ class Gateway:
             self.state.record_route(engine.id, p.hashes[known_blocks:], s.pending_ttl_s, share=False)
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
-        self.metrics.routed(engine.region, engine.id, decision.reason, predicted)
+        self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
 
     def _accountant(
         self, p: Prepared, engine: EngineState, received: float, pending: _PendingPrefill

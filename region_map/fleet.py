@@ -155,8 +155,11 @@ class Fleet:
     def get(self, engine_id: str) -> EngineState | None:
         return self.engines.get(engine_id)
 
-    def rtt_s(self, region: str) -> float:
-        return self._rtt.get(region, self.topology.default_rtt_ms / 1000.0)
+    def rtt_s(self, region: str, home: str | None = None) -> float:
+        """Round trip from ``home`` (default: this gateway's region) to ``region``."""
+        if home is None or home == self.region:
+            return self._rtt.get(region, self.topology.default_rtt_ms / 1000.0)
+        return self.topology.rtt_s(home, region)
 
     def refresh_models(self) -> None:
         """Rebuild the model -> engines table (after an engine reported a different model)."""

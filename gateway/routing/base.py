@@ -33,6 +33,9 @@ class RoutingSettings(BaseModel):
     tie_tolerance_s: float = Field(
         default=0.001, ge=0, description="estimates this close count as a tie, broken by rendezvous hashing"
     )
+    max_remote_share: float = Field(
+        default=0.2, ge=0, le=1, description="the most of a home region's recent traffic served elsewhere"
+    )
     local_prefill_max_tokens: int = Field(
         default=256,
         ge=0,
@@ -61,6 +64,7 @@ class RouteRequest:
     route_key: int  # stable per conversation when possible: session id or prompt-derived hash
     seq: int  # this gateway's request counter (round robin)
     session_engine: str | None = None  # engine the x-session-affinity binding points at
+    home_region: str | None = None  # where the client is; candidates' rtt_s are measured from there
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,16 @@ class RoutingPolicy(Protocol):
         """The engine to send ``request`` to, or None when no candidate is healthy. Must not modify
         anything: the same inputs always give the same answer."""
         ...
+
+
+def route_key(tenant: str, session_id: str | None, hashes: Sequence[int], fallback: bytes = b"") -> int:
+    """Stable for a conversation: its session when it sends one, else its prompt (a continuation is found
+    by its prefix anyway, so the last block's hash only needs to spread new prompts)."""
+    if session_id is not None:
+        return xxhash.xxh3_64_intdigest(f"{tenant}\x00{session_id}".encode())
+    if hashes:
+        return hashes[-1]
+    return xxhash.xxh3_64_intdigest(fallback)
 
 
 def rendezvous(route_key: int, engine: str) -> int:

@@ -1,0 +1,220 @@
+"""A discrete-event model of engines in several regions, replaying a request trace through a router.
+
+Each simulated engine has an LRU prefix cache of ``capacity_blocks`` trace blocks, a FIFO prefill server
+(``prefill_tokens_per_s`` for uncached prompt tokens) and decodes at ``decode_s_per_token``. Time to first
+token = the round trip from the client's home region to the engine's + waiting for the prefill server + the
+uncached prefill. Routing is not modelled here: a ``Router`` decides (the gateway wires in its real policy
+objects), and hears every block an engine stores or evicts, as the gateway hears KV events.
+
+The same replay also runs the references: an unlimited cache (the oracle: no router can do better) and one
+pooled LRU holding every engine's capacity (what perfect pooling would give).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import xxhash
+
+from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill_tokens_per_s: float = 20_000.0
+    decode_s_per_token: float = 0.03
+    rtt_s: float = 0.040  # between two different regions; zero within one
+    block_tokens: int = TRACE_BLOCK_TOKENS
+
+
+class LRUBlocks:
+    """Block ids in least-recently-used order; ``insert`` reports what it evicted."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def prefix(self, blocks: Sequence[int]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Touch or add ``blocks`` (in order); returns (newly stored, evicted)."""
+        stored, evicted = [], []
+        for b in blocks:
+            if b in self._blocks:
+                self._blocks.move_to_end(b)
+            else:
+                self._blocks[b] = None
+                stored.append(b)
+        while len(self._blocks) > self.capacity:
+            old, _ = self._blocks.popitem(last=False)
+            evicted.append(old)
+        return stored, evicted
+
+
+class SimEngine:
+    def __init__(
+        self,
+        engine_id: str,
+        region: str,
+        capacity_blocks: int,
+        cost: CostModel,
+        on_change: Callable[[str, list[int], list[int]], None],
+    ) -> None:
+        self.id = engine_id
+        self.region = region
+        self.cost = cost
+        self.cache = LRUBlocks(capacity_blocks)
+        self._on_change = on_change
+        self._prefill_free_at = 0.0
+        self._prefills: deque[tuple[float, float, int]] = deque()  # (start, end, uncached tokens), FIFO
+        self._finishing: list[float] = []  # heap of times at which admitted requests finish decoding
+        self.requests = 0
+
+    def _advance(self, now: float) -> None:
+        while self._finishing and self._finishing[0] <= now:
+            heapq.heappop(self._finishing)
+        while self._prefills and self._prefills[0][1] <= now:
+            self._prefills.popleft()
+
+    def in_flight(self, now: float) -> int:
+        self._advance(now)
+        return len(self._finishing)
+
+    def waiting(self, now: float) -> int:
+        """Requests whose prefill has not started by ``now``."""
+        self._advance(now)
+        return sum(1 for start, _, _ in self._prefills if start > now)
+
+    def queued_prefill_tokens(self, now: float) -> int:
+        self._advance(now)
+        total = 0
+        for start, end, tokens in self._prefills:
+            total += tokens if start >= now else round(tokens * (end - now) / (end - start))
+        return total
+
+    def serve(self, now: float, request: TraceRequest) -> tuple[float, int]:
+        """Admit ``request``: returns (time of its first token, prompt blocks found in the cache)."""
+        self._advance(now)
+        self.requests += 1
+        hit = self.cache.prefix(request.blocks)
+        uncached = max(0, request.input_tokens - hit * self.cost.block_tokens)
+        start = max(now, self._prefill_free_at)
+        end = start + uncached / self.cost.prefill_tokens_per_s
+        self._prefill_free_at = end
+        self._prefills.append((start, end, uncached))
+        heapq.heappush(self._finishing, end + request.output_tokens * self.cost.decode_s_per_token)
+        # Stored at admission: prefills run FIFO, so anything routed here later finds these blocks computed.
+        stored, evicted = self.cache.insert(request.blocks)
+        if stored or evicted:
+            self._on_change(self.id, stored, evicted)
+        return end, hit
+
+
+class Router(Protocol):
+    def route(self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]) -> SimEngine:
+        """The engine that serves ``request`` (arriving at ``now`` from region ``home``)."""
+        ...
+
+    def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
+        """An engine stored or evicted blocks (the KV events a gateway would receive)."""
+        ...
+
+
+@dataclass
+class SimResult:
+    requests: int
+    hit_rate: float
+    oracle_hit_rate: float
+    pooled_hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    load_max_over_mean: float
+    cross_region_share: float
+    per_engine_requests: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        keys = ("hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean",
+                "cross_region_share", "pooled_hit_rate", "requests")  # fmt: skip
+        return {k: getattr(self, k) for k in keys}
+
+
+def home_region(request: TraceRequest, regions: Sequence[str]) -> str:
+    """Clients are spread over regions by conversation: a conversation always comes from the same place."""
+    key = request.conversation.to_bytes(8, "little", signed=True)
+    return regions[xxhash.xxh3_64_intdigest(key) % len(regions)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    *,
+    regions: Sequence[str],
+    engines_per_region: int,
+    capacity_blocks: int,
+    router: Router,
+    cost: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    cost = cost or CostModel()
+    engines = [
+        SimEngine(f"{region}/e{i}", region, capacity_blocks, cost, router.kv_changed)
+        for region in regions
+        for i in range(engines_per_region)
+    ]
+    pooled = LRUBlocks(capacity_blocks * len(engines))
+    seen: set[int] = set()
+    hits = oracle_hits = pooled_hits = total_blocks = cross = 0
+    ttfts: list[float] = []
+    for n, request in enumerate(trace, 1):
+        now = request.arrival_s
+        home = home_region(request, regions)
+        engine = router.route(request, home, now, engines)
+        first_token, hit = engine.serve(now, request)
+        rtt = 0.0 if engine.region == home else cost.rtt_s
+        ttfts.append(rtt + first_token - now)
+        cross += engine.region != home
+        hits += hit
+        total_blocks += len(request.blocks)
+        pooled_hits += pooled.prefix(request.blocks)
+        pooled.insert(request.blocks)
+        oracle = 0
+        for b in request.blocks:
+            if b not in seen:
+                break
+            oracle += 1
+        oracle_hits += oracle
+        seen.update(request.blocks)
+        if progress is not None and n % 256 == 0:
+            progress(n)
+    counts = {e.id: e.requests for e in engines}
+    mean = sum(counts.values()) / len(counts)
+    return SimResult(
+        requests=len(trace),
+        hit_rate=hits / total_blocks if total_blocks else 0.0,
+        oracle_hit_rate=oracle_hits / total_blocks if total_blocks else 0.0,
+        pooled_hit_rate=pooled_hits / total_blocks if total_blocks else 0.0,
+        ttft_p50_s=percentile(ttfts, 0.50),
+        ttft_p90_s=percentile(ttfts, 0.90),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        load_max_over_mean=max(counts.values()) / mean if mean else 0.0,
+        cross_region_share=cross / len(trace) if trace else 0.0,
+        per_engine_requests=counts,
+    )

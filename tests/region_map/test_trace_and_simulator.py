@@ -1,0 +1,86 @@
+"""The trace reader and the discrete-event model, with a stand-in router (the real ones: tests/gateway)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from region_map.simulator import CostModel, LRUBlocks, SimEngine, simulate
+from region_map.trace import TraceError, TraceRequest, load_trace
+
+
+def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_buckets_are_spread_and_conversations_named_by_their_first_private_block(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 2]},
+        {"timestamp": 3000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 3]},
+        {"timestamp": 3000, "input_length": 100, "output_length": 5, "hash_ids": [0]},
+    ]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    assert [r.arrival_s for r in trace] == [0.0, 1.5, 3.0, 3.5]
+    assert [r.conversation for r in trace] == [1, 2, 1, 0]
+    assert trace[2].blocks == (0, 1, 3)
+
+
+@pytest.mark.parametrize("line", ['{"timestamp": 0}', "not json", '{"timestamp": 0, "input_length": 1, '
+                                  '"output_length": 1, "hash_ids": []}'])  # fmt: skip
+def test_bad_lines_name_the_file_and_line(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n' + line + "\n"
+    )
+    with pytest.raises(TraceError, match=r"bad\.jsonl:2"):
+        load_trace(path)
+
+
+def test_lru_blocks_evict_the_least_recently_used() -> None:
+    lru = LRUBlocks(3)
+    assert lru.insert([1, 2, 3]) == ([1, 2, 3], [])
+    lru.insert([1])  # 1 is now the most recent
+    assert lru.insert([4]) == ([4], [2])
+    assert lru.prefix([1, 3, 4, 2]) == 3
+
+
+def test_an_engine_queues_prefills_and_finds_its_cache() -> None:
+    changes: list[tuple[str, list[int], list[int]]] = []
+    engine = SimEngine(
+        "r/e0", "r", 10, CostModel(prefill_tokens_per_s=1000, block_tokens=100), lambda *a: changes.append(a)
+    )
+    first = TraceRequest(0.0, 500, 10, (1, 2, 3, 4, 5), 1)
+    done, hit = engine.serve(0.0, first)
+    assert (done, hit) == (0.5, 0) and changes == [("r/e0", [1, 2, 3, 4, 5], [])]
+    second = TraceRequest(0.1, 600, 10, (1, 2, 3, 4, 5, 6), 1)
+    done, hit = engine.serve(0.1, second)
+    assert hit == 5 and done == pytest.approx(0.6)  # waits for the first prefill, then 100 uncached tokens
+    assert engine.waiting(0.2) == 1 and engine.in_flight(0.2) == 2
+    assert engine.queued_prefill_tokens(0.25) == 100 + 250  # the rest of the first, all of the second
+
+
+class FirstEngine:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[int], list[int]]] = []
+
+    def route(self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]) -> SimEngine:
+        return engines[0]
+
+    def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
+        self.events.append((engine_id, stored, evicted))
+
+
+def test_the_replay_reports_hits_and_the_references() -> None:
+    trace = [TraceRequest(float(i), 1024, 2, (0, 10 + i), 10 + i) for i in range(4)]
+    trace.append(TraceRequest(9.0, 1024, 2, (0, 10), 10))
+    router = FirstEngine()
+    result = simulate(trace, regions=["a"], engines_per_region=2, capacity_blocks=100, router=router)
+    # block 0 hits from the 2nd request on (3 hits); the last request repeats the first (2 hits).
+    assert result.hit_rate == result.oracle_hit_rate == result.pooled_hit_rate == pytest.approx(5 / 10)
+    assert result.load_max_over_mean == 2.0 and result.cross_region_share == 0.0
+    assert router.events[0] == ("a/e0", [0, 10], [])
