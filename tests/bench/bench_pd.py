@@ -245,7 +245,9 @@ async def bench_transfer(
         mc.num_hidden_layers, blocks, BLOCK_SIZE, mc.num_key_value_heads, mc.head_dim, torch.float32
     )
     importer = KvImporter(cache, MODEL_NAME, timeout_s=120)
-    end = LONG_PROMPT - 1  # a decode engine pulls every position but the last
+    # A decode engine pulls every position but its prompt's last: a (LONG_PROMPT + 1)-token prompt pulls
+    # LONG_PROMPT positions, whole blocks the prefill engine has cached, so the pull is pure transfer.
+    end = LONG_PROMPT
     per_position = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # K and V, fp32
     nbytes = end * per_position
     src = torch.rand(nbytes // 4, dtype=torch.float32)
@@ -255,7 +257,9 @@ async def bench_transfer(
 
     async def pull(name: str, start: int) -> float:
         nonlocal cached
-        ticket = ImportTicket(f"bench-{name}-{len(times[name])}", prompt, start, end, list(range(blocks)))
+        ticket = ImportTicket(
+            f"bench-{name}-{len(times[name])}", [*prompt, 1], start, end, list(range(blocks))
+        )
         before = importer.bytes_received
         t = time.perf_counter()
         cached = await importer(ticket, prefill.url, "")
@@ -268,9 +272,8 @@ async def bench_transfer(
         with pinned({1}):  # the prefill engine is on core 0; the receiver gets core 1, as a decode engine
             for i in range(pulls + 1):  # round 0 warms up the connection and the allocations
                 full = await pull("pull", 0)
-                # The control: the same request for the last position only. The prefill engine does the
-                # same work (it recomputes the prompt's last partial block over the whole context, since
-                # its prefix cache leaves at least one token to compute) but sends 1 position per layer.
+                # The control: the same request for the last position only: the per-request cost of a
+                # pull (HTTP, prefix match, one frame per layer) without the bulk of the bytes.
                 control = await pull("control", end - 1)
                 t = time.perf_counter()
                 dst.copy_(src)
