@@ -31,7 +31,20 @@ class RoutingSettings(BaseModel):
         default=8, ge=1, description="load guard: an engine with this many queued requests is overloaded"
     )
     tie_tolerance_s: float = Field(
-        default=0.001, ge=0, description="estimates this close count as a tie, broken by rendezvous hashing"
+        default=0.001, ge=0, description="estimates this close (seconds) are a tie"
+    )
+    tie_tolerance_frac: float = Field(
+        default=0.05,
+        ge=0,
+        description="... or this close relative to the best: then home, load and hashing decide",
+    )
+    session_slack_s: float = Field(
+        default=0.1, ge=0, description="a session moves only if another engine is this much faster (seconds)"
+    )
+    session_slack_frac: float = Field(
+        default=4.0,
+        ge=0,
+        description="... and faster by this many times the prefill its cached prefix would cost elsewhere",
     )
     max_remote_share: float = Field(
         default=0.2, ge=0, le=1, description="the most of a home region's recent traffic served elsewhere"

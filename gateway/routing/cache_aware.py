@@ -6,9 +6,12 @@
             + (prompt_tokens − cached_tokens(c)) · prefill_cost   this request's own uncached prefill
 
 ``cached_tokens`` comes from the residency index (longest cached prefix). Estimates within
-``tie_tolerance_s`` of the best are ties, broken by rendezvous hashing of the route key: new conversations
-spread over equal engines instead of piling onto the first. An engine that holds the prefix but is queued
-deep loses to an idle one as soon as its queue costs more than the recomputation it would save.
+``tie_tolerance_s`` or ``tie_tolerance_frac`` of the best are ties; among them a candidate in the client's
+home region wins, then the least loaded, then rendezvous hashing of the route key. The relative tolerance
+matters: a popular shared prefix (everyone's system prompt) is worth a few percent of a long prompt, and
+without it every new conversation would pile onto the engines that happened to cache it first, starving
+the others for good. An engine that holds the prefix but is queued deep loses to an idle one as soon as its
+queue costs more than the recomputation it would save.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ class CacheAwarePolicy:
             return None
         scored = [(self.estimate_ttft_s(request, c), c) for c in usable]
         best = min(t for t, _ in scored)
-        tied = [c for t, c in scored if t <= best + self.settings.tie_tolerance_s]
-        # Within the tolerance the cached blocks are worth nothing measurable: spread instead of letting a
-        # shared system prompt pull every new conversation onto whichever engine cached it first.
-        chosen = max(tied, key=lambda c: rendezvous(request.route_key, c.engine))
+        s = self.settings
+        tied = [c for t, c in scored if t <= best + max(s.tie_tolerance_s, s.tie_tolerance_frac * best)]
+        chosen = min(tied, key=lambda c: (c.rtt_s > 0, c.load, -rendezvous(request.route_key, c.engine)))
         return RouteDecision(
             chosen.engine, "prefix" if chosen.cached_blocks else "miss", chosen.cached_blocks
         )

@@ -80,8 +80,8 @@ def test_a_remote_session_stays_only_while_it_beats_recomputing_at_home() -> Non
     remote = Candidate("us-east/e0", "us-east", True, 0, 0, 200, 0.040)  # holds 3,200 tokens
     # 3,200 cached tokens save 0.32 s of prefill: worth a 40 ms round trip.
     assert policy.pick(req(3300), [home, remote]).engine == "us-east/e0"  # type: ignore[union-attr]
-    # A short remote prefix saves less than the round trip costs: the session comes home.
-    short = Candidate("us-east/e0", "us-east", True, 0, 0, 2, 0.040)
+    # A short remote prefix saves less than a long round trip costs: the session comes home.
+    short = Candidate("us-east/e0", "us-east", True, 0, 0, 2, 0.150)
     decision = policy.pick(req(3300), [home, short])
     assert decision is not None and decision.engine == "eu-west/e0" and decision.reason == "moved"
 

@@ -87,10 +87,22 @@ def test_cache_aware_spreads_new_prompts_over_equal_engines() -> None:
     assert set(picks) == {"a", "b", "c", "d"} and min(picks.values()) > 60
 
 
-@pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
-def test_a_session_stays_on_its_engine_even_without_cache_there(policy_cls: type) -> None:
-    policy = policy_cls(S)
+def test_the_session_policy_stays_even_without_cache_there() -> None:
+    decision = SessionPolicy(S).pick(req(session="a"), [cand("a", load=3), cand("b", cached=60)])
+    assert decision.engine == "a" and decision.reason == "session"
+
+
+def test_the_default_policy_moves_a_session_only_for_a_real_gain() -> None:
+    policy = DefaultPolicy(S)
+    # b would save 32 ms of prefill: below the 100 ms slack, the session stays.
+    decision = policy.pick(req(session="a"), [cand("a", load=3, cached=20), cand("b", cached=40)])
+    assert decision.engine == "a" and decision.reason == "session"
+    # b would save ~100 ms more than the 0.1 s slack and a holds nothing worth keeping: it moves.
     decision = policy.pick(req(session="a"), [cand("a", load=3), cand("b", cached=60)])
+    assert decision.engine == "b" and decision.reason == "moved"
+    # a's long cached prefix would cost 4 x its recompute to give up: it stays despite a queue.
+    busy = replace(cand("a", cached=50, load=4), queued_prefill_tokens=2000)
+    decision = policy.pick(req(tokens=1024, session="a"), [busy, cand("b")])
     assert decision.engine == "a" and decision.reason == "session"
 
 
