@@ -9,7 +9,7 @@ tenant cache salt, adapter): equal text under two namespaces never shares a hash
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -136,3 +136,33 @@ class PrefixHashMemo:
 def data_view(data: bytes) -> np.ndarray:
     """Already-encoded token bytes as the uint32 array ``block_hashes`` accepts without copying."""
     return np.frombuffer(data, dtype="<u4")
+
+
+def shared_boundary_seed(last_shared_hash: int, private_seed: int) -> int:
+    """Where a tenant's own chain starts after a shared public prefix: mixes the tenant's namespace in, so
+    two tenants' continuations of the same public prefix still never share a hash."""
+    return xxhash.xxh3_64_intdigest(last_shared_hash.to_bytes(8, "little"), seed=private_seed)
+
+
+Hasher = Callable[[TokenIds, int, int], list[BlockHash]]
+
+
+def namespaced_block_hashes(
+    token_ids: TokenIds,
+    block_size: int,
+    private_seed: int,
+    *,
+    public_seed: int | None = None,
+    shared_blocks: int = 0,
+    hasher: Hasher | None = None,
+) -> list[BlockHash]:
+    """Block hashes whose first ``shared_blocks`` blocks live in the public namespace (an operator-declared
+    prefix every tenant may share) and the rest in the tenant's. Without a shared part: ``block_hashes``."""
+    hash_fn: Hasher = hasher or (lambda ids, bs, seed: block_hashes(ids, bs, seed))
+    if shared_blocks <= 0 or public_seed is None or public_seed == private_seed:
+        return hash_fn(token_ids, block_size, private_seed)
+    cut = shared_blocks * block_size
+    head = hash_fn(token_ids[:cut], block_size, public_seed)
+    if len(head) < shared_blocks:
+        return head
+    return head + hash_fn(token_ids[cut:], block_size, shared_boundary_seed(head[-1], private_seed))

@@ -134,12 +134,14 @@ def render_chat(messages: Iterable[Mapping[str, Any]], *, add_generation_prompt:
     return "".join(out)
 
 
-def render_messages(tokenizer: Tokenizer, messages: Iterable[Mapping[str, Any]]) -> str:
+def render_messages(
+    tokenizer: Tokenizer, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True
+) -> str:
     """A conversation as prompt text: the model's own chat template when it has one, ChatML otherwise.
     Gateway and engine both call this, so they tokenize a chat identically."""
     if tokenizer.chat_template is not None:
-        return tokenizer.chat_template.render(messages)
-    return render_chat(messages)
+        return tokenizer.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    return render_chat(messages, add_generation_prompt=add_generation_prompt)
 
 
 class ChatTemplate:

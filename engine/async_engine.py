@@ -24,12 +24,12 @@ from cache.events import KvEvent
 from engine.kv_export import ExportSink
 from engine.kv_transfer import KvTransferError, frame
 from engine.llm_engine import ImportTicket, LLMEngine, StepOutput
-from engine.sequence import SamplingParams
+from engine.sequence import CacheNamespace, SamplingParams
 
 log = logging.getLogger("kvgate.engine")
 
-# fetch(ticket, prefill_url, cache_salt) -> the prefill engine's cached tokens; raises KvTransferError
-KvFetcher = Callable[[ImportTicket, str, str], Awaitable[int]]
+# fetch(ticket, prefill_url, namespace) -> the prefill engine's cached tokens; raises KvTransferError
+KvFetcher = Callable[[ImportTicket, str, CacheNamespace], Awaitable[int]]
 
 
 class EngineDead(RuntimeError):
@@ -53,7 +53,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._import_sources: dict[str, tuple[str, str]] = {}  # request id -> (prefill url, cache salt)
+        self._import_sources: dict[str, tuple[str, CacheNamespace]] = {}  # request id -> (prefill url, ...)
         self._imports: dict[str, asyncio.Task[None]] = {}
         self.error: BaseException | None = None
         self.steps = 0
@@ -89,7 +89,7 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        cache_salt: str = "",
+        namespace: CacheNamespace | None = None,
         *,
         prefill_url: str | None = None,
     ) -> AsyncIterator[StepOutput]:
@@ -103,9 +103,10 @@ class AsyncEngine:
             raise KvTransferError("this engine cannot receive KV transfers")
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
+        namespace = namespace or CacheNamespace()
         if prefill_url is not None:
-            self._import_sources[request_id] = (prefill_url, cache_salt)
-        self._submit(("add", request_id, list(prompt_token_ids), params, cache_salt, prefill_url is not None))
+            self._import_sources[request_id] = (prefill_url, namespace)
+        self._submit(("add", request_id, list(prompt_token_ids), params, namespace, prefill_url is not None))
         finished = False
         try:
             while True:
@@ -126,7 +127,7 @@ class AsyncEngine:
                 self._submit(("abort", request_id))
 
     async def export(
-        self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str, from_position: int
+        self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
     ) -> AsyncIterator[bytes]:
         """Prefill a prompt here and yield its K/V frames (positions ``from_position`` on) as its layers
         finish, then the closing frame. Closing the iterator early aborts the prefill."""
@@ -145,7 +146,7 @@ class AsyncEngine:
             post(queue.put_nowait, None)
 
         self._queues[request_id] = queue  # an engine failure reaches it like any other request
-        self._submit(("export", request_id, prompt, cache_salt, from_position, ExportSink(send, close)))
+        self._submit(("export", request_id, prompt, namespace, from_position, ExportSink(send, close)))
         finished = False
         try:
             while True:
@@ -203,8 +204,8 @@ class AsyncEngine:
     def _execute(self, command: tuple[Any, ...]) -> None:
         engine, kind = self.engine, command[0]
         if kind == "add":
-            _, request_id, prompt, params, salt, import_kv = command
-            engine.add_request(request_id, prompt, params, salt, import_kv=import_kv)
+            _, request_id, prompt, params, namespace, import_kv = command
+            engine.add_request(request_id, prompt, params, namespace, import_kv=import_kv)
         elif kind == "export":
             engine.add_export(*command[1:])
         elif kind == "imported":
@@ -235,13 +236,13 @@ class AsyncEngine:
                 continue
             self._imports[ticket.request_id] = asyncio.create_task(self._import(ticket, *source))
 
-    async def _import(self, ticket: ImportTicket, prefill_url: str, cache_salt: str) -> None:
+    async def _import(self, ticket: ImportTicket, prefill_url: str, namespace: CacheNamespace) -> None:
         assert self._kv_fetcher is not None
         try:
             if ticket.start >= ticket.end:  # its own cache held everything: nothing to fetch
                 cached = ticket.start
             else:
-                cached = await self._kv_fetcher(ticket, prefill_url, cache_salt)
+                cached = await self._kv_fetcher(ticket, prefill_url, namespace)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -15,6 +15,7 @@ import aiohttp
 from engine.attention import KVCache
 from engine.kv_transfer import KvChunk, KvTransferError, position_slots, read_frame
 from engine.llm_engine import ImportTicket
+from engine.sequence import CacheNamespace
 
 
 class KvImporter:
@@ -30,14 +31,15 @@ class KvImporter:
             await self._session.close()
             self._session = None
 
-    async def __call__(self, ticket: ImportTicket, source_url: str, cache_salt: str) -> int:
+    async def __call__(self, ticket: ImportTicket, source_url: str, namespace: CacheNamespace) -> int:
         """Fetch and store the K/V; returns the tokens the prefill engine found in its own cache."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         body = {
             "model": self.model_name,
             "prompt_token_ids": ticket.prompt_token_ids[: ticket.end],
-            "cache_salt": cache_salt,
+            "cache_salt": namespace.salt,
+            "cache_shared_blocks": namespace.shared_blocks,
             "from_position": ticket.start,
             "block_size": self.kv_cache.block_size,
             "request_id": ticket.request_id,

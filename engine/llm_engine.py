@@ -19,7 +19,7 @@ from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, SeqStatus, Sequence
+from engine.sequence import CacheNamespace, SamplingParams, SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from engine.kv_export import ExportSink
@@ -118,6 +118,14 @@ class LLMEngine:
     def hash_seed(self, cache_salt: str = "") -> int:
         return namespace_seed(self.model_name, cache_salt)
 
+    def _sequence(
+        self, request_id: str, prompt: list[int], params: SamplingParams, namespace: CacheNamespace
+    ) -> Sequence:
+        seq = Sequence(request_id, prompt, params, self.hash_seed(namespace.salt))
+        if namespace.shared_blocks:
+            seq.public_seed, seq.shared_blocks = self.hash_seed(""), namespace.shared_blocks
+        return seq
+
     # -- requests ---------------------------------------------------------------------------------------
 
     def check_request(self, prompt: Seq[int], params: SamplingParams) -> None:
@@ -144,7 +152,7 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: Seq[int],
         params: SamplingParams,
-        cache_salt: str = "",
+        namespace: CacheNamespace | None = None,
         *,
         import_kv: bool = False,
     ) -> None:
@@ -154,7 +162,8 @@ class LLMEngine:
             raise RequestRejected(f"request id {request_id!r} is already running")
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, params)
-        seq = Sequence(request_id, prompt, params, self.hash_seed(cache_salt), awaiting_kv=import_kv)
+        seq = self._sequence(request_id, prompt, params, namespace or CacheNamespace())
+        seq.awaiting_kv = import_kv
         self._seqs[request_id] = seq
         self._generators[request_id] = make_generator(params.seed)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -165,7 +174,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: Seq[int],
-        cache_salt: str,
+        namespace: CacheNamespace,
         from_position: int,
         sink: ExportSink,
     ) -> None:
@@ -178,7 +187,7 @@ class LLMEngine:
             raise RequestRejected(
                 f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
             )
-        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=0), self.hash_seed(cache_salt))
+        seq = self._sequence(request_id, prompt, SamplingParams(max_tokens=0), namespace)
         seq.export, seq.export_from = sink, from_position
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

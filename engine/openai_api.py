@@ -86,6 +86,7 @@ class GenerationRequest:
     top_k: int = 0  # 0: disabled
     cache_salt: str = ""
     prefill_url: str | None = None  # disaggregated: pull the prompt's K/V from this prefill engine
+    cache_shared_blocks: int = 0  # leading blocks of an operator-declared public prefix (shared by tenants)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -189,6 +190,8 @@ def parse_request(
     top_k_raw = data.get("top_k")
     top_k = 0 if top_k_raw is None else _int(top_k_raw, "top_k", lo=-1)
     prefill_url = _prefill_url(data.get("kv_transfer_params"))
+    shared_raw = data.get("cache_shared_blocks")
+    shared_blocks = 0 if shared_raw is None else _int(shared_raw, "cache_shared_blocks", lo=0)
 
     return GenerationRequest(
         kind=kind,
@@ -206,6 +209,7 @@ def parse_request(
         top_k=max(top_k, 0),
         cache_salt=cache_salt or "",
         prefill_url=prefill_url,
+        cache_shared_blocks=shared_blocks,
     )
 
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cache.hashing import block_hashes
+from cache.hashing import block_hashes, shared_boundary_seed
 
 if TYPE_CHECKING:
     from engine.kv_export import ExportSink
@@ -28,6 +28,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class CacheNamespace:
+    """Whose KV a request may share: its cache salt (a tenant's), and how many leading blocks belong to an
+    operator-declared public prefix that every tenant shares (hashed in the salt-less namespace)."""
+
+    salt: str = ""
+    shared_blocks: int = 0
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +49,8 @@ class Sequence:
     token_ids: list[int]  # prompt, then every generated token
     params: SamplingParams
     hash_seed: int  # namespace of the block hashes (model + cache salt)
+    public_seed: int | None = None  # namespace of the first ``shared_blocks`` blocks (a shared public prefix)
+    shared_blocks: int = 0
     num_prompt_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -76,13 +87,24 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def block_hashes(self, block_size: int) -> list[int]:
-        """Chain hashes of every full block of the tokens so far (extended incrementally, never rehashed)."""
+        """Chain hashes of every full block of the tokens so far (extended incrementally, never rehashed).
+        Equal to ``cache.hashing.namespaced_block_hashes`` of the whole sequence."""
         full = len(self.token_ids) // block_size
-        done = len(self._hashes)
-        if full > done:
-            parent = self._hashes[-1] if self._hashes else None
-            tail = self.token_ids[done * block_size : full * block_size]
-            self._hashes.extend(block_hashes(tail, block_size, self.hash_seed, parent=parent))
+        shared = (
+            self.shared_blocks if self.public_seed is not None and self.public_seed != self.hash_seed else 0
+        )
+        while len(self._hashes) < full:
+            done = len(self._hashes)
+            if done < shared:  # still inside the public prefix
+                end, seed, parent = min(full, shared), self.public_seed, self._hashes[-1] if done else None
+            else:
+                end, seed = full, self.hash_seed
+                parent = self._hashes[-1] if done > shared else None
+                if done == shared and shared:
+                    parent = shared_boundary_seed(self._hashes[-1], self.hash_seed)
+            assert seed is not None
+            tail = self.token_ids[done * block_size : end * block_size]
+            self._hashes.extend(block_hashes(tail, block_size, seed, parent=parent))
         return self._hashes[:full]
 
     def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:

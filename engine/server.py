@@ -33,7 +33,7 @@ from engine.openai_api import (
     sse_response,
     usage,
 )
-from engine.sequence import SamplingParams
+from engine.sequence import CacheNamespace, SamplingParams
 
 REQUEST_ID_HEADER = "x-request-id"
 TRANSFER_HEADER = "x-kvgate-kv-transfer"  # remote: the prompt's K/V came from a prefill engine; else local
@@ -97,9 +97,13 @@ class EngineServer:
             )
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise OpenAIError("prompt_token_ids must be an array of token ids", param="prompt_token_ids")
+            shared = body.get("cache_shared_blocks") or 0
             if not isinstance(start, int) or isinstance(start, bool) or not isinstance(salt, str):
                 raise OpenAIError("from_position must be an integer and cache_salt a string")
-            frames = self.engine.export(f"kv-{request_id}-{new_request_id()}", ids, salt, start)
+            if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+                raise OpenAIError("cache_shared_blocks must be a non-negative integer")
+            namespace = CacheNamespace(salt, shared)
+            frames = self.engine.export(f"kv-{request_id}-{new_request_id()}", ids, namespace, start)
             first = await anext(frames)
         except orjson.JSONDecodeError:
             return OpenAIError("the body is not valid JSON").to_response()
@@ -176,7 +180,7 @@ class EngineServer:
                 f"{request_id}-{req.response_id}",
                 req.prompt_token_ids.tolist(),
                 params,
-                req.cache_salt,
+                CacheNamespace(req.cache_salt, req.cache_shared_blocks),
                 prefill_url=req.prefill_url,
             )
             first = await anext(outputs)  # errors before the first token still become an HTTP error

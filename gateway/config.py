@@ -7,16 +7,20 @@ Precedence: built-in defaults < the file < ``KVGATE_*`` environment variables < 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cache.ledger import Prices
 from gateway.home import HomeSettings
 from gateway.routing.base import RoutingSettings
+from gateway.tenants import TENANT_PATTERN, TenantConfig
 from region_map.config import (
     ConfigError,
     TopologyConfig,
@@ -26,7 +30,31 @@ from region_map.config import (
 )
 
 TOPOLOGY_KEYS = frozenset({"region", "regions", "rtt_ms", "default_rtt_ms"})
-TOP_LEVEL_KEYS = TOPOLOGY_KEYS | {"gateway"}
+TOP_LEVEL_KEYS = TOPOLOGY_KEYS | {"gateway", "tenants", "prices"}
+
+
+class AuthSettings(BaseModel):
+    """The ``[gateway.auth]`` table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=False, description="require Authorization: Bearer <key>")
+    keys_file: str | None = Field(default=None, description="hashed keys (JSON lines) when there is no Redis")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
+
+
+class PriceConfig(BaseModel):
+    """``[prices."model"]``: dollars per million tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: Decimal = Field(ge=0)
+    cached_input: Decimal = Field(ge=0)
+    output: Decimal = Field(ge=0)
+
+    def prices(self) -> Prices:
+        return Prices(self.input, self.cached_input, self.output)
 
 
 class GatewaySettings(BaseModel):
@@ -59,7 +87,16 @@ class GatewaySettings(BaseModel):
     read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence tolerated from an engine")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     home: HomeSettings = Field(default_factory=HomeSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    shared_prefixes: list[str] = Field(
+        default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"
+    )
+    spool_path: str | None = Field(
+        default=None, description="ledger spool when Redis is away; default: kvgate-ledger-<gateway_id>.spool"
+    )
 
+
+_T = TypeVar("_T", bound=BaseModel)
 
 ENV_OVERRIDES = {
     "KVGATE_HOST": "host",
@@ -76,6 +113,8 @@ ENV_OVERRIDES = {
 class KvgateConfig:
     topology: TopologyConfig
     gateway: GatewaySettings
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    prices: dict[str, PriceConfig] = field(default_factory=dict)
 
     @property
     def gateway_id(self) -> str:
@@ -106,7 +145,24 @@ def parse_config(
         gateway = GatewaySettings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, root="gateway")) from None
-    return KvgateConfig(topology, gateway)
+    tenants = _table(data, "tenants", TenantConfig)
+    for name in tenants:
+        if not re.match(TENANT_PATTERN, name):
+            raise ConfigError(f"tenants.{name}: a tenant name is 1-63 letters, digits, '_', '.' or '-'")
+    return KvgateConfig(topology, gateway, tenants, _table(data, "prices", PriceConfig))
+
+
+def _table(data: Mapping[str, Any], key: str, model: type[_T]) -> dict[str, _T]:
+    raw = data.get(key, {})
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: must be a table")
+    out = {}
+    for name, value in raw.items():
+        try:
+            out[str(name)] = model.model_validate(value)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, root=f"{key}.{name}")) from None
+    return out
 
 
 def load_config(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,16 +11,18 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed
+from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_block_hashes
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from gateway.tenants import Tenant
 from region_map.fleet import Fleet
 
-DEFAULT_TENANT = "default"
 SESSION_HEADER = "x-session-affinity"
+DEFAULT_MAX_TOKENS = 16  # what engines generate when a request names no max_tokens
+DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
 
 @dataclass(slots=True)
@@ -36,8 +39,12 @@ class Prepared:
     client_wants_usage: bool
     token_ids: np.ndarray
     hashes: list[int]
-    cache_salt: str
+    cache_salt: str  # the tenant's salt (and the client's, if it sent one): engines get it as cache_salt
     home_region: str  # where the client is (see gateway.home)
+    shared_blocks: int = 0  # leading blocks of an operator-declared public prefix every tenant shares
+    key_id: str = ""
+    record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
+    max_tokens: int = 16
 
 
 class RequestPreparer:
@@ -45,6 +52,14 @@ class RequestPreparer:
         self.settings = settings
         self.fleet = fleet
         self.tokenizer = tokenizer
+        # Declared shared prefixes as tokens, in both forms a prompt can start with them.
+        self._shared: list[np.ndarray] = []
+        for text in settings.shared_prefixes:
+            system = [{"role": "system", "content": text}]
+            self._shared.append(
+                tokenizer.encode(render_messages(tokenizer, system, add_generation_prompt=False))
+            )
+            self._shared.append(tokenizer.encode(text))
         regions = [r.name for r in fleet.topology.regions]
         self.home = HomeRegions(settings.home, regions, fleet.region)
         self._seeds: dict[tuple[str, str], int] = {}
@@ -67,15 +82,17 @@ class RequestPreparer:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
-    def chat(self, request: web.Request, body: Any) -> Prepared:
+    def chat(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_chat(body)
         try:
             text = render_messages(self.tokenizer, body["messages"])
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param="messages") from None
-        return self._prepare(request, body, parsed, "/v1/chat/completions", self.tokenizer.encode(text))
+        return self._prepare(
+            request, body, parsed, "/v1/chat/completions", self.tokenizer.encode(text), tenant
+        )
 
-    def completion(self, request: web.Request, body: Any) -> Prepared:
+    def completion(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_completion(body)
         prompt: Any = parsed.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -85,7 +102,7 @@ class RequestPreparer:
         tokens = (
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
         )
-        return self._prepare(request, body, parsed, "/v1/completions", tokens)
+        return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)
 
     def _prepare(
         self,
@@ -94,6 +111,7 @@ class RequestPreparer:
         parsed: ChatCompletionRequest | CompletionRequest,
         path: str,
         token_ids: np.ndarray,
+        tenant: Tenant,
     ) -> Prepared:
         s = self.settings
         model = parsed.model
@@ -111,10 +129,15 @@ class RequestPreparer:
                 param="messages" if path == "/v1/chat/completions" else "prompt",
                 code="context_length_exceeded",
             )
-        cache_salt = parsed.cache_salt or ""
+        # The tenant's salt keeps its KV apart from every other tenant's; a client may split further.
+        cache_salt = tenant.cache_salt
+        if parsed.cache_salt:
+            cache_salt = f"{cache_salt}/{parsed.cache_salt}" if cache_salt else parsed.cache_salt
+        shared_blocks = self._shared_blocks(token_ids) if cache_salt else 0
+        requested = body.get("max_completion_tokens") or body.get("max_tokens")
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id")),
-            tenant=DEFAULT_TENANT,
+            tenant=tenant.name,
             session_id=self._session_id(request.headers.get(SESSION_HEADER)),
             model=model,
             path=path,
@@ -122,17 +145,42 @@ class RequestPreparer:
             stream=bool(parsed.stream),
             client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
             token_ids=token_ids,
-            hashes=self.block_hashes(token_ids, model, cache_salt),
+            hashes=self.block_hashes(token_ids, model, cache_salt, shared_blocks),
             cache_salt=cache_salt,
             home_region=self.home.resolve(request.headers, request.remote),
+            shared_blocks=shared_blocks,
+            record_id=uuid.uuid4().hex,
+            max_tokens=requested if isinstance(requested, int) else DEFAULT_MAX_TOKENS,
         )
 
-    def block_hashes(self, token_ids: TokenIds, model: str, cache_salt: str = "") -> list[int]:
-        """The prompt's block hashes in the namespace of ``model`` and ``cache_salt`` (contract 1)."""
+    def _shared_blocks(self, token_ids: np.ndarray) -> int:
+        """Full blocks of the longest declared shared prefix this prompt starts with."""
+        best = 0
+        for prefix in self._shared:
+            n = len(prefix)
+            if best < n <= len(token_ids) and np.array_equal(token_ids[:n], prefix):
+                best = n
+        return best // self.settings.block_size
+
+    def _seed(self, model: str, cache_salt: str) -> int:
         seed = self._seeds.get((model, cache_salt))
         if seed is None:
             seed = self._seeds[(model, cache_salt)] = namespace_seed(model, cache_salt)
-        return self._hasher.block_hashes(token_ids, self.settings.block_size, seed)
+        return seed
+
+    def block_hashes(
+        self, token_ids: TokenIds, model: str, cache_salt: str = "", shared_blocks: int = 0
+    ) -> list[int]:
+        """The prompt's block hashes in the namespace of ``model`` and ``cache_salt`` (contract 1), its first
+        ``shared_blocks`` in the public one."""
+        return namespaced_block_hashes(
+            token_ids,
+            self.settings.block_size,
+            self._seed(model, cache_salt),
+            public_seed=self._seed(model, ""),
+            shared_blocks=shared_blocks,
+            hasher=self._hasher.block_hashes,
+        )
 
     def _session_id(self, raw: str | None) -> str | None:
         if raw is None:

@@ -59,6 +59,7 @@ from engine.kv_import import KvImporter
 from engine.llm_engine import ImportTicket
 from engine.make_model import count_parameters
 from engine.model.config import ModelConfig
+from engine.sequence import CacheNamespace
 from gateway.demo import free_port
 
 MODEL_NAME = "kvgate-pd-bench"
@@ -262,7 +263,7 @@ async def bench_transfer(
         )
         before = importer.bytes_received
         t = time.perf_counter()
-        cached = await importer(ticket, prefill.url, "")
+        cached = await importer(ticket, prefill.url, CacheNamespace())
         elapsed = time.perf_counter() - t
         if importer.bytes_received - before != (end - start) * per_position:
             raise RuntimeError(f"pulled {importer.bytes_received - before} bytes from position {start}")

@@ -1,0 +1,159 @@
+"""The usage ledger (contract 5): one record per finished request, exactly once, and per-tenant daily sums.
+
+Costs are integers of nano-dollars, so sums are exact: prices are per million tokens, and a price with up to
+three decimals (``0.125``) times a token count is a whole number of nano-dollars.
+``cost = (prompt − cached)·input + cached·cached_input + completion·output``, where ``prompt`` counts the
+cached tokens too (OpenAI's ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import asdict, dataclass, field, fields
+from decimal import Decimal
+from typing import Any, Protocol, runtime_checkable
+
+NANOS_PER_DOLLAR = 10**9
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Dollars per million tokens."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+
+    def cost_nanos(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        if not 0 <= cached_tokens <= prompt_tokens or completion_tokens < 0:
+            raise ValueError("need 0 <= cached_tokens <= prompt_tokens and completion_tokens >= 0")
+        # $ per 1M tokens = 1,000 nano-dollars per token.
+        nanos = (
+            (prompt_tokens - cached_tokens) * self.input
+            + cached_tokens * self.cached_input
+            + completion_tokens * self.output
+        ) * 1000
+        return int(nanos.to_integral_value())
+
+
+def dollars(nanos: int) -> float:
+    return nanos / NANOS_PER_DOLLAR
+
+
+def day_of(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d")
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    record_id: str  # unique per request (the gateway's, not the client's x-request-id): the idempotency key
+    tenant: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost_nanos: int
+    status: str = "completed"  # or "aborted": the client left after tokens streamed
+    key_id: str = ""
+    region: str = ""
+    engine: str = ""
+    request_id: str = ""  # the x-request-id, for correlating with logs
+    estimated: bool = False  # token counts the gateway estimated (an aborted stream never got the usage)
+    ts: float = field(default_factory=time.time)
+
+    @property
+    def day(self) -> str:
+        return day_of(self.ts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> UsageRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass
+class DayTotals:
+    day: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_nanos: int = 0
+
+    def add(self, rec: UsageRecord) -> None:
+        self.requests += 1
+        self.prompt_tokens += rec.prompt_tokens
+        self.cached_tokens += rec.cached_tokens
+        self.completion_tokens += rec.completion_tokens
+        self.cost_nanos += rec.cost_nanos
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "cost_usd": dollars(self.cost_nanos)}
+
+
+COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
+
+
+@runtime_checkable
+class UsageLedger(Protocol):
+    async def record(self, rec: UsageRecord) -> bool:
+        """Write ``rec`` once: False (and nothing changes) if its ``record_id`` was recorded before."""
+        ...
+
+    async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
+        """The tenant's sums for every day in ``start_day .. end_day`` (inclusive) that has any."""
+        ...
+
+    async def tenants(self, start_day: str, end_day: str) -> dict[str, list[DayTotals]]:
+        """Every tenant with usage in the range."""
+        ...
+
+    async def records(self, tenant: str | None = None, limit: int = 1000) -> list[UsageRecord]:
+        """The most recent records, newest last (optionally one tenant's)."""
+        ...
+
+
+def days_between(start_day: str, end_day: str) -> list[str]:
+    start, end = dt.date.fromisoformat(start_day), dt.date.fromisoformat(end_day)
+    if end < start:
+        raise ValueError("end is before start")
+    if (end - start).days > 366:
+        raise ValueError("at most 366 days at a time")
+    return [(start + dt.timedelta(days=i)).isoformat() for i in range((end - start).days + 1)]
+
+
+class MemoryLedger:
+    """The ledger in process (the embedded default): records and sums live as long as the gateway does."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._records: list[UsageRecord] = []
+        self._sums: dict[tuple[str, str], DayTotals] = {}
+
+    async def record(self, rec: UsageRecord) -> bool:
+        if rec.record_id in self._seen:
+            return False
+        self._seen.add(rec.record_id)
+        self._records.append(rec)
+        self._sums.setdefault((rec.tenant, rec.day), DayTotals(rec.day)).add(rec)
+        return True
+
+    async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
+        days = days_between(start_day, end_day)
+        return [self._sums[(tenant, d)] for d in days if (tenant, d) in self._sums]
+
+    async def tenants(self, start_day: str, end_day: str) -> dict[str, list[DayTotals]]:
+        days = set(days_between(start_day, end_day))
+        out: dict[str, list[DayTotals]] = {}
+        for (tenant, day), totals in sorted(self._sums.items()):
+            if day in days:
+                out.setdefault(tenant, []).append(totals)
+        return out
+
+    async def records(self, tenant: str | None = None, limit: int = 1000) -> list[UsageRecord]:
+        chosen = [r for r in self._records if tenant is None or r.tenant == tenant]
+        return chosen[-limit:]

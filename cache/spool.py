@@ -1,0 +1,56 @@
+"""A local append-only spool for ledger records that could not reach Redis: msgpack, one fsync per record.
+
+A crash can at worst cut the last record short; reading stops there. Replaying is safe to repeat, since the
+ledger counts a record id once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgpack
+
+from cache.ledger import UsageRecord
+
+
+class Spool:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, records: list[UsageRecord]) -> None:
+        """Durably add ``records`` (blocking: call it off the event loop)."""
+        data = b"".join(msgpack.packb(r.to_dict()) for r in records)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[UsageRecord]:
+        if not self.path.exists():
+            return []
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(self.path.read_bytes())
+        out = []
+        try:
+            for raw in unpacker:
+                if isinstance(raw, dict):
+                    out.append(UsageRecord.from_dict(raw))
+        except (ValueError, TypeError, msgpack.UnpackException):
+            pass  # a record cut short by a crash: everything before it is intact
+        return out
+
+    def __len__(self) -> int:
+        return len(self.read())
+
+    def clear(self, count: int) -> None:
+        """Drop the first ``count`` records (those just replayed), keeping any appended since."""
+        rest = self.read()[count:]
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_bytes(b"".join(msgpack.packb(r.to_dict()) for r in rest))
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(self.path)

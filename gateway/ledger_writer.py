@@ -1,0 +1,128 @@
+"""Getting every usage record into the ledger exactly once, also while Redis is away.
+
+Records queue up in memory (never dropped) and one task writes them. If a write fails, that record and
+every later one go to the local spool (fsync'ed) until Redis answers again; then the spool is replayed and
+cleared. A gateway that starts with a non-empty spool (it stopped during an outage) replays it first. The
+ledger ignores a record id it has seen, so a record written just before a failure and spooled anyway still
+counts once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from cache.ledger import UsageLedger, UsageRecord
+from cache.spool import Spool
+
+log = logging.getLogger("kvgate.ledger")
+
+
+class LedgerWriter:
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        spool: Spool | None = None,
+        *,
+        write_timeout_s: float = 2.0,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.ledger = ledger
+        self.spool = spool
+        self._write_timeout_s = write_timeout_s
+        self._retry_s = retry_s
+        self._queue: asyncio.Queue[UsageRecord] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.degraded = False  # Redis is away: records go to the spool
+        self.written = 0
+        self.spooled = 0
+
+    def submit(self, rec: UsageRecord) -> None:
+        self._queue.put_nowait(rec)
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    async def _write(self, rec: UsageRecord) -> None:
+        async with asyncio.timeout(self._write_timeout_s):
+            await self.ledger.record(rec)
+
+    async def _to_spool(self, records: list[UsageRecord]) -> None:
+        if self.spool is None:
+            raise RuntimeError("a ledger write failed and there is no spool")  # memory ledgers never fail
+        await asyncio.to_thread(self.spool.append, records)
+        self.spooled += len(records)
+
+    async def replay(self) -> bool:
+        """Write the spool to the ledger and clear it; False if the ledger is still away."""
+        if self.spool is None:
+            return True
+        records = await asyncio.to_thread(self.spool.read)
+        try:
+            for rec in records:
+                await self._write(rec)
+        except Exception as exc:  # still away
+            log.debug("spool replay failed: %s", exc)
+            return False
+        await asyncio.to_thread(self.spool.clear, len(records))
+        if records:
+            log.info("replayed %d spooled usage records into the ledger", len(records))
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            if self.degraded:
+                try:
+                    async with asyncio.timeout(self._retry_s):
+                        rec = await self._queue.get()
+                except TimeoutError:
+                    pass
+                else:
+                    try:
+                        await self._to_spool([rec])
+                    finally:
+                        self._queue.task_done()
+                if await self.replay():
+                    self.degraded = False
+                    log.warning("ledger reachable again; spool replayed")
+                continue
+            rec = await self._queue.get()
+            try:
+                await self._write(rec)
+                self.written += 1
+            except asyncio.CancelledError:
+                await self._to_spool([rec])
+                raise
+            except Exception as exc:  # Redis went away: this record and the next ones go to the spool
+                log.warning("ledger write failed (%s); spooling usage records until it is back", exc)
+                self.degraded = True
+                await self._to_spool([rec])
+            finally:
+                self._queue.task_done()
+
+    async def start(self) -> None:
+        if self.spool is not None and len(await asyncio.to_thread(self.spool.read)):
+            self.degraded = not await self.replay()
+        self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every submitted record is in the ledger or the spool."""
+        async with asyncio.timeout(timeout_s):
+            await self._queue.join()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued (or spool it), then stop. Nothing submitted is lost."""
+        with contextlib.suppress(TimeoutError):
+            await self.flush(timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        rest = []
+        while not self._queue.empty():
+            rest.append(self._queue.get_nowait())
+        if rest:
+            await self._to_spool(rest)

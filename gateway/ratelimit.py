@@ -1,0 +1,94 @@
+"""Per-key rate limits: requests and tokens per minute, as token buckets.
+
+The buckets live in Redis (one Lua script: refill by elapsed server time, then take) when gateways share
+it, so every gateway draws from the same allowance. To keep the request path off Redis, a gateway takes
+allowance in leases of about 1/20 of a minute's worth and spends them locally; it goes back to Redis only
+when a lease runs out. Without Redis the buckets are in process. An exhausted bucket answers 429 with the
+seconds until enough has refilled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Protocol
+
+from redis.asyncio import Redis
+
+# KEYS[1] the bucket hash. ARGV: capacity, refill per second, wanted. Returns {granted, ms until 1 refills}.
+_TAKE = """
+local capacity, rate, want = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(state[1]), tonumber(state[2])
+if not tokens then tokens, ts = capacity, now end
+tokens = math.min(capacity, tokens + (now - ts) * rate)
+local granted = math.min(math.floor(tokens), want)
+tokens = tokens - granted
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate * 1000) + 1000)
+local wait = 0
+if granted < want then wait = math.ceil((want - granted - tokens) / rate * 1000) end
+return {granted, wait}
+"""
+
+
+class BucketStore(Protocol):
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+        """Take up to ``want`` (granted, seconds until the rest would have refilled)."""
+        ...
+
+
+class MemoryBuckets:
+    def __init__(self) -> None:
+        self._state: dict[str, tuple[float, float]] = {}
+
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+        now = time.monotonic()
+        tokens, ts = self._state.get(bucket, (float(capacity), now))
+        tokens = min(float(capacity), tokens + (now - ts) * per_s)
+        granted = min(int(tokens), want)
+        tokens -= granted
+        self._state[bucket] = (tokens, now)
+        wait = 0.0 if granted >= want else (want - granted - tokens) / per_s
+        return granted, wait
+
+
+class RedisBuckets:
+    def __init__(self, redis: Redis, prefix: str = "kvgate") -> None:
+        self._prefix = prefix
+        self._take = redis.register_script(_TAKE)
+
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+        key = f"{self._prefix}:rl:{{{bucket}}}"
+        granted, wait_ms = await self._take(keys=[key], args=[capacity, per_s, want])
+        return int(granted), int(wait_ms) / 1000.0
+
+
+class RateLimited(Exception):
+    def __init__(self, what: str, retry_after_s: float) -> None:
+        super().__init__(what)
+        self.what = what
+        self.retry_after_s = retry_after_s
+
+
+class RateLimiter:
+    def __init__(self, store: BucketStore, *, lease_fraction: float = 0.05) -> None:
+        self.store = store
+        self._lease_fraction = lease_fraction
+        self._leases: dict[str, int] = {}
+
+    async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> None:
+        """Spend ``amount`` of a per-minute allowance or raise RateLimited."""
+        if amount > per_minute:
+            raise RateLimited(f"{what}: {amount} exceeds the limit of {per_minute} per minute", 60.0)
+        have = self._leases.get(bucket, 0)
+        if have < amount:
+            lease = max(amount - have, math.ceil(per_minute * self._lease_fraction))
+            granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, lease)
+            have += granted
+            if have < amount:
+                self._leases[bucket] = have
+                raise RateLimited(f"{what}: the limit of {per_minute} per minute is reached", max(wait, 1.0))
+        self._leases[bucket] = have - amount

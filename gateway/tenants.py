@@ -1,0 +1,201 @@
+"""Tenants and API keys. A key is shown once, when it is created; only its SHA-256 is ever stored.
+
+Keys live in Redis (``{prefix}:keys``, a hash from key digest to tenant) when the gateway has Redis, else
+in a keys file of JSON lines that ``kvgate keys create`` appends to and the gateway re-reads when it
+changes. The gateway keeps what it has verified in process: a key it has never seen costs one Redis read,
+later requests none (revocations reach it within ``cache_ttl_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+KEY_PREFIX = "kvg-"
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
+class TenantConfig(BaseModel):
+    """One ``[tenants.NAME]`` table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache_salt: str | None = Field(default=None, description="default: one derived from the tenant's name")
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    admin: bool = Field(default=False, description="may read every tenant's usage")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    cache_salt: str
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    admin: bool = False
+
+
+def tenant_from_config(name: str, config: TenantConfig | None) -> Tenant:
+    config = config or TenantConfig()
+    # A salt per tenant by default: equal prompts of two tenants never share KV (no timing side channel).
+    salt = config.cache_salt if config.cache_salt is not None else f"tenant:{name}"
+    return Tenant(name, salt, config.requests_per_minute, config.tokens_per_minute, config.admin)
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    key_id: str  # the first 12 hex digits of the digest: safe to log and show
+    tenant: str
+    created: float
+    name: str = ""
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(30)
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
+class KeyStore(Protocol):
+    async def add(self, key_digest: str, record: KeyRecord) -> None: ...
+
+    async def get(self, key_digest: str) -> KeyRecord | None: ...
+
+    async def remove(self, key_id: str) -> bool: ...
+
+    async def list(self) -> list[KeyRecord]: ...
+
+
+class FileKeyStore:
+    """Key digests as JSON lines (mode 0600). Appends are atomic lines; removal rewrites the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._mtime = -1.0
+        self._by_digest: dict[str, KeyRecord] = {}
+
+    def _load(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            self._by_digest, self._mtime = {}, -1.0
+            return
+        if mtime == self._mtime:
+            return
+        entries: dict[str, KeyRecord] = {}
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                raw = json.loads(line)
+                record = KeyRecord(raw["key_id"], raw["tenant"], raw["created"], raw.get("name", ""))
+                entries[raw["sha256"]] = record
+        self._by_digest, self._mtime = entries, mtime
+
+    async def add(self, key_digest: str, record: KeyRecord) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"sha256": key_digest, **record.__dict__}) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    async def get(self, key_digest: str) -> KeyRecord | None:
+        self._load()
+        return self._by_digest.get(key_digest)
+
+    async def remove(self, key_id: str) -> bool:
+        self._load()
+        kept = {d: r for d, r in self._by_digest.items() if r.key_id != key_id}
+        if len(kept) == len(self._by_digest):
+            return False
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"sha256": d, **r.__dict__}) + "\n" for d, r in kept.items()))
+        tmp.chmod(0o600)
+        tmp.replace(self.path)
+        return True
+
+    async def list(self) -> list[KeyRecord]:
+        self._load()
+        return sorted(self._by_digest.values(), key=lambda r: r.created)
+
+
+class RedisKeyStore:
+    def __init__(self, redis: Redis, prefix: str = "kvgate") -> None:
+        self._redis = redis
+        self._key = f"{prefix}:keys"
+
+    async def add(self, key_digest: str, record: KeyRecord) -> None:
+        await self._redis.hset(self._key, key_digest, msgpack.packb(record.__dict__))
+
+    async def get(self, key_digest: str) -> KeyRecord | None:
+        raw = await self._redis.hget(self._key, key_digest)
+        return KeyRecord(**msgpack.unpackb(raw)) if raw is not None else None
+
+    async def remove(self, key_id: str) -> bool:
+        for key_digest, raw in (await self._redis.hgetall(self._key)).items():
+            if msgpack.unpackb(raw)["key_id"] == key_id:
+                return bool(await self._redis.hdel(self._key, key_digest))
+        return False
+
+    async def list(self) -> list[KeyRecord]:
+        raw_records = (await self._redis.hgetall(self._key)).values()
+        records = [KeyRecord(**msgpack.unpackb(raw)) for raw in raw_records]
+        return sorted(records, key=lambda r: r.created)
+
+
+async def create_key(store: KeyStore, tenant: str, name: str = "") -> tuple[str, KeyRecord]:
+    key = new_key()
+    key_digest = digest(key)
+    record = KeyRecord(key_digest[:12], tenant, time.time(), name)
+    await store.add(key_digest, record)
+    return key, record
+
+
+class Authenticator:
+    """Bearer key -> key record, with verified keys (and recent refusals) remembered in process."""
+
+    def __init__(self, store: KeyStore, *, cache_ttl_s: float = 60.0, negative_ttl_s: float = 5.0) -> None:
+        self.store = store
+        self._ttl = cache_ttl_s
+        self._negative_ttl = negative_ttl_s
+        self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
+
+    async def check(self, key: str) -> KeyRecord | None:
+        key_digest = digest(key)
+        now = time.monotonic()
+        hit = self._cache.get(key_digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        try:
+            async with asyncio.timeout(1.0):
+                record = await self.store.get(key_digest)
+        except (RedisError, OSError, TimeoutError):
+            # The store is away: keys verified before keep working; new ones wait for it.
+            return hit[0] if hit is not None else None
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[key_digest] = (record, now + (self._ttl if record else self._negative_ttl))
+        return record
