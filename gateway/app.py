@@ -13,16 +13,24 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cache.ledger import MemoryLedger
+from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
+from cache.spool import Spool
 from cache.tokens import load_tokenizer
+from gateway.billing import Billing, default_spool_path
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError, http_exception_to_error
 from gateway.kv_events import KvEventConsumer
+from gateway.ledger_writer import LedgerWriter
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.shared_state import SharedState
+from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
 from gateway.upstream import UpstreamClients
+from gateway.usage_api import UsageApi
 from region_map.config import ConfigError
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -73,6 +81,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     )
     fleet = Fleet(config.topology)
     metrics = GatewayMetrics()
+    billing = build_billing(config, redis)
     state = SharedState(
         gateway_id=config.gateway_id,
         redis=redis,
@@ -87,7 +96,9 @@ def build_app(config: KvgateConfig) -> web.Application:
         metrics=metrics,
         tokenizer=load_tokenizer(settings.tokenizer),
         policy=POLICIES[settings.routing.policy](settings.routing),
+        billing=billing,
     )
+    usage = UsageApi(billing)
     metrics.watch(
         fleet,
         lambda: {
@@ -95,6 +106,12 @@ def build_app(config: KvgateConfig) -> web.Application:
             "residency_entries": ("(block, engine) entries in this gateway's view.", float(len(state.index))),
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
             "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
+            "ledger_backlog": ("Usage records waiting to be written.", float(billing.writer.pending)),
+            "ledger_spooled_records": (
+                "Usage records written to the local spool while the ledger was away.",
+                float(billing.writer.spooled),
+            ),
+            "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
         },
     )
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware(metrics)])
@@ -103,9 +120,32 @@ def build_app(config: KvgateConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/usage", usage.tenant_usage)
+    app.router.add_get("/v1/admin/usage", usage.admin_usage)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", _metrics_handler(metrics))
     return app
+
+
+def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
+    """Keys, ledger and rate-limit buckets: in Redis when the gateway has it, else in process."""
+    settings = config.gateway
+    prefix = settings.redis_prefix
+    keys: KeyStore
+    if settings.auth.keys_file:
+        keys = FileKeyStore(settings.auth.keys_file)
+    elif redis is not None:
+        keys = RedisKeyStore(redis, prefix)
+    else:
+        keys = MemoryKeyStore()
+    if redis is not None:
+        spool = Spool(settings.spool_path or default_spool_path(config.topology.region, settings.port))
+        writer = LedgerWriter(RedisLedger(redis, prefix), spool)
+        limiter = RateLimiter(RedisBuckets(redis, prefix))
+    else:
+        writer = LedgerWriter(MemoryLedger())
+        limiter = RateLimiter(MemoryBuckets())
+    return Billing(config, keys=keys, ledger=writer.ledger, writer=writer, limiter=limiter)
 
 
 def _metrics_handler(metrics: GatewayMetrics) -> Handler:
@@ -130,7 +170,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         unhealthy_after=settings.unhealthy_after,
     )
     consumers: list[asyncio.Task[None]] = []
+    billing = gateway.billing
     try:
+        await billing.writer.start()  # replays a spool left by an earlier run first
         await state.start([e.id for e in fleet])
         await poller.probe_all()
         poller.start()
@@ -154,6 +196,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await poller.stop()
+        await billing.writer.stop()  # every record is in the ledger or the spool
         await state.stop()
         gateway.clients.close()
         await session.close()

@@ -53,6 +53,18 @@ class AuthenticationFailed(GatewayError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "insufficient_permissions"
+
+
+class Unavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

@@ -76,6 +76,13 @@ class GatewayMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.usage_records = Counter(
+            "kvgate_usage_records",
+            "Usage records handed to the ledger, by outcome (completed, aborted, failed) and whether the "
+            "token counts are the gateway's estimate (the engine's usage never came).",
+            ["outcome", "estimated"],
+            registry=r,
+        )
         self.pd_requests = Counter(
             "kvgate_disaggregated_requests",
             "Requests to disaggregated engines, by prefill path (remote: K/V transferred; local: decode "
@@ -133,6 +140,9 @@ class GatewayMetrics:
             self._child(self.cached_tokens, region, engine).inc(cached_tokens)
         if completion_tokens:
             self._child(self.completion_tokens, region, engine).inc(completion_tokens)
+
+    def usage_recorded(self, outcome: str, estimated: bool) -> None:
+        self._child(self.usage_records, outcome, "true" if estimated else "false").inc()
 
     def disaggregated(self, region: str, path: str, prefill_engine: str, decode_engine: str) -> None:
         self._child(self.pd_requests, region, path, prefill_engine, decode_engine).inc()

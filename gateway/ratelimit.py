@@ -9,11 +9,15 @@ seconds until enough has refilled.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Protocol
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
 
 # KEYS[1] the bucket hash. ARGV: capacity, refill per second, wanted. Returns {granted, ms until 1 refills}.
 _TAKE = """
@@ -66,7 +70,7 @@ class RedisBuckets:
         return int(granted), int(wait_ms) / 1000.0
 
 
-class RateLimited(Exception):
+class LimitExceeded(Exception):
     def __init__(self, what: str, retry_after_s: float) -> None:
         super().__init__(what)
         self.what = what
@@ -76,19 +80,24 @@ class RateLimited(Exception):
 class RateLimiter:
     def __init__(self, store: BucketStore, *, lease_fraction: float = 0.05) -> None:
         self.store = store
+        self._fallback = MemoryBuckets()  # while the shared store is away: limits per gateway, not none
         self._lease_fraction = lease_fraction
         self._leases: dict[str, int] = {}
 
     async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> None:
-        """Spend ``amount`` of a per-minute allowance or raise RateLimited."""
+        """Spend ``amount`` of a per-minute allowance or raise LimitExceeded."""
         if amount > per_minute:
-            raise RateLimited(f"{what}: {amount} exceeds the limit of {per_minute} per minute", 60.0)
+            raise LimitExceeded(f"{what}: Limit {per_minute}, Requested {amount}", 60.0)
         have = self._leases.get(bucket, 0)
         if have < amount:
             lease = max(amount - have, math.ceil(per_minute * self._lease_fraction))
-            granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, lease)
+            try:
+                async with asyncio.timeout(STORE_TIMEOUT_S):
+                    granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, lease)
+            except (RedisError, OSError, TimeoutError):
+                granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, lease)
             have += granted
             if have < amount:
                 self._leases[bucket] = have
-                raise RateLimited(f"{what}: the limit of {per_minute} per minute is reached", max(wait, 1.0))
+                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0))
         self._leases[bucket] = have - amount

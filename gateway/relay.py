@@ -1,7 +1,7 @@
 """Carrying an engine's answer back to the client, whole or as a stream of SSE events.
 
-Each relay reports the engine's usage exactly once through ``on_done`` (also when the client left
-mid-stream), so that whatever accounts for the request never counts it twice or not at all.
+Each relay reports how the request ended exactly once through ``Accounting.done`` (also when the client
+left mid-stream), so that whatever accounts for the request never counts it twice or not at all.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import orjson
 from aiohttp import web
@@ -19,8 +19,22 @@ from gateway.metrics import GatewayMetrics
 from gateway.sse import SseUsageTap
 from gateway.upstream import Response, UpstreamError, UpstreamTimeout
 
-# (usage reported by the engine or None, perf_counter of the first streamed byte or None)
-OnDone = Callable[[dict[str, Any] | None, float | None], None]
+# completed: the whole answer reached the client; aborted: the client left after tokens streamed;
+# failed: the engine broke off a stream that had started.
+Outcome = Literal["completed", "aborted", "failed"]
+
+
+class Accounting(Protocol):
+    def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """Fields to add to the usage the client receives (its cost)."""
+        ...
+
+    def done(
+        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, events: int
+    ) -> None:
+        """Called once per relayed answer: the engine's usage (None if it never came), the perf_counter
+        of the first streamed byte, how it ended, and how many SSE data events were forwarded."""
+        ...
 
 
 async def relay_whole(
@@ -30,7 +44,7 @@ async def relay_whole(
     headers: dict[str, str],
     read_timeout_s: float,
     metrics: GatewayMetrics,
-    on_done: OnDone,
+    accounting: Accounting,
 ) -> web.Response:
     try:
         data = await upstream.read(read_timeout_s)
@@ -46,10 +60,14 @@ async def relay_whole(
     if upstream.status != 200:
         return engine_error(engine_id, upstream.status, data, headers, metrics)
     try:
-        usage = orjson.loads(data).get("usage")
+        answer = orjson.loads(data)
+        usage = answer.get("usage")
     except (orjson.JSONDecodeError, AttributeError):
         usage = None
-    on_done(usage if isinstance(usage, dict) else None, None)
+    if isinstance(usage, dict):
+        answer["usage"] = {**usage, **accounting.annotate(usage)}
+        data = orjson.dumps(answer)
+    accounting.done(usage if isinstance(usage, dict) else None, None, "completed", 0)
     return web.Response(body=data, status=200, content_type="application/json", headers=headers)
 
 
@@ -62,13 +80,13 @@ async def relay_stream(
     forward_usage_event: bool,
     read_timeout_s: float,
     metrics: GatewayMetrics,
-    on_done: OnDone,
+    accounting: Accounting,
     on_first_byte: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=headers)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
-    tap = SseUsageTap(forward_usage_event=forward_usage_event)
+    tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
     try:
         await response.prepare(request)
@@ -89,11 +107,13 @@ async def relay_stream(
         metrics.upstream_error(engine_id, type(exc).__name__)
         error = UpstreamFailed(f"engine {engine_id} broke off the stream: {exc}")
         await _try_write(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
+        accounting.done(tap.usage, first_byte, "failed", tap.events)
+        return response
     except (ConnectionResetError, asyncio.CancelledError):
         upstream.abort()  # the client went away: stop the engine's work too
-        on_done(tap.usage, first_byte)
+        accounting.done(tap.usage, first_byte, "aborted", tap.events)
         raise
-    on_done(tap.usage, first_byte)
+    accounting.done(tap.usage, first_byte, "completed", tap.events)
     return response
 
 

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from cache.ledger import UsageRecord
 from cache.sessions import SessionBinding
 from cache.tokens import Tokenizer
+from gateway.billing import Billing, Caller, usage_counts
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError, NoCapacity, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
-from gateway.relay import relay_stream, relay_whole
+from gateway.relay import Outcome, relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.routing.base import route_key
 from gateway.routing.disaggregation import choose_prefill
@@ -56,6 +57,7 @@ class Gateway:
         metrics: GatewayMetrics,
         tokenizer: Tokenizer,
         policy: RoutingPolicy,
+        billing: Billing,
     ) -> None:
         self.config = config
         self.settings = config.gateway
@@ -64,6 +66,7 @@ class Gateway:
         self.clients = clients
         self.metrics = metrics
         self.policy = policy
+        self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.limiter = RemoteShareLimiter(config.gateway.routing.max_remote_share)
         self.started = int(time.time())
@@ -73,13 +76,25 @@ class Gateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
+        caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
-        return await self._serve(request, received, self.prepare.chat(request, body))
+        return await self._admit_and_serve(
+            request, received, caller, self.prepare.chat(request, body, caller.tenant)
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
+        caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
-        return await self._serve(request, received, self.prepare.completion(request, body))
+        p = self.prepare.completion(request, body, caller.tenant)
+        return await self._admit_and_serve(request, received, caller, p)
+
+    async def _admit_and_serve(
+        self, request: web.Request, received: float, caller: Caller, p: Prepared
+    ) -> web.StreamResponse:
+        p.key_id = caller.key_id
+        await self.billing.admit(caller, len(p.token_ids), p.max_tokens)
+        return await self._serve(request, received, p)
 
     async def models(self, request: web.Request) -> web.Response:
         data = [
@@ -183,10 +198,12 @@ class Gateway:
         body = dict(p.body)
         if prefill is not None:
             body["kv_transfer_params"] = {"prefill_url": prefill.url, "prefill_engine": prefill.id}
+        if p.cache_salt:  # vLLM's name too: engines keep each salt's prefix cache apart
+            body["cache_salt"] = p.cache_salt
         if engine.config.accepts_token_ids:
             body["prompt_token_ids"] = p.token_ids
-            if p.cache_salt:
-                body["cache_salt"] = p.cache_salt
+            if p.shared_blocks:
+                body["cache_shared_blocks"] = p.shared_blocks
         if p.stream:  # always ask for usage: billing needs the engine's cached_tokens
             options = body.get("stream_options")
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -242,7 +259,7 @@ class Gateway:
                 headers["x-kvgate-prefill-engine"] = computing.id
                 headers["x-kvgate-decode-engine"] = engine.id
                 self.metrics.disaggregated(engine.region, path, computing.id, engine.id)
-            on_done = self._accountant(p, engine, received, pending)
+            account = _Account(self, p, engine, received, pending, predicted)
             timeout = self.settings.read_timeout_s
             if upstream.status != 200 or not p.stream:
                 return await relay_whole(
@@ -251,7 +268,7 @@ class Gateway:
                     headers=headers,
                     read_timeout_s=timeout,
                     metrics=self.metrics,
-                    on_done=on_done,
+                    accounting=account,
                 )
             return await relay_stream(
                 request,
@@ -261,7 +278,7 @@ class Gateway:
                 forward_usage_event=p.client_wants_usage,
                 read_timeout_s=timeout,
                 metrics=self.metrics,
-                on_done=on_done,
+                accounting=account,
                 on_first_byte=pending.settle,  # the prefill is done once tokens flow
             )
         finally:
@@ -302,29 +319,73 @@ class Gateway:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
 
-    def _accountant(
-        self, p: Prepared, engine: EngineState, received: float, pending: _PendingPrefill
-    ) -> Callable[[dict[str, Any] | None, float | None], None]:
-        def on_done(usage: dict[str, Any] | None, first_byte: float | None) -> None:
-            pending.settle()
-            prompt = cached = completion = 0
-            if usage is not None:
-                prompt = _count(usage.get("prompt_tokens"))
-                details = usage.get("prompt_tokens_details")
-                cached = min(_count(details.get("cached_tokens")), prompt) if isinstance(details, dict) else 0
-                completion = _count(usage.get("completion_tokens"))
-            self.metrics.finished(
-                engine.region,
-                engine.id,
-                p.model,
-                latency_s=time.perf_counter() - received,
-                ttft_s=None if first_byte is None else first_byte - received,
+
+class _Account:
+    """Accounts for one relayed answer: its cost in the usage the client sees, then metrics and exactly one
+    ledger record once it ends (a stream the client left counts what it had received)."""
+
+    __slots__ = ("engine", "gateway", "p", "pending", "predicted", "received")
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        p: Prepared,
+        engine: EngineState,
+        received: float,
+        pending: _PendingPrefill,
+        predicted: int,
+    ) -> None:
+        self.gateway = gateway
+        self.p = p
+        self.engine = engine
+        self.received = received
+        self.pending = pending
+        self.predicted = predicted
+
+    def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self.gateway.billing.usage_extras(self.p.model, usage)
+
+    def done(
+        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, events: int
+    ) -> None:
+        self.pending.settle()
+        p, engine, g = self.p, self.engine, self.gateway
+        prompt, cached, completion = usage_counts(usage)
+        g.metrics.finished(
+            engine.region,
+            engine.id,
+            p.model,
+            latency_s=time.perf_counter() - self.received,
+            ttft_s=None if first_byte is None else first_byte - self.received,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+        )
+        estimated = usage is None
+        if estimated:
+            if first_byte is None:
+                return  # nothing reached the client: nothing to bill
+            # The stream ended before the engine's usage: bill what the client received, by the gateway's
+            # own counts (the prompt it sent, the cache it predicted, one token per streamed event).
+            prompt, cached, completion = len(p.token_ids), self.predicted, events
+        g.billing.record(
+            UsageRecord(
+                record_id=p.record_id,
+                tenant=p.tenant,
+                model=p.model,
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 completion_tokens=completion,
+                cost_nanos=g.billing.cost_nanos(p.model, prompt, cached, completion),
+                status=outcome,
+                key_id=p.key_id,
+                region=engine.region,
+                engine=engine.id,
+                request_id=p.request_id,
+                estimated=estimated,
             )
-
-        return on_done
+        )
+        g.metrics.usage_recorded(outcome, estimated)
 
 
 class _PendingPrefill:
@@ -341,10 +402,6 @@ class _PendingPrefill:
     def settle(self) -> None:
         self.engine.pending_prefill_tokens -= self.tokens
         self.tokens = 0
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _json(body: Any, status: int = 200) -> web.Response:

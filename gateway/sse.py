@@ -2,22 +2,29 @@
 
 The gateway always asks engines for ``stream_options.include_usage`` (billing needs the engine's
 ``cached_tokens``) and drops the usage-only event again when the client did not ask for it. Events are
-only split and parsed when a batch mentions ``"usage"``; everything else is forwarded as received.
+only split and parsed when a batch mentions ``"usage"``; everything else is forwarded as received. The usage
+the client sees may gain fields (its cost) through ``annotate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
+# The usage an engine reported -> fields to add to the usage the client receives.
+Annotate = Callable[[dict[str, Any]], dict[str, Any]]
+
 
 class SseUsageTap:
-    def __init__(self, *, forward_usage_event: bool) -> None:
+    def __init__(self, *, forward_usage_event: bool, annotate: Annotate | None = None) -> None:
         self._forward_usage_event = forward_usage_event
+        self._annotate = annotate
         self._tail = b""
         self.usage: dict[str, Any] | None = None
         self.saw_done = False
+        self.events = 0  # data events forwarded: about one per token, the estimate when usage never came
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
@@ -31,32 +38,40 @@ class SseUsageTap:
         if b"[DONE]" in complete:
             self.saw_done = True
         if b'"usage"' not in complete:
+            self.events += complete.count(b"data:")
             return complete
-        return b"".join(e for e in _split_events(complete) if self._keep(e))
+        out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
+        self.events += out.count(b"data:")
+        return out
 
     def flush(self) -> bytes:
         """Whatever is left when the stream ends (an engine that did not end its last event)."""
         rest, self._tail = self._tail, b""
         return rest
 
-    def _keep(self, event: bytes) -> bool:
+    def _rewrite(self, event: bytes) -> bytes | None:
+        """The event to forward (None: drop it), noting the usage it carries."""
         if b'"usage"' not in event:
-            return True
+            return event
         payload = _data_of(event)
         if payload is None:
-            return True
+            return event
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return True
+            return event
         if not isinstance(chunk, dict):
-            return True
+            return event
         usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-            if not chunk.get("choices"):
-                return self._forward_usage_event
-        return True
+        if not isinstance(usage, dict):
+            return event
+        self.usage = usage
+        if not chunk.get("choices") and not self._forward_usage_event:
+            return None
+        if self._annotate is None:
+            return event
+        chunk["usage"] = {**usage, **self._annotate(usage)}
+        return b"data: " + orjson.dumps(chunk) + (b"\r\n\r\n" if event.endswith(b"\r\n\r\n") else b"\n\n")
 
 
 def _split_events(data: bytes) -> list[bytes]:

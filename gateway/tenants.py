@@ -199,3 +199,25 @@ class Authenticator:
             self._cache.clear()
         self._cache[key_digest] = (record, now + (self._ttl if record else self._negative_ttl))
         return record
+
+
+class MemoryKeyStore:
+    """Key digests in process: for a single gateway that creates its keys itself (``kvgate demo --auth``)."""
+
+    def __init__(self) -> None:
+        self._by_digest: dict[str, KeyRecord] = {}
+
+    async def add(self, key_digest: str, record: KeyRecord) -> None:
+        self._by_digest[key_digest] = record
+
+    async def get(self, key_digest: str) -> KeyRecord | None:
+        return self._by_digest.get(key_digest)
+
+    async def remove(self, key_id: str) -> bool:
+        kept = {d: r for d, r in self._by_digest.items() if r.key_id != key_id}
+        removed = len(kept) != len(self._by_digest)
+        self._by_digest = kept
+        return removed
+
+    async def list(self) -> list[KeyRecord]:
+        return sorted(self._by_digest.values(), key=lambda r: r.created)

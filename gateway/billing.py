@@ -1,0 +1,150 @@
+"""Who is asking and what it costs: bearer key -> tenant, per-key rate limits, prices, and the one usage
+record each answered request leaves in the ledger.
+
+With authentication off (the default) every request belongs to the tenant ``default``, whose cache salt is
+empty unless ``[tenants.default]`` sets one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
+from gateway.config import KvgateConfig
+from gateway.errors import AuthenticationFailed, RateLimited
+from gateway.ledger_writer import LedgerWriter
+from gateway.ratelimit import LimitExceeded, RateLimiter
+from gateway.tenants import Authenticator, KeyRecord, KeyStore, Tenant, bearer_key, tenant_from_config
+
+OPEN_TENANT = "default"
+MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: Tenant
+    key: KeyRecord | None = None
+
+    @property
+    def key_id(self) -> str:
+        return self.key.key_id if self.key is not None else ""
+
+    @property
+    def admin(self) -> bool:
+        return self.tenant.admin
+
+
+class Billing:
+    def __init__(
+        self,
+        config: KvgateConfig,
+        *,
+        keys: KeyStore,
+        ledger: UsageLedger,
+        writer: LedgerWriter,
+        limiter: RateLimiter,
+    ) -> None:
+        self.auth = config.gateway.auth
+        self.keys = keys
+        self.ledger = ledger
+        self.writer = writer
+        self.limiter = limiter
+        self.authenticator = Authenticator(keys)
+        self._tenant_configs = dict(config.tenants)
+        self._tenants: dict[str, Tenant] = {}
+        self._prices = {model: price.prices() for model, price in config.prices.items()}
+        open_config = config.tenants.get(OPEN_TENANT)
+        self._open = Caller(
+            tenant_from_config(OPEN_TENANT, open_config)
+            if open_config is not None
+            else Tenant(OPEN_TENANT, "", admin=True)  # auth off: nobody to keep apart, anyone may read usage
+        )
+
+    # -- who ---------------------------------------------------------------------------------------------
+
+    def tenant(self, name: str) -> Tenant:
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = tenant_from_config(name, self._tenant_configs.get(name))
+        return tenant
+
+    async def identify(self, authorization: str | None) -> Caller:
+        """The caller of a request with this Authorization header; 401 for a missing or unknown key."""
+        if not self.auth.enabled:
+            return self._open
+        key = bearer_key(authorization)
+        if key is None:
+            raise AuthenticationFailed(MISSING_KEY, code=None)
+        record = await self.authenticator.check(key)
+        if record is None:
+            shown = f"{key[:6]}***{key[-4:]}" if len(key) > 12 else "***"
+            raise AuthenticationFailed(f"Incorrect API key provided: {shown}.")
+        return Caller(self.tenant(record.tenant), record)
+
+    # -- limits ------------------------------------------------------------------------------------------
+
+    async def admit(self, caller: Caller, prompt_tokens: int, max_tokens: int) -> None:
+        """Charge the caller's rate limits, or raise 429. Tokens count as prompt + max_tokens at admission
+        (OpenAI's convention): what the answer could cost is known before it is generated."""
+        tenant = caller.tenant
+        rpm = tenant.requests_per_minute or self.auth.requests_per_minute
+        tpm = tenant.tokens_per_minute or self.auth.tokens_per_minute
+        bucket = caller.key_id or tenant.name
+        try:
+            if rpm:
+                await self.limiter.spend(f"{bucket}:rpm", rpm, 1, "requests per min (RPM)")
+            if tpm:
+                await self.limiter.spend(
+                    f"{bucket}:tpm", tpm, prompt_tokens + max_tokens, "tokens per min (TPM)"
+                )
+        except LimitExceeded as exc:
+            retry = max(1, math.ceil(exc.retry_after_s))
+            raise RateLimited(
+                f"Rate limit reached for tenant {tenant.name} on {exc}. Please try again in {retry}s.",
+                headers={"Retry-After": str(retry)},
+            ) from None
+
+    # -- money -------------------------------------------------------------------------------------------
+
+    def prices(self, model: str) -> Prices | None:
+        return self._prices.get(model) or self._prices.get("*")
+
+    def cost_nanos(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        prices = self.prices(model)
+        return prices.cost_nanos(prompt_tokens, cached_tokens, completion_tokens) if prices else 0
+
+    def usage_extras(self, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention)."""
+        prompt, cached, completion = usage_counts(usage)
+        return {"cost": dollars(self.cost_nanos(model, prompt, cached, completion))}
+
+    def record(self, rec: UsageRecord) -> None:
+        """Hand a finished request's record to the ledger writer (never blocks, never drops)."""
+        self.writer.submit(rec)
+
+
+def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of an OpenAI usage object; ``prompt`` includes the cached ones."""
+    if not usage:
+        return 0, 0, 0
+    prompt = _count(usage.get("prompt_tokens"))
+    details = usage.get("prompt_tokens_details")
+    cached = min(_count(details.get("cached_tokens")), prompt) if isinstance(details, dict) else 0
+    return prompt, cached, _count(usage.get("completion_tokens"))
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def default_spool_path(region: str, port: int) -> Path:
+    """Stable per region and port, so a gateway restarted in place replays what it spooled before."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvgate" / f"ledger-{region}-{port}.spool"

@@ -1,0 +1,104 @@
+"""``GET /v1/usage`` (the caller's tenant) and ``GET /v1/admin/usage`` (every tenant; admin keys only).
+
+``start`` and ``end`` are days (``2026-11-30``) or Unix seconds, both inclusive, in UTC; both default to
+today. Figures are per day, with a total; costs in dollars and, exactly, in nano-dollars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from cache.ledger import DayTotals, day_of, days_between
+from gateway.billing import Billing
+from gateway.errors import InvalidRequest, PermissionDenied, Unavailable
+
+
+class UsageApi:
+    def __init__(self, billing: Billing) -> None:
+        self.billing = billing
+
+    async def tenant_usage(self, request: web.Request) -> web.Response:
+        caller = await self.billing.identify(request.headers.get("Authorization"))
+        start, end = day_range(request.query)
+        tenant = caller.tenant.name
+        days = await self._read(lambda: self.billing.ledger.daily(tenant, start, end))
+        body = {"object": "usage", "tenant": tenant, "start": start, "end": end, **_days_and_total(days)}
+        return _json(body)
+
+    async def admin_usage(self, request: web.Request) -> web.Response:
+        caller = await self.billing.identify(request.headers.get("Authorization"))
+        if not caller.admin:
+            raise PermissionDenied("this key may only read its own tenant's usage (GET /v1/usage)")
+        start, end = day_range(request.query)
+        only = request.query.get("tenant")
+        by_tenant = await self._read(lambda: self.billing.ledger.tenants(start, end))
+        chosen = {name: days for name, days in by_tenant.items() if only is None or name == only}
+        body = {
+            "object": "list",
+            "start": start,
+            "end": end,
+            "data": [{"tenant": name, **_days_and_total(days)} for name, days in chosen.items()],
+            "total": _sum(day for days in chosen.values() for day in days),
+        }
+        return _json(body)
+
+    async def _read(self, read: Any) -> Any:
+        # Read your own writes: what this gateway has answered is in the ledger (or its spool) first.
+        with contextlib.suppress(TimeoutError):
+            await self.billing.writer.flush(timeout_s=2.0)
+        try:
+            return await read()
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the usage ledger cannot be read right now: {exc}") from None
+
+
+def day_range(query: Mapping[str, str]) -> tuple[str, str]:
+    today = day_of(dt.datetime.now(dt.UTC).timestamp())
+    end = _day(query.get("end"), "end") or today
+    start = _day(query.get("start"), "start") or end
+    try:
+        days_between(start, end)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid range {start} .. {end}: {exc}", param="start") from None
+    return start, end
+
+
+def _day(raw: str | None, param: str) -> str | None:
+    if raw is None or raw == "":
+        return None
+    if raw.isdigit():
+        return day_of(float(raw))
+    try:
+        return dt.date.fromisoformat(raw).isoformat()
+    except ValueError:
+        raise InvalidRequest(
+            f"{param} must be a day (YYYY-MM-DD) or Unix seconds, not {raw[:40]!r}", param=param
+        ) from None
+
+
+def _days_and_total(days: list[DayTotals]) -> dict[str, Any]:
+    return {"data": [{"object": "usage.day", **d.to_json()} for d in days], "total": _sum(days)}
+
+
+def _sum(days: Any) -> dict[str, Any]:
+    total = DayTotals("total")
+    for d in days:
+        total.requests += d.requests
+        total.prompt_tokens += d.prompt_tokens
+        total.cached_tokens += d.cached_tokens
+        total.completion_tokens += d.completion_tokens
+        total.cost_nanos += d.cost_nanos
+    out = total.to_json()
+    del out["day"]
+    return out
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
