@@ -1,7 +1,8 @@
 """The usage ledger (contract 5): one record per finished request, exactly once, and per-tenant daily sums.
 
-Costs are integers of nano-dollars, so sums are exact: prices are per million tokens, and a price with up to
-three decimals (``0.125``) times a token count is a whole number of nano-dollars.
+Costs are integers of pico-dollars (10^-12 $), so sums are exact: prices are per million tokens, and a price
+with up to six decimals (``0.01875``) times a token count is a whole number of pico-dollars. A signed 64-bit
+counter holds $9.2 million of them per tenant and day.
 ``cost = (prompt − cached)·input + cached·cached_input + completion·output``, where ``prompt`` counts the
 cached tokens too (OpenAI's ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``).
 """
@@ -14,7 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
-NANOS_PER_DOLLAR = 10**9
+PICODOLLARS_PER_DOLLAR = 10**12
+PRICE_DECIMALS = 6  # finer prices would make costs fractional pico-dollars
 
 
 @dataclass(frozen=True)
@@ -25,20 +27,20 @@ class Prices:
     cached_input: Decimal
     output: Decimal
 
-    def cost_nanos(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+    def cost_picodollars(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         if not 0 <= cached_tokens <= prompt_tokens or completion_tokens < 0:
             raise ValueError("need 0 <= cached_tokens <= prompt_tokens and completion_tokens >= 0")
-        # $ per 1M tokens = 1,000 nano-dollars per token.
-        nanos = (
+        # $ per 1M tokens = 10^6 pico-dollars per token.
+        picodollars = (
             (prompt_tokens - cached_tokens) * self.input
             + cached_tokens * self.cached_input
             + completion_tokens * self.output
-        ) * 1000
-        return int(nanos.to_integral_value())
+        ) * 10**6
+        return int(picodollars.to_integral_value())
 
 
-def dollars(nanos: int) -> float:
-    return nanos / NANOS_PER_DOLLAR
+def dollars(picodollars: int) -> float:
+    return picodollars / PICODOLLARS_PER_DOLLAR
 
 
 def day_of(ts: float) -> str:
@@ -53,7 +55,7 @@ class UsageRecord:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    cost_nanos: int
+    cost_picodollars: int
     status: str = "completed"  # or "aborted": the client left after tokens streamed
     key_id: str = ""
     region: str = ""
@@ -82,20 +84,20 @@ class DayTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    cost_nanos: int = 0
+    cost_picodollars: int = 0
 
     def add(self, rec: UsageRecord) -> None:
         self.requests += 1
         self.prompt_tokens += rec.prompt_tokens
         self.cached_tokens += rec.cached_tokens
         self.completion_tokens += rec.completion_tokens
-        self.cost_nanos += rec.cost_nanos
+        self.cost_picodollars += rec.cost_picodollars
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "cost_usd": dollars(self.cost_nanos)}
+        return {**asdict(self), "cost_usd": dollars(self.cost_picodollars)}
 
 
-COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
+COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_picodollars")
 
 
 @runtime_checkable

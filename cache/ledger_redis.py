@@ -17,7 +17,7 @@ SEEN_TTL_S = 14 * 24 * 3600  # how long a record id is remembered (spools are re
 STREAM_MAXLEN = 10_000_000
 
 # KEYS: seen set of the record's day, stream, the tenant/day counters, the day's tenant set
-# ARGV: record id, payload, tenant, prompt, cached, completion, cost nanos, seen ttl, stream maxlen
+# ARGV: record id, payload, tenant, prompt, cached, completion, cost in pico-dollars, seen ttl, stream maxlen
 _RECORD = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('EXPIRE', KEYS[1], ARGV[8])
@@ -26,7 +26,7 @@ redis.call('HINCRBY', KEYS[3], 'requests', 1)
 redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[3], 'cached_tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[6])
-redis.call('HINCRBY', KEYS[3], 'cost_nanos', ARGV[7])
+redis.call('HINCRBY', KEYS[3], 'cost_picodollars', ARGV[7])
 redis.call('SADD', KEYS[4], ARGV[3])
 return 1
 """
@@ -49,7 +49,7 @@ class RedisLedger:
         keys = [f"{self._tag}:seen:{rec.day}", self.stream_key, self._sum_key(rec.tenant, rec.day),
                 f"{self._tag}:tenants:{rec.day}"]  # fmt: skip
         args = [rec.record_id, msgpack.packb(rec.to_dict()), rec.tenant, rec.prompt_tokens, rec.cached_tokens,
-                rec.completion_tokens, rec.cost_nanos, SEEN_TTL_S, STREAM_MAXLEN]  # fmt: skip
+                rec.completion_tokens, rec.cost_picodollars, SEEN_TTL_S, STREAM_MAXLEN]  # fmt: skip
         return bool(await self._record(keys=keys, args=args))
 
     async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:

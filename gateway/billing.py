@@ -116,14 +116,16 @@ class Billing:
     def prices(self, model: str) -> Prices | None:
         return self._prices.get(model) or self._prices.get("*")
 
-    def cost_nanos(self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+    def cost_picodollars(
+        self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+    ) -> int:
         prices = self.prices(model)
-        return prices.cost_nanos(prompt_tokens, cached_tokens, completion_tokens) if prices else 0
+        return prices.cost_picodollars(prompt_tokens, cached_tokens, completion_tokens) if prices else 0
 
     def usage_extras(self, model: str, usage: dict[str, Any]) -> dict[str, Any]:
         """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention)."""
         prompt, cached, completion = usage_counts(usage)
-        return {"cost": dollars(self.cost_nanos(model, prompt, cached, completion))}
+        return {"cost": dollars(self.cost_picodollars(model, prompt, cached, completion))}
 
     def record(self, rec: UsageRecord) -> None:
         """Hand a finished request's record to the ledger writer (never blocks, never drops)."""

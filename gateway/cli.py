@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument(
         "--pd", action="store_true", help="disaggregate: each region runs one prefill and one decode engine"
     )
+    demo.add_argument(
+        "--auth", action="store_true", help="require API keys; prints one for each of two demo tenants"
+    )
     demo.set_defaults(func=_demo)
 
     sim = subparsers.add_parser(
@@ -72,6 +75,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     sim.set_defaults(func=_simulate)
 
+    from gateway import accounts_cli
+
+    accounts_cli.register(subparsers)
+
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config import load_config
@@ -96,6 +103,7 @@ def _demo(args: argparse.Namespace) -> int:
         simulated=args.simulated,
         model_dir=args.model,
         pd=args.pd,
+        auth=args.auth,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cache.ledger import Prices
+from cache.ledger import PRICE_DECIMALS, Prices
 from gateway.home import HomeSettings
 from gateway.routing.base import RoutingSettings
 from gateway.tenants import TENANT_PATTERN, TenantConfig
@@ -49,9 +49,9 @@ class PriceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    input: Decimal = Field(ge=0)
-    cached_input: Decimal = Field(ge=0)
-    output: Decimal = Field(ge=0)
+    input: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
+    cached_input: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
+    output: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
 
     def prices(self) -> Prices:
         return Prices(self.input, self.cached_input, self.output)

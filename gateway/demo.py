@@ -24,10 +24,11 @@ from typing import Any
 
 import aiohttp
 
-from gateway.app import build_app
+from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.loop import install_best_loop
 from gateway.server import serve_until_signal
+from gateway.tenants import create_key
 
 REGION_NAMES = ("eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ap-east", "us-west")
 SIM_MODEL = "kvgate-sim"
@@ -178,8 +179,13 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float = 5.0) -> None:
             e.process.wait()
 
 
+DEMO_TENANTS = ("acme", "globex")  # with --auth; acme's key may also read every tenant's usage
+# Dollars per million tokens: cached prompt tokens cost a tenth (what makes x-session-affinity worth sending).
+DEMO_PRICES = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
+
+
 def demo_config(
-    engines: list[EngineProcess], kind: EngineKind, port: int, redis_url: str | None
+    engines: list[EngineProcess], kind: EngineKind, port: int, redis_url: str | None, *, auth: bool = False
 ) -> dict[str, Any]:
     names = list(dict.fromkeys(e.region for e in engines))
     return {
@@ -196,12 +202,31 @@ def demo_config(
             for r in names
         ],
         "rtt_ms": {f"{a}.{b}": INTER_REGION_RTT_MS for i, a in enumerate(names) for b in names[i + 1 :]},
-        "gateway": {"host": "127.0.0.1", "port": port, "redis_url": redis_url, "tokenizer": kind.tokenizer},
+        "gateway": {
+            "host": "127.0.0.1",
+            "port": port,
+            "redis_url": redis_url,
+            "tokenizer": kind.tokenizer,
+            "auth": {"enabled": auth},
+        },
+        "tenants": {name: {"admin": name == DEMO_TENANTS[0]} for name in DEMO_TENANTS} if auth else {},
+        "prices": {kind.model: DEMO_PRICES},
     }
 
 
-def tour(port: int, kind: EngineKind) -> str:
+def tour(port: int, kind: EngineKind, keys: dict[str, str] | None = None) -> str:
     base = f"http://127.0.0.1:{port}"
+    auth = ' -H "Authorization: Bearer $KVGATE_API_KEY"' if keys else ""
+    key_lines = ""
+    if keys:
+        listed = "\n".join(f"  {tenant:8} {key}" for tenant, key in keys.items())
+        first_key = next(iter(keys.values()))
+        key_lines = f"""
+Authentication is on. One API key per demo tenant (shown once; {DEMO_TENANTS[0]}'s may read all usage):
+{listed}
+  export KVGATE_API_KEY={first_key}
+The two tenants never share cached tokens, nor session ids.
+"""
     model = json.dumps(kind.model)
     stream = (
         f'{{"model": {model}, "stream": true, "stream_options": {{"include_usage": true}}, "max_tokens": 8, '
@@ -214,14 +239,18 @@ def tour(port: int, kind: EngineKind) -> str:
     return f"""
 kvgate demo: a gateway on {base}; its engines run {kind.label}.
 The answers are meaningless text (random weights or a simulator); the caching, routing and usage are real.
-
-Try a conversation with session affinity (run it twice: the second answer reports cached tokens):
-  curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
-       -H 'x-session-affinity: demo-chat-1' -d '{first}' -D - | grep -iE '^x-kvgate|cached_tokens'
+{key_lines}
+Try a conversation with session affinity (run it twice: the second answer reports cached tokens, billed at
+a tenth of the input price in usage.cost):
+  curl -s {base}/v1/chat/completions -H 'content-type: application/json'{auth} \\
+       -H 'x-session-affinity: demo-chat-1' -d '{first}' -D - | grep -iE '^x-kvgate|cached_tokens|cost'
 
 Stream it:
-  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\
+  curl -sN {base}/v1/chat/completions -H 'content-type: application/json'{auth} \\
        -H 'x-session-affinity: demo-chat-1' -d '{stream}'
+
+Today's usage and cost (kvgate usage --url {base} prints every tenant's):
+  curl -s {base}/v1/usage{auth}
 
 Models, health and metrics (the hit ratio is cached_prompt_tokens / prompt_tokens):
   curl -s {base}/v1/models
@@ -234,8 +263,14 @@ Ctrl-C stops the gateway and every engine.
 
 async def _serve(config: dict[str, Any], kind: EngineKind, port: int) -> None:
     app = build_app(parse_config(config, environ=os.environ))
+    keys = None
+    if config["gateway"]["auth"]["enabled"]:
+        store = app[GATEWAY].billing.keys
+        keys = {tenant: (await create_key(store, tenant, "kvgate demo"))[0] for tenant in DEMO_TENANTS}
     try:
-        await serve_until_signal(app, "127.0.0.1", port, on_ready=lambda: print(tour(port, kind), flush=True))
+        await serve_until_signal(
+            app, "127.0.0.1", port, on_ready=lambda: print(tour(port, kind, keys), flush=True)
+        )
     finally:
         print("\nkvgate demo: stopping ...", flush=True)
 
@@ -249,6 +284,7 @@ def run_demo(
     simulated: bool = False,
     model_dir: str | None = None,
     pd: bool = False,
+    auth: bool = False,
 ) -> int:
     install_best_loop()
     # A SIGTERM before the gateway is up must still run the clean-up below (it stops the engines).
@@ -266,7 +302,7 @@ def run_demo(
     engines = start_engines(kind, regions, engines_per_region, pd=pd)
     try:
         asyncio.run(wait_healthy(engines, timeout_s=120.0))
-        asyncio.run(_serve(demo_config(engines, kind, port, redis_url), kind, port))
+        asyncio.run(_serve(demo_config(engines, kind, port, redis_url, auth=auth), kind, port))
     except RuntimeError as exc:
         print(f"kvgate demo: {exc}", file=sys.stderr)
         return 1

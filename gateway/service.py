@@ -376,7 +376,7 @@ class _Account:
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 completion_tokens=completion,
-                cost_nanos=g.billing.cost_nanos(p.model, prompt, cached, completion),
+                cost_picodollars=g.billing.cost_picodollars(p.model, prompt, cached, completion),
                 status=outcome,
                 key_id=p.key_id,
                 region=engine.region,

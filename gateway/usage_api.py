@@ -1,7 +1,7 @@
 """``GET /v1/usage`` (the caller's tenant) and ``GET /v1/admin/usage`` (every tenant; admin keys only).
 
 ``start`` and ``end`` are days (``2026-11-30``) or Unix seconds, both inclusive, in UTC; both default to
-today. Figures are per day, with a total; costs in dollars and, exactly, in nano-dollars.
+today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _sum(days: Any) -> dict[str, Any]:
         total.prompt_tokens += d.prompt_tokens
         total.cached_tokens += d.cached_tokens
         total.completion_tokens += d.completion_tokens
-        total.cost_nanos += d.cost_nanos
+        total.cost_picodollars += d.cost_picodollars
     out = total.to_json()
     del out["day"]
     return out

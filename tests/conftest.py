@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cache.redis_keys import RedisKeys
+from tests.redis_process import RedisProcess
 
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -68,3 +69,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(
         tmp_path_factory.mktemp("models") / "tiny-qwen3", "tiny", arch="qwen3", seed=1, dtype="float32"
     )
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A redis-server process of this test's own, which it may stop and restart."""
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.stop()

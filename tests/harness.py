@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class Cluster:
     async def add_gateway(self, region: str, **gateway: Any) -> tuple[Gateway, str]:
         regions: dict[str, list[dict[str, Any]]] = {}
         extra = gateway.pop("engine_options", {})
+        tables = {k: gateway.pop(k) for k in ("tenants", "prices") if k in gateway}
         for engine_id, (_, url) in self.engines.items():
             r, name = engine_id.split("/")
             regions.setdefault(r, []).append(
@@ -70,13 +72,17 @@ class Cluster:
                     **extra.get(engine_id, {}),
                 }
             )
-        settings = {"health_interval_s": 0.05, "gateway_id": f"gw-{uuid.uuid4().hex[:6]}", **gateway}
+        gateway_id = f"gw-{uuid.uuid4().hex[:6]}"
+        # A spool of its own per test gateway (only written while the ledger's Redis is away).
+        spool = Path(tempfile.gettempdir()) / "kvgate-test-spools" / f"{gateway_id}.spool"
+        settings = {"health_interval_s": 0.05, "gateway_id": gateway_id, "spool_path": str(spool), **gateway}
         config = parse_config(
             {
                 "region": region,
                 "regions": [{"name": r, "engines": es} for r, es in regions.items()],
                 "rtt_ms": {f"{a}.{b}": 40 for a in regions for b in regions if a < b},
                 "gateway": settings,
+                **tables,
             }
         )
         app = build_app(config)

@@ -1,0 +1,189 @@
+"""``kvgate keys create|list|revoke`` and ``kvgate usage``: the operator's side of tenants and billing.
+
+Both talk to where the gateways keep their state: Redis (``--redis`` or the deployment file's
+``gateway.redis_url``) or, for keys without Redis, a keys file (``--keys-file`` or
+``gateway.auth.keys_file``).
+``kvgate usage --url`` asks a running gateway instead (its in-process ledger, when it has no Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import re
+import sys
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from cache.ledger import dollars
+from cache.ledger_redis import RedisLedger
+from gateway.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
+from gateway.usage_api import day_range
+from region_map.config import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = subparsers.add_parser(
+        "keys",
+        help="create, list and revoke API keys",
+        description="API keys of tenants. A key is printed once, when it is created; only its SHA-256 "
+        "is stored.",
+    )
+    actions = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="create a key for a tenant and print it (once)")
+    create.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
+    create.add_argument("--name", default="", help="a label for the key (shown by 'keys list')")
+    listing = actions.add_parser("list", help="list keys (ids and tenants; never the keys)")
+    listing.add_argument("--tenant", help="only this tenant's keys")
+    revoke = actions.add_parser("revoke", help="revoke a key by its id (see 'keys list')")
+    revoke.add_argument("key_id")
+    for sub in (create, listing, revoke):
+        _store_options(sub)
+        sub.set_defaults(func=_keys)
+
+    usage = subparsers.add_parser(
+        "usage",
+        help="usage and cost per tenant and day, from the ledger",
+        description="Usage and cost per tenant and day. Reads the ledger in Redis, or asks a gateway "
+        "(--url, with an admin key in --key or KVGATE_API_KEY when it requires one).",
+    )
+    usage.add_argument("--tenant", help="only this tenant")
+    usage.add_argument("--start", help="first day, YYYY-MM-DD or Unix seconds (default: --end)")
+    usage.add_argument("--end", help="last day (default: today, UTC)")
+    usage.add_argument("--url", help="a gateway's base URL, e.g. http://127.0.0.1:8080")
+    usage.add_argument("--key", default=os.environ.get("KVGATE_API_KEY"), help="admin API key for --url")
+    usage.add_argument("--json", action="store_true", help="print the gateway's JSON answer shape")
+    _store_options(usage, keys_file=False)
+    usage.set_defaults(func=_usage)
+
+
+def _store_options(parser: argparse.ArgumentParser, *, keys_file: bool = True) -> None:
+    parser.add_argument("--config", help="deployment file (its gateway.redis_url / gateway.auth.keys_file)")
+    parser.add_argument("--redis", metavar="URL", help="Redis the gateways share")
+    parser.add_argument("--redis-prefix", default=None, help="key prefix (default: the config's, or kvgate)")
+    if keys_file:
+        parser.add_argument("--keys-file", help="keys file, when the gateways have no Redis")
+
+
+def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
+    """(redis url, keys file, prefix) from the flags, then the deployment file."""
+    redis_url, keys_file, prefix = args.redis, getattr(args, "keys_file", None), args.redis_prefix
+    if args.config:
+        from gateway.config import load_config
+
+        config = load_config(args.config, environ=os.environ).gateway
+        redis_url = redis_url or config.redis_url
+        keys_file = keys_file or config.auth.keys_file
+        prefix = prefix or config.redis_prefix
+    return redis_url, keys_file, prefix or "kvgate"
+
+
+def _keys(args: argparse.Namespace) -> int:
+    redis_url, keys_file, prefix = _settings(args)
+    if keys_file is None and redis_url is None:
+        raise ConfigError("say where keys live: --redis URL, --keys-file FILE, or --config FILE")
+    return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
+
+
+async def _keys_async(
+    args: argparse.Namespace, redis_url: str | None, keys_file: str | None, prefix: str
+) -> int:
+    client: aioredis.Redis | None = None
+    store: KeyStore
+    if keys_file:
+        store = FileKeyStore(keys_file)
+    else:
+        client = aioredis.from_url(str(redis_url))
+        store = RedisKeyStore(client, prefix)
+    try:
+        if args.keys_command == "create":
+            if not re.match(TENANT_PATTERN, args.tenant):
+                raise ConfigError("--tenant: 1-63 letters, digits, '_', '.' or '-'")
+            key, record = await create_key(store, args.tenant, args.name)
+            print(key)
+            print(
+                f"key {record.key_id} for tenant {record.tenant}: shown once, store it now "
+                "(send it as 'Authorization: Bearer <key>')",
+                file=sys.stderr,
+            )
+        elif args.keys_command == "list":
+            records = [r for r in await store.list() if args.tenant in (None, r.tenant)]
+            print(f"{'KEY ID':14} {'TENANT':24} {'CREATED (UTC)':20} NAME")
+            for r in records:
+                created = dt.datetime.fromtimestamp(r.created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+                print(f"{r.key_id:14} {r.tenant:24} {created:20} {r.name}")
+        else:
+            if not await store.remove(args.key_id):
+                print(f"kvgate keys: no key with id {args.key_id}", file=sys.stderr)
+                return 1
+            print(f"revoked key {args.key_id} (gateways stop accepting it within a minute)", file=sys.stderr)
+        return 0
+    finally:
+        if client is not None:
+            await client.aclose()
+
+
+def _usage(args: argparse.Namespace) -> int:
+    query = {k: v for k, v in (("start", args.start), ("end", args.end)) if v}
+    if args.url:
+        body = asyncio.run(_usage_from_gateway(args.url, args.key, query))
+    else:
+        redis_url, _, prefix = _settings(args)
+        if redis_url is None:
+            raise ConfigError(
+                "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
+            )
+        start, end = day_range(query)
+        body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
+    if args.tenant:
+        body["data"] = [t for t in body["data"] if t["tenant"] == args.tenant]
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        _print_usage(body)
+    return 0
+
+
+async def _usage_from_gateway(url: str, key: str | None, query: dict[str, str]) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    endpoint = url.rstrip("/") + "/v1/admin/usage"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(endpoint, params=query, headers=headers) as r,
+    ):
+        body = await r.json(content_type=None)
+        if r.status != 200:
+            message = body.get("error", {}).get("message") if isinstance(body, dict) else body
+            raise ConfigError(f"{url} answered {r.status}: {message}")
+        return dict(body)
+
+
+async def _usage_from_redis(redis_url: str, prefix: str, start: str, end: str) -> dict[str, Any]:
+    client = aioredis.from_url(redis_url)
+    try:
+        by_tenant = await RedisLedger(client, prefix).tenants(start, end)
+    finally:
+        await client.aclose()
+    data = [{"tenant": name, "data": [d.to_json() for d in days]} for name, days in by_tenant.items()]
+    return {"object": "list", "start": start, "end": end, "data": data}
+
+
+def _print_usage(body: dict[str, Any]) -> None:
+    print(f"usage {body['start']} .. {body['end']} (UTC)")
+    print(
+        f"{'TENANT':20} {'DAY':10} {'REQUESTS':>9} {'PROMPT':>12} {'CACHED':>12} {'HIT':>6} "
+        f"{'OUTPUT':>11} {'COST $':>12}"
+    )
+    for entry in body["data"]:
+        for d in entry["data"]:
+            hit = d["cached_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
+            print(
+                f"{entry['tenant']:20} {d['day']:10} {d['requests']:9d} {d['prompt_tokens']:12d} "
+                f"{d['cached_tokens']:12d} {hit:6.1%} {d['completion_tokens']:11d} "
+                f"{dollars(d['cost_picodollars']):12.6f}"
+            )
