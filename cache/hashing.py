@@ -144,6 +144,16 @@ def shared_boundary_seed(last_shared_hash: int, private_seed: int) -> int:
     return xxhash.xxh3_64_intdigest(last_shared_hash.to_bytes(8, "little"), seed=private_seed)
 
 
+def chain_parent(hashes: Sequence[BlockHash], shared_blocks: int, private_seed: int) -> int | None:
+    """What the block after ``hashes`` (a ``namespaced_block_hashes`` chain) continues from, as ``parent``:
+    the last hash, or the tenant's boundary seed right after a shared public prefix."""
+    if not hashes:
+        return None
+    if shared_blocks and len(hashes) == shared_blocks:
+        return shared_boundary_seed(hashes[-1], private_seed)
+    return hashes[-1]
+
+
 Hasher = Callable[[TokenIds, int, int], list[BlockHash]]
 
 

@@ -29,7 +29,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from cache.hashing import block_hashes, namespace_seed
+from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
 from engine.openai_api import (
@@ -269,7 +269,13 @@ class SimEngine:
             ids = req.prompt_token_ids
             bs = cfg.block_size
             ns_seed = _namespace_seed(cfg.model, req.cache_salt)
-            hashes = block_hashes(ids, bs, ns_seed)
+            hashes = namespaced_block_hashes(
+                ids,
+                bs,
+                ns_seed,
+                public_seed=_namespace_seed(cfg.model, ""),
+                shared_blocks=req.cache_shared_blocks,
+            )
             n_cached = self.cache.match(hashes)
             cached_tokens = n_cached * bs
             if not self._zero_cost:
@@ -293,7 +299,7 @@ class SimEngine:
             if text and cfg.decode_s_per_token > 0:
                 await asyncio.sleep(len(text) * cfg.decode_s_per_token)
             # Stored before the answer leaves, so a client's next turn is sure to find it.
-            self._store_answer(ids, hashes, text, ns_seed)
+            self._store_answer(ids, hashes, text, ns_seed, req.cache_shared_blocks)
             return json_response(response_body(req, text, finish, usage_obj), headers=headers)
         finally:
             # Also on cancellation (client gone, with handler_cancellation) and errors: never leak a slot.
@@ -318,7 +324,7 @@ class SimEngine:
         try:
             if decode_s <= 0:
                 # No decode cost: one write for the whole answer, still one SSE chunk per token.
-                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed)
+                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
                 await resp.prepare(request)
                 await resp.write(
                     fmt.start() + b"".join([fmt.token(ch) for ch in text]) + fmt.finish(finish, usage_obj)
@@ -336,14 +342,16 @@ class SimEngine:
                     if delay > 0:
                         await asyncio.sleep(delay)
                     await resp.write(fmt.token(ch))
-                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed)
+                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
                 await resp.write(fmt.finish(finish, usage_obj))
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client went away mid-stream; the caller's finally frees its slot and pins
         return resp
 
-    def _store_answer(self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int) -> None:
+    def _store_answer(
+        self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int, shared_blocks: int = 0
+    ) -> None:
         """Cache the full blocks of prompt + answer: a chat's next turn starts with exactly those tokens.
 
         The whole chain is stored, not just the answer's blocks, so that under pressure the answer cannot
@@ -352,10 +360,14 @@ class SimEngine:
         bs = self.config.block_size
         tail_start = len(hashes) * bs
         chain = hashes
+        # A shared public prefix only exists beside a salt (without one, everything is one namespace).
+        shared_blocks = shared_blocks if ns_seed != _namespace_seed(self.config.model, "") else 0
         if text and ids.shape[0] - tail_start + len(text) >= bs:
             out_ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint32)
             tail = np.concatenate((ids[tail_start:], out_ids))
-            chain = hashes + block_hashes(tail, bs, ns_seed, parent=hashes[-1] if hashes else None)
+            chain = hashes + block_hashes(
+                tail, bs, ns_seed, parent=chain_parent(hashes, shared_blocks, ns_seed)
+            )
         self.cache.store(chain)
 
 

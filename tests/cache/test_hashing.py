@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.hashing import PrefixHashMemo, block_hashes, hash_block, namespace_seed, token_bytes
+from cache.hashing import (
+    PrefixHashMemo,
+    block_hashes,
+    chain_parent,
+    hash_block,
+    namespace_seed,
+    namespaced_block_hashes,
+    token_bytes,
+)
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
 block_sizes = st.integers(min_value=1, max_value=32)
@@ -106,3 +114,25 @@ def test_the_memo_reuses_a_repeated_prefix() -> None:
         first, 16, namespace_seed("other")
     )
     assert memo.hits == 10  # another namespace shares nothing
+
+
+# -- tenant namespaces and shared public prefixes ------------------------------------------------------
+
+
+def test_shared_prefix_blocks_are_public_and_the_rest_private() -> None:
+    ids = np.arange(10 * 4, dtype=np.uint32)
+    public, acme, globex = namespace_seed("m"), namespace_seed("m", "acme"), namespace_seed("m", "globex")
+    a = namespaced_block_hashes(ids, 4, acme, public_seed=public, shared_blocks=3)
+    g = namespaced_block_hashes(ids, 4, globex, public_seed=public, shared_blocks=3)
+    assert a[:3] == g[:3] == block_hashes(ids[:12], 4, public)  # the declared prefix: one cache for all
+    assert not set(a[3:]) & set(g[3:])  # after it, nothing shared between tenants
+    assert not set(a[3:]) & set(block_hashes(ids, 4, public))  # ... nor with the public namespace
+    # Without a shared part, or without a salt, it is plain block_hashes.
+    assert namespaced_block_hashes(ids, 4, acme) == block_hashes(ids, 4, acme)
+    assert namespaced_block_hashes(ids, 4, public, public_seed=public, shared_blocks=3) == block_hashes(
+        ids, 4, public
+    )
+    # A chain continues block by block exactly as if hashed whole (the engines extend chains this way).
+    head = namespaced_block_hashes(ids[:12], 4, acme, public_seed=public, shared_blocks=3)
+    rest = block_hashes(ids[12:], 4, acme, parent=chain_parent(head, 3, acme))
+    assert head + rest == a

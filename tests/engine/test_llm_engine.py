@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cache.events import BlockStored
+from cache.hashing import namespace_seed, namespaced_block_hashes
 from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
-from engine.sequence import SamplingParams
+from engine.sequence import CacheNamespace, SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -138,3 +140,33 @@ def test_qwen3_runs_through_the_engine(tiny_qwen3_dir: Path) -> None:
     single = e.generate([prompts(e.model_config.vocab_size)[1]], GREEDY)
     batched = engine(tiny_qwen3_dir).generate(prompts(e.model_config.vocab_size), GREEDY)
     assert batched[1] == single[0]
+
+
+def test_cache_salts_keep_tenants_apart_but_share_the_public_prefix(tiny_model_dir: Path) -> None:
+    e = engine(tiny_model_dir)
+    vocab = e.model_config.vocab_size
+    system = [(5 * j + 1) % vocab for j in range(16)]  # 4 blocks of 4: the declared public prefix
+    question = [(11 * j + 2) % vocab for j in range(9)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def cached(request_id: str, salt: str, shared: int) -> int:
+        e.add_request(request_id, system + question, params, CacheNamespace(salt, shared))
+        hits = []
+        while e.has_work():
+            hits += [o.cached_tokens for o in e.step() if o.request_id == request_id and o.finished]
+        return hits[0]
+
+    assert cached("a1", "acme", 4) == 0
+    assert cached("a2", "acme", 4) == 24  # its own full blocks (the last prompt token is always computed)
+    assert cached("g1", "globex", 4) == 16  # the public part only: acme's question stays acme's
+    assert cached("n1", "", 0) == 16  # the public namespace is the salt-less one: only the public part
+    # The engine's incremental hashes are the gateway's (contract 1), across the public/private seam.
+    seq = Sequence("x", system + question + [1, 2, 3], params, namespace_seed(e.model_name, "acme"))
+    seq.public_seed, seq.shared_blocks = namespace_seed(e.model_name, ""), 4
+    assert seq.block_hashes(4) == namespaced_block_hashes(
+        np.asarray(seq.token_ids, dtype=np.uint32),
+        4,
+        seq.hash_seed,
+        public_seed=seq.public_seed,
+        shared_blocks=4,
+    )

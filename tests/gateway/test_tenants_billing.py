@@ -1,0 +1,338 @@
+"""Tenants, keys, rate limits and billing through a running gateway (simulated engines, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from cache.ledger import Prices, day_of
+from cache.ledger_redis import RedisLedger
+from cache.redis_keys import RedisKeys
+from gateway.billing import usage_counts
+from gateway.tenants import create_key
+from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.redis_process import RedisProcess
+
+PRICE = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
+PRICES = Prices(Decimal("0.50"), Decimal("0.05"), Decimal("1.50"))
+TENANTS = {"acme": {"admin": True}, "globex": {}, "tiny": {"requests_per_minute": 2}}
+LONG = "You are the support assistant of a large company; answer briefly, politely and correctly. " * 8
+
+
+def chat(content: str, *, system: str = LONG, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    return {"model": MODEL, "max_tokens": 4, "messages": messages, **extra}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def billed_cluster(make_cluster: ClusterFactory, **gateway: Any) -> tuple[Cluster, dict[str, str]]:
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        auth={"enabled": True},
+        tenants=TENANTS,
+        prices={MODEL: PRICE},
+        **gateway,
+    )
+    store = cluster.gateway.billing.keys
+    keys = {tenant: (await create_key(store, tenant))[0] for tenant in TENANTS}
+    return cluster, keys
+
+
+def cost_of(usage: dict[str, Any]) -> int:
+    return PRICES.cost_picodollars(*usage_counts(usage))
+
+
+def kvgate(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, check=check
+    )
+
+
+# -- keys -----------------------------------------------------------------------------------------------
+
+
+async def test_requests_need_a_valid_key(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    for headers in ({}, bearer("kvg-not-a-key-at-all-0000"), {"Authorization": f"Basic {keys['acme']}"}):
+        status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=headers)
+        assert status == 401
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_api_key"
+        assert keys["acme"] not in body["error"]["message"]
+    status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(keys["acme"]))
+    assert status == 200 and body["usage"]["cost"] == pytest.approx(cost_of(body["usage"]) / 10**12)
+
+
+async def test_the_openai_sdk_gets_its_authentication_error(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    bad = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="kvg-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.chat.completions.create(**chat("hi"))
+    good = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["globex"], max_retries=0)
+    answer = await good.chat.completions.create(**chat("hi"))
+    assert answer.usage is not None and answer.usage.prompt_tokens > 0
+    await bad.close()
+    await good.close()
+
+
+async def test_keys_are_stored_only_as_hashes(
+    make_cluster: ClusterFactory, redis_url: str, redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    where = ["--redis", redis_url, "--redis-prefix", redis_keys.prefix]
+    key = (await asyncio.to_thread(kvgate, "keys", "create", "--tenant", "acme", *where)).stdout.strip()
+    assert key.startswith("kvg-") and len(key) > 30
+    stored = [
+        (k, await redis_client.dump(k)) async for k in redis_client.scan_iter(match=f"{redis_keys.prefix}:*")
+    ]
+    assert stored and all(key.encode() not in (k + (v or b"")) for k, v in stored)
+    cluster = await make_cluster(
+        {"eu-west": 1}, auth={"enabled": True}, redis_url=redis_url, redis_prefix=redis_keys.prefix
+    )
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(key))
+    assert status == 200
+    listed = await asyncio.to_thread(kvgate, "keys", "list", *where)
+    assert "acme" in listed.stdout and key not in listed.stdout
+
+
+def test_keys_file_holds_digests_only(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.jsonl"
+    key = kvgate("keys", "create", "--tenant", "globex", "--keys-file", str(keys_file)).stdout.strip()
+    text = keys_file.read_text()
+    assert key not in text and "globex" in text
+    assert keys_file.stat().st_mode & 0o777 == 0o600
+    key_id = text.split('"key_id": "')[1][:12]
+    kvgate("keys", "revoke", key_id, "--keys-file", str(keys_file))
+    assert "globex" not in keys_file.read_text()
+    refused = kvgate("keys", "create", "--tenant", "no spaces", "--keys-file", str(keys_file), check=False)
+    assert refused.returncode == 2 and "tenant" in refused.stderr
+
+
+# -- isolation ------------------------------------------------------------------------------------------
+
+
+async def test_tenants_never_share_cached_tokens(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    body = chat("What are your opening hours?")
+    await cluster.post("/v1/chat/completions", body, headers=bearer(keys["acme"]))
+    _, again, _ = await cluster.post("/v1/chat/completions", body, headers=bearer(keys["acme"]))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(LONG) // 16 * 16 - 16
+    _, other, _ = await cluster.post("/v1/chat/completions", body, headers=bearer(keys["globex"]))
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # same prompt, same engine
+    assert other["usage"]["cost"] > again["usage"]["cost"]
+    # Even a client-chosen cache_salt cannot reach another tenant's namespace.
+    _, salted, _ = await cluster.post(
+        "/v1/chat/completions", {**body, "cache_salt": "tenant:acme"}, headers=bearer(keys["globex"])
+    )
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_session_ids_are_scoped_per_tenant(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 2}, auth={"enabled": True}, tenants=TENANTS, routing={"policy": "session"}
+    )
+    keys = {t: (await create_key(cluster.gateway.billing.keys, t))[0] for t in ("acme", "globex")}
+    session = {"x-session-affinity": "conversation-42"}
+    _, _, h1 = await cluster.post(
+        "/v1/chat/completions", chat("a"), headers={**bearer(keys["acme"]), **session}
+    )
+    _, _, h2 = await cluster.post(
+        "/v1/chat/completions", chat("b"), headers={**bearer(keys["acme"]), **session}
+    )
+    assert h2["x-kvgate-route"] == "session" and h2["x-kvgate-engine"] == h1["x-kvgate-engine"]
+    _, body, h3 = await cluster.post(
+        "/v1/chat/completions", chat("a"), headers={**bearer(keys["globex"]), **session}
+    )
+    assert h3["x-kvgate-route"] != "session"  # A's binding means nothing to B
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_declared_shared_prefix_is_reused_across_tenants(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster, shared_prefixes=[LONG])
+    shared_tokens = len(cluster.gateway.prepare._shared[0]) // 16 * 16
+    assert shared_tokens > 300
+    _, a, _ = await cluster.post(
+        "/v1/chat/completions", chat("acme question " * 8), headers=bearer(keys["acme"])
+    )
+    _, b, _ = await cluster.post(
+        "/v1/chat/completions", chat("acme question " * 8), headers=bearer(keys["globex"])
+    )
+    b_cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # B reuses the public system prompt A's request computed, but not A's own question after it.
+    assert b_cached == shared_tokens < b["usage"]["prompt_tokens"] - 16
+    _, b2, _ = await cluster.post(
+        "/v1/chat/completions", chat("acme question " * 8), headers=bearer(keys["globex"])
+    )
+    assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] > shared_tokens  # its own part, now cached
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+# -- limits ---------------------------------------------------------------------------------------------
+
+
+async def test_rate_limit_answers_429_with_retry_after(make_cluster: ClusterFactory, redis_url: str) -> None:
+    cluster, keys = await billed_cluster(make_cluster, redis_url=redis_url)
+    answers = [
+        await cluster.post("/v1/chat/completions", chat(f"q{i}"), headers=bearer(keys["tiny"]))
+        for i in range(3)
+    ]
+    assert [status for status, _, _ in answers] == [200, 200, 429]
+    _, body, headers = answers[2]
+    assert body["error"]["code"] == "rate_limit_exceeded" and "RPM" in body["error"]["message"]
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("q"), headers=bearer(keys["globex"]))
+    assert status == 200  # other tenants are not affected
+
+
+async def test_token_limit_counts_prompt_and_max_tokens(make_cluster: ClusterFactory) -> None:
+    tenants = {"small": {"tokens_per_minute": 1000}}
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True}, tenants=tenants)
+    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("hi", max_tokens=10), headers=bearer(key))
+    assert status == 200
+    status, body, headers = await cluster.post(
+        "/v1/chat/completions", chat("hi", max_tokens=900), headers=bearer(key)
+    )
+    assert status == 429 and "TPM" in body["error"]["message"] and "Retry-After" in headers
+
+
+# -- usage ----------------------------------------------------------------------------------------------
+
+
+async def test_usage_endpoints_add_up_to_what_clients_were_billed(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    seen: dict[str, int] = {"acme": 0, "globex": 0}
+    for i in range(6):
+        tenant = "acme" if i % 3 else "globex"
+        status, body, _ = await cluster.post(
+            "/v1/chat/completions", chat(f"question {i}"), headers=bearer(keys[tenant])
+        )
+        assert status == 200
+        seen[tenant] += cost_of(body["usage"])
+    assert cluster.session is not None
+    async with cluster.session.get(cluster.url + "/v1/usage", headers=bearer(keys["globex"])) as r:
+        mine = await r.json()
+    assert mine["tenant"] == "globex" and mine["total"]["requests"] == 2
+    assert mine["total"]["cost_picodollars"] == seen["globex"]
+    async with cluster.session.get(cluster.url + "/v1/admin/usage", headers=bearer(keys["globex"])) as r:
+        assert r.status == 403
+    today = day_of(time.time())
+    async with cluster.session.get(
+        cluster.url + f"/v1/admin/usage?start={today}&end={today}", headers=bearer(keys["acme"])
+    ) as r:
+        everyone = await r.json()
+    totals = {t["tenant"]: t["total"]["cost_picodollars"] for t in everyone["data"]}
+    assert totals == seen and everyone["total"]["requests"] == 6
+    async with cluster.session.get(
+        cluster.url + "/v1/usage?start=yesterday", headers=bearer(keys["acme"])
+    ) as r:
+        error = await r.json()
+        assert r.status == 400 and error["error"]["param"] == "start"
+
+
+async def test_stream_usage_carries_the_cost_and_is_recorded_once(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
+    stream = await client.chat.completions.create(
+        **chat("stream please"), stream=True, stream_options={"include_usage": True}
+    )
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    assert usage is not None and usage["cost"] == pytest.approx(cost_of(usage) / 10**12)
+    # Without include_usage the client sees no usage event, but the request is billed all the same.
+    quiet = await client.chat.completions.create(**chat("quiet"), stream=True)
+    assert all([c.usage is None async for c in quiet])
+    await client.close()
+    await cluster.gateway.billing.writer.flush()
+    records = await cluster.gateway.billing.ledger.records()
+    assert [r.status for r in records] == ["completed", "completed"]
+    assert len({r.record_id for r in records}) == 2 and not any(r.estimated for r in records)
+
+
+async def test_a_stream_the_client_abandons_is_billed_for_what_it_received(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster({"eu-west": 1}, sim={"decode_s_per_token": 0.02}, prices={MODEL: PRICE})
+    assert cluster.session is not None
+    body = chat("tell me a long story", max_tokens=200, stream=True)
+    async with cluster.session.post(cluster.url + "/v1/chat/completions", json=body) as r:
+        received = 0
+        async for line in r.content:
+            received += line.startswith(b"data:")
+            if received == 5:
+                break  # leaving the context closes the connection mid-stream
+    ledger = cluster.gateway.billing.ledger
+    await cluster.wait_for(lambda: len(ledger._records) == 1)  # type: ignore[attr-defined]
+    await asyncio.sleep(0.3)  # ... and no second record follows
+    [rec] = await ledger.records()
+    assert rec.status == "aborted" and rec.estimated
+    assert 5 <= rec.completion_tokens < 200 and rec.prompt_tokens > 0
+    assert rec.cost_picodollars == PRICES.cost_picodollars(
+        rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens
+    )
+
+
+async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:
+    cluster, keys = await billed_cluster(make_cluster)
+    await cluster.post("/v1/chat/completions", {"model": MODEL}, headers=bearer(keys["acme"]))  # 400
+    await cluster.post("/v1/chat/completions", chat("x", model="nope"), headers=bearer(keys["acme"]))  # 404
+    await cluster.gateway.billing.writer.flush()
+    assert await cluster.gateway.billing.ledger.records() == []
+
+
+# -- the ledger through a Redis outage ------------------------------------------------------------------
+
+
+async def test_redis_outage_during_200_requests_loses_and_doubles_nothing(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    cluster = await make_cluster({"eu-west": 2}, redis_url=private_redis.url, prices={MODEL: PRICE})
+    writer = cluster.gateway.billing.writer
+    writer._retry_s = 0.1  # notice Redis is back quickly (the default waits a second)
+    billed: list[int] = []
+    statuses: list[int] = []
+
+    async def one(i: int) -> None:
+        status, body, _ = await cluster.post("/v1/chat/completions", chat(f"request {i}"))
+        statuses.append(status)
+        if status == 200:
+            billed.append(cost_of(body["usage"]))
+
+    queue = list(range(200))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop(0)
+            if i == 60:
+                private_redis.stop()
+            if i == 140:
+                private_redis.start()
+            await one(i)
+
+    await asyncio.gather(*(worker() for _ in range(8)))
+    assert statuses == [200] * 200
+    assert writer.spooled > 0  # the outage was real: some records went through the spool
+    deadline = asyncio.get_running_loop().time() + 15
+    while writer.degraded or writer.pending:
+        assert asyncio.get_running_loop().time() < deadline, "the ledger never caught up"
+        await asyncio.sleep(0.05)
+    client = aioredis.from_url(private_redis.url)
+    ledger = RedisLedger(client)
+    today = day_of(time.time())
+    [totals] = await ledger.daily("default", today, today)
+    assert totals.requests == 200
+    assert totals.cost_picodollars == sum(billed)
+    assert await client.xlen(ledger.stream_key) == 200
+    await client.aclose()
