@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
@@ -106,6 +107,11 @@ class UsageLedger(Protocol):
         """Write ``rec`` once: False (and nothing changes) if its ``record_id`` was recorded before."""
         ...
 
+    async def record_many(self, recs: list[UsageRecord]) -> int:
+        """``record`` for each, in one round trip where the store allows; how many were new. On an error
+        any prefix of them may have been written (writing them again is safe)."""
+        ...
+
     async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
         """The tenant's sums for every day in ``start_day .. end_day`` (inclusive) that has any."""
         ...
@@ -129,20 +135,34 @@ def days_between(start_day: str, end_day: str) -> list[str]:
 
 
 class MemoryLedger:
-    """The ledger in process (the embedded default): records and sums live as long as the gateway does."""
+    """The ledger in process (the embedded default): the sums live as long as the gateway does; of the
+    records themselves only the most recent ``keep_records`` (memory must not grow with traffic)."""
 
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._records: list[UsageRecord] = []
+    def __init__(self, keep_records: int = 100_000) -> None:
+        self._seen: dict[str, None] = {}  # insertion-ordered: the oldest ids are forgotten first
+        self._keep_seen = keep_records * 10
+        self._records: deque[UsageRecord] = deque(maxlen=keep_records)
         self._sums: dict[tuple[str, str], DayTotals] = {}
 
     async def record(self, rec: UsageRecord) -> bool:
+        return self.record_now(rec)
+
+    async def record_many(self, recs: list[UsageRecord]) -> int:
+        return sum(map(self.record_now, recs))
+
+    def record_now(self, rec: UsageRecord) -> bool:
+        """``record`` without awaiting: nothing here can fail or wait."""
         if rec.record_id in self._seen:
             return False
-        self._seen.add(rec.record_id)
+        self._seen[rec.record_id] = None
+        if len(self._seen) > self._keep_seen:
+            del self._seen[next(iter(self._seen))]
         self._records.append(rec)
         self._sums.setdefault((rec.tenant, rec.day), DayTotals(rec.day)).add(rec)
         return True
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
         days = days_between(start_day, end_day)
@@ -158,4 +178,4 @@ class MemoryLedger:
 
     async def records(self, tenant: str | None = None, limit: int = 1000) -> list[UsageRecord]:
         chosen = [r for r in self._records if tenant is None or r.tenant == tenant]
-        return chosen[-limit:]
+        return chosen[-limit:] if limit else []

@@ -45,12 +45,24 @@ class RedisLedger:
     def stream_key(self) -> str:
         return f"{self._tag}:stream"
 
-    async def record(self, rec: UsageRecord) -> bool:
+    def _call(self, rec: UsageRecord, client: Any = None) -> Any:
         keys = [f"{self._tag}:seen:{rec.day}", self.stream_key, self._sum_key(rec.tenant, rec.day),
                 f"{self._tag}:tenants:{rec.day}"]  # fmt: skip
         args = [rec.record_id, msgpack.packb(rec.to_dict()), rec.tenant, rec.prompt_tokens, rec.cached_tokens,
                 rec.completion_tokens, rec.cost_picodollars, SEEN_TTL_S, STREAM_MAXLEN]  # fmt: skip
-        return bool(await self._record(keys=keys, args=args))
+        return self._record(keys=keys, args=args, client=client)
+
+    async def record(self, rec: UsageRecord) -> bool:
+        return bool(await self._call(rec))
+
+    async def record_many(self, recs: list[UsageRecord]) -> int:
+        """One pipeline (one round trip); each script call is still atomic on its own."""
+        if len(recs) == 1:
+            return int(await self.record(recs[0]))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for rec in recs:
+                await self._call(rec, client=pipe)
+            return sum(int(r) for r in await pipe.execute())
 
     async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
         days = days_between(start_day, end_day)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from cache.ledger import UsageLedger, UsageRecord
 from cache.spool import Spool
 
 log = logging.getLogger("kvgate.ledger")
+
+MAX_BATCH = 256
 
 
 class LedgerWriter:
@@ -34,20 +37,21 @@ class LedgerWriter:
         self._retry_s = retry_s
         self._queue: asyncio.Queue[UsageRecord] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._record_now: Callable[[UsageRecord], bool] | None = getattr(ledger, "record_now", None)
         self.degraded = False  # Redis is away: records go to the spool
         self.written = 0
         self.spooled = 0
 
     def submit(self, rec: UsageRecord) -> None:
+        if self._record_now is not None:
+            self._record_now(rec)  # the in-process ledger cannot fail: no queue, no task switch
+            self.written += 1
+            return
         self._queue.put_nowait(rec)
 
     @property
     def pending(self) -> int:
         return self._queue.qsize()
-
-    async def _write(self, rec: UsageRecord) -> None:
-        async with asyncio.timeout(self._write_timeout_s):
-            await self.ledger.record(rec)
 
     async def _to_spool(self, records: list[UsageRecord]) -> None:
         if self.spool is None:
@@ -61,8 +65,9 @@ class LedgerWriter:
             return True
         records = await asyncio.to_thread(self.spool.read)
         try:
-            for rec in records:
-                await self._write(rec)
+            for i in range(0, len(records), MAX_BATCH):
+                async with asyncio.timeout(self._write_timeout_s):
+                    await self.ledger.record_many(records[i : i + MAX_BATCH])
         except Exception as exc:  # still away
             log.debug("spool replay failed: %s", exc)
             return False
@@ -71,36 +76,50 @@ class LedgerWriter:
             log.info("replayed %d spooled usage records into the ledger", len(records))
         return True
 
+    def _take_batch(self, first: UsageRecord) -> list[UsageRecord]:
+        batch = [first]
+        while len(batch) < MAX_BATCH and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        return batch
+
+    def _done(self, count: int) -> None:
+        for _ in range(count):
+            self._queue.task_done()
+
     async def _run(self) -> None:
         while True:
             if self.degraded:
                 try:
                     async with asyncio.timeout(self._retry_s):
-                        rec = await self._queue.get()
+                        first = await self._queue.get()
                 except TimeoutError:
                     pass
                 else:
+                    batch = self._take_batch(first)
                     try:
-                        await self._to_spool([rec])
+                        await self._to_spool(batch)
                     finally:
-                        self._queue.task_done()
+                        self._done(len(batch))
                 if await self.replay():
                     self.degraded = False
                     log.warning("ledger reachable again; spool replayed")
                 continue
-            rec = await self._queue.get()
+            # Everything queued goes in one batch (one Redis round trip), so the writer keeps up with
+            # any request rate.
+            batch = self._take_batch(await self._queue.get())
             try:
-                await self._write(rec)
-                self.written += 1
+                async with asyncio.timeout(self._write_timeout_s):
+                    await self.ledger.record_many(batch)
+                self.written += len(batch)
             except asyncio.CancelledError:
-                await self._to_spool([rec])
+                await self._to_spool(batch)
                 raise
-            except Exception as exc:  # Redis went away: this record and the next ones go to the spool
+            except Exception as exc:  # Redis went away: this batch and the next ones go to the spool
                 log.warning("ledger write failed (%s); spooling usage records until it is back", exc)
                 self.degraded = True
-                await self._to_spool([rec])
+                await self._to_spool(batch)
             finally:
-                self._queue.task_done()
+                self._done(len(batch))
 
     async def start(self) -> None:
         if self.spool is not None and len(await asyncio.to_thread(self.spool.read)):

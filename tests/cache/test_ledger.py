@@ -229,3 +229,20 @@ async def test_stop_spools_what_it_could_not_write(tmp_path: Path) -> None:
     await writer.stop()
     assert sorted(r.record_id for r in spool.read()) == [f"r{i}" for i in range(5)]
     await client.aclose()
+
+
+async def test_record_many_counts_each_id_once(ledger: UsageLedger) -> None:
+    assert await ledger.record_many([record(1), record(2), record(1)]) == 2
+    assert await ledger.record_many([record(2), record(3)]) == 1
+    day = record(1).day
+    [totals] = await ledger.daily("acme", day, day)
+    assert totals.requests == 3
+
+
+async def test_the_memory_ledger_keeps_sums_but_bounds_its_records() -> None:
+    ledger = MemoryLedger(keep_records=10)
+    await ledger.record_many([record(i) for i in range(250)])
+    assert len(ledger) == 10 and len(ledger._seen) <= 100
+    day = record(0).day
+    [totals] = await ledger.daily("acme", day, day)
+    assert totals.requests == 250

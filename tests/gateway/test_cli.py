@@ -46,11 +46,11 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize("engines", ["real", "simulated", "pd"])
+@pytest.mark.parametrize("engines", ["real", "simulated", "pd", "auth"])
 def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str) -> None:
     port = free_port()
-    extra = {"simulated": ["--simulated"], "pd": ["--pd"]}.get(engines, [])
-    model = "kvgate-sim" if engines == "simulated" else "kvgate-tiny"
+    extra = {"simulated": ["--simulated"], "pd": ["--pd"], "auth": ["--simulated", "--auth"]}.get(engines, [])
+    model = "kvgate-sim" if engines in ("simulated", "auth") else "kvgate-tiny"
     demo = subprocess.Popen(
         [*KVGATE, "demo", "--port", str(port), "--regions", "2", "--engines-per-region", "1", *extra],
         stdout=subprocess.PIPE,
@@ -73,7 +73,21 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
         assert health["engines_total"] == (4 if engines == "pd" else 2)
         engine_ports = [int(e["url"].rsplit(":", 1)[1]) for e in health["engines"]]
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        api_key, printed = "unused", ""
+        if engines == "auth":  # the tour prints a key per demo tenant; requests without one are refused
+            assert demo.stdout is not None
+            while "export KVGATE_API_KEY=" not in printed:
+                printed += demo.stdout.readline()
+            api_key = printed.split("export KVGATE_API_KEY=")[1].split()[0]
+            assert printed.count("kvg-") >= 2
+            anonymous = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="kvg-nope", max_retries=0
+            )
+            with pytest.raises(openai.AuthenticationError):
+                anonymous.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
         messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hello"}]
         headers = {"x-session-affinity": "demo-test"}
         first = client.chat.completions.with_raw_response.create(
@@ -93,9 +107,12 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
             assert first.headers["x-kvgate-decode-engine"].endswith("/d0")
         assert second.usage is not None and second.usage.prompt_tokens_details is not None
         assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert (second.usage.model_extra or {}).get("cost", 0) > 0  # the demo prices its model
 
         demo.send_signal(signal.SIGINT)
-        out, _ = demo.communicate(timeout=30)
+        demo.wait(timeout=30)
+        assert demo.stdout is not None
+        out = printed + demo.stdout.read()  # the same reader: readline() above may have buffered more
         assert demo.returncode == 0
         assert "curl" in out and "stopped" in out
         assert not any(_port_open(p) for p in [port, *engine_ports])

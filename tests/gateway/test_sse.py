@@ -39,3 +39,13 @@ def test_an_unterminated_last_event_is_flushed() -> None:
     tap = SseUsageTap(forward_usage_event=True)
     assert tap.feed(b"data: partial") == b""
     assert tap.flush() == b"data: partial"
+
+
+def test_the_usage_event_gains_the_annotation_and_events_are_counted() -> None:
+    tap = SseUsageTap(forward_usage_event=True, annotate=lambda usage: {"cost": usage["prompt_tokens"] / 1e6})
+    out = tap.feed(CHUNK + CHUNK + USAGE_EVENT + DONE)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert orjson.loads(events[2][6:])["usage"] == {**USAGE, "cost": 40 / 1e6}
+    assert events[0] == CHUNK.strip() and events[3] == DONE.strip()
+    assert tap.usage == USAGE  # billing reads the engine's own usage, not the annotated copy
+    assert tap.events == 4

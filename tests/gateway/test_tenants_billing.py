@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -336,3 +337,23 @@ async def test_redis_outage_during_200_requests_loses_and_doubles_nothing(
     assert totals.cost_picodollars == sum(billed)
     assert await client.xlen(ledger.stream_key) == 200
     await client.aclose()
+
+
+async def test_kvgate_usage_reads_the_redis_ledger(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1}, redis_url=redis_url, redis_prefix=redis_keys.prefix, prices={MODEL: PRICE}
+    )
+    billed = 0
+    for i in range(3):
+        _, body, _ = await cluster.post("/v1/chat/completions", chat(f"q{i}"))
+        billed += cost_of(body["usage"])
+    await cluster.gateway.billing.writer.flush()
+    where = ["--redis", redis_url, "--redis-prefix", redis_keys.prefix]
+    result = await asyncio.to_thread(kvgate, "usage", "--json", *where)
+    [entry] = json.loads(result.stdout)["data"]
+    assert entry["tenant"] == "default" and entry["data"][0]["requests"] == 3
+    assert entry["data"][0]["cost_picodollars"] == billed
+    table = (await asyncio.to_thread(kvgate, "usage", *where)).stdout
+    assert "default" in table and "REQUESTS" in table

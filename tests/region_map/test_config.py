@@ -107,3 +107,21 @@ def test_unreadable_or_invalid_files_say_why(tmp_path: Path) -> None:
     bad.write_text("region = ")
     with pytest.raises(ConfigError, match="not valid toml"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("tables", "message"),
+    [
+        ({"tenants": {"bad name": {}}}, "tenants.bad name"),
+        ({"tenants": {"acme": {"requests_per_minute": 0}}}, "tenants.acme.requests_per_minute"),
+        ({"tenants": {"acme": {"colour": "red"}}}, "tenants.acme.colour"),
+        ({"prices": {"m": {"input": 1, "output": 2}}}, "prices.m.cached_input"),
+        ({"prices": {"m": {"input": "0.0000001", "cached_input": 0, "output": 1}}}, "prices.m.input"),
+        ({"prices": {"m": {"input": -1, "cached_input": 0, "output": 1}}}, "prices.m.input"),
+        ({"tenants": "acme"}, "tenants"),
+    ],
+)
+def test_tenant_and_price_tables_are_validated(tables: dict[str, object], message: str) -> None:
+    base = {"region": "r", "regions": [{"name": "r", "engines": [{"name": "e", "url": "http://h:1"}]}]}
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        parse_config({**base, **tables})

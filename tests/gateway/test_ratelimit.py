@@ -1,0 +1,56 @@
+"""Token buckets: one allowance shared by every gateway through Redis, refilled by elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from cache.redis_keys import RedisKeys
+from gateway.ratelimit import BucketStore, LimitExceeded, MemoryBuckets, RateLimiter, RedisBuckets
+
+
+@pytest.fixture(params=["memory", "redis"])
+def buckets(
+    request: pytest.FixtureRequest, redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> BucketStore:
+    return MemoryBuckets() if request.param == "memory" else RedisBuckets(redis_client, redis_keys.prefix)
+
+
+async def test_a_bucket_grants_its_capacity_then_refills_with_time(buckets: BucketStore) -> None:
+    assert await buckets.take("k", 5, 50.0, 3) == (3, 0.0)
+    granted, wait = await buckets.take("k", 5, 50.0, 4)
+    assert granted == 2 and wait == pytest.approx(2 / 50.0, abs=0.01)  # two more refill in 40 ms
+    await asyncio.sleep(0.1)  # 5 tokens at 50/s
+    assert (await buckets.take("k", 5, 50.0, 5))[0] == 5
+
+
+async def test_gateways_sharing_redis_share_one_allowance(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    gateways = [RateLimiter(RedisBuckets(redis_client, redis_keys.prefix)) for _ in range(3)]
+    admitted = 0
+    for i in range(12):
+        try:
+            await gateways[i % 3].spend("key1:rpm", 6, 1, "requests per min (RPM)")
+            admitted += 1
+        except LimitExceeded as exc:
+            assert 1.0 <= exc.retry_after_s <= 60.0
+    assert admitted == 6  # not 6 per gateway
+
+
+async def test_a_request_larger_than_the_limit_is_refused_outright() -> None:
+    limiter = RateLimiter(MemoryBuckets())
+    with pytest.raises(LimitExceeded, match="Requested 5000"):
+        await limiter.spend("k:tpm", 1000, 5000, "tokens per min (TPM)")
+
+
+async def test_without_redis_the_limit_holds_per_gateway() -> None:
+    unreachable = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    limiter = RateLimiter(RedisBuckets(unreachable, "x"))
+    for _ in range(3):
+        await limiter.spend("k:rpm", 3, 1, "RPM")
+    with pytest.raises(LimitExceeded):
+        await limiter.spend("k:rpm", 3, 1, "RPM")
+    await unreachable.aclose()
