@@ -220,6 +220,9 @@ class MemoryResidencyIndex:
         return EngineHoldings(self._seq.get(engine), frozenset(exact), approximate)
 
     async def engines(self) -> list[str]:
+        return self.engines_now()
+
+    def engines_now(self) -> list[str]:
         return sorted(set(self._seq) | {e for e, owned in self._by_engine.items() if owned})
 
     async def sweep(self) -> int:

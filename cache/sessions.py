@@ -78,6 +78,11 @@ class MemorySessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def items_now(self) -> list[tuple[tuple[str, str], SessionBinding]]:
+        """Every live binding ((tenant, session id), binding), oldest first."""
+        now = self._clock()
+        return [(key, binding) for key, (binding, expiry) in self._entries.items() if expiry > now]
+
     def live_count(self) -> int:
         now = self._clock()
         return sum(1 for _, expiry in self._entries.values() if expiry > now)

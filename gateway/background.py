@@ -1,4 +1,9 @@
-"""Redis writes off the request path: an ordered, bounded backlog drained by one task."""
+"""Redis writes off the request path: an ordered, bounded backlog drained by one task.
+
+While writes fail (Redis away) the writer says so (``failing``), so that readers can skip Redis instead of
+waiting on it; the first success after a failure calls ``on_recovered``, which rebuilds in Redis what the
+failed writes would have kept there.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,18 @@ class BackgroundWriter:
     """Runs submitted writes one at a time, in order. When the backlog is full (Redis down for long), the
     oldest writes are dropped and counted: every one of them is state the views can rebuild."""
 
-    def __init__(self, max_backlog: int = 100_000) -> None:
+    def __init__(
+        self,
+        max_backlog: int = 100_000,
+        *,
+        on_recovered: Callable[[], None] | None = None,
+        probe: Write | None = None,
+        probe_interval_s: float = 1.0,
+    ) -> None:
+        self.on_recovered = on_recovered
+        self.probe = probe  # a cheap write that succeeds when Redis is back (a PING)
+        self.probe_interval_s = probe_interval_s
+        self.failing = False
         self._backlog: deque[Write] = deque(maxlen=max_backlog)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -41,21 +57,38 @@ class BackgroundWriter:
 
     async def _run(self) -> None:
         while True:
-            await self._wakeup.wait()
+            if self.failing and self.probe is not None:
+                try:
+                    async with asyncio.timeout(self.probe_interval_s):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    await self._attempt(self.probe)  # nothing to write: is Redis back?
+                    continue
+            else:
+                await self._wakeup.wait()
             self._wakeup.clear()
             while self._backlog:
-                write = self._backlog.popleft()
-                try:
-                    await write()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a Redis outage must never stop the writer
-                    self.failed += 1
-                    now = time.monotonic()
-                    if now - self._last_warning > 5.0:
-                        self._last_warning = now
-                        log.warning("shared-state write failed (%s total): %s", self.failed, exc)
+                await self._attempt(self._backlog.popleft())
             self._idle.set()
+
+    async def _attempt(self, write: Write) -> None:
+        try:
+            await write()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a Redis outage must never stop the writer
+            self.failing = True
+            self.failed += 1
+            now = time.monotonic()
+            if now - self._last_warning > 5.0:
+                self._last_warning = now
+                log.warning("shared-state write failed (%s total): %s", self.failed, exc)
+        else:
+            if self.failing:
+                self.failing = False
+                log.warning("shared-state writes succeed again; rebuilding what was missed")
+                if self.on_recovered is not None:
+                    self.on_recovered()
 
     def start(self) -> None:
         if self._task is None:

@@ -44,6 +44,39 @@ class AuthSettings(BaseModel):
     tokens_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
 
 
+class ResilienceSettings(BaseModel):
+    """The ``[gateway.resilience]`` table: timeouts, retries, circuit breakers, admission, draining."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    first_byte_timeout_s: float = Field(
+        default=30.0, gt=0, description="an engine that sends no response header this long is failed over"
+    )
+    s_per_output_token: float = Field(
+        default=0.25, ge=0, description="non-streaming answers also get this long per requested token"
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, le=10, description="engines tried while no byte reached the client"
+    )
+    retry_backoff_s: float = Field(default=0.02, ge=0, description="first pause between attempts (doubles)")
+    breaker_failures: int = Field(default=3, ge=1, description="consecutive failures that open a breaker")
+    breaker_cooldown_s: float = Field(
+        default=5.0, gt=0, description="how long an open breaker skips the engine"
+    )
+    breaker_max_cooldown_s: float = Field(default=60.0, gt=0)
+    max_inflight_per_engine: int = Field(
+        default=1024, ge=1, description="admission: requests this gateway may have in flight to one engine"
+    )
+    max_waiting_per_engine: int = Field(
+        default=256,
+        ge=1,
+        description="admission: an engine reporting this many queued requests takes no more",
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="on shutdown, how long open requests and streams may still finish"
+    )
+
+
 class PriceConfig(BaseModel):
     """``[prices."model"]``: dollars per million tokens."""
 
@@ -88,6 +121,7 @@ class GatewaySettings(BaseModel):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     home: HomeSettings = Field(default_factory=HomeSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     shared_prefixes: list[str] = Field(
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"
     )

@@ -26,7 +26,7 @@ import aiohttp
 
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.loop import install_best_loop
+from gateway.loop import install_best_loop, raise_open_file_limit
 from gateway.server import serve_until_signal
 from gateway.tenants import create_key
 
@@ -287,6 +287,7 @@ def run_demo(
     auth: bool = False,
 ) -> int:
     install_best_loop()
+    raise_open_file_limit()
     # A SIGTERM before the gateway is up must still run the clean-up below (it stops the engines).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:

@@ -106,6 +106,12 @@ class NoCapacity(GatewayError):
     code = "no_engine_available"
 
 
+class Overloaded(NoCapacity):
+    """Every engine that could serve the request is at its admission limit: come back shortly."""
+
+    code = "engines_overloaded"
+
+
 class UpstreamTimedOut(GatewayError):
     status = 504
     type = "server_error"

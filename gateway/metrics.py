@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from region_map.breaker import BreakerState
 from region_map.fleet import Fleet
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -74,6 +75,12 @@ class GatewayMetrics:
             "kvgate_routing_overhead_seconds",
             "Time from request arrival until it leaves for the engine (parse, tokenize, hash, route).",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.admission_refused = Counter(
+            "kvgate_admission_refused",
+            "Requests refused at once (503) because every engine for the model was at its queue limit.",
+            ["model"],
             registry=r,
         )
         self.usage_records = Counter(
@@ -172,6 +179,11 @@ class _LiveCollector(Collector):
             "Requests this gateway has in flight to the engine.",
             labels=["region", "engine"],
         )
+        breaker = GaugeMetricFamily(
+            "kvgate_engine_breaker_open",
+            "1 while the engine's circuit breaker skips it (open or half-open).",
+            labels=["region", "engine"],
+        )
         load = GaugeMetricFamily(
             "kvgate_engine_reported_requests",
             "Running + waiting requests the engine last reported.",
@@ -179,9 +191,11 @@ class _LiveCollector(Collector):
         )
         for e in self._fleet:
             healthy.add_metric([e.region, e.id], 1.0 if e.healthy else 0.0)
+            breaker.add_metric([e.region, e.id], 0.0 if e.breaker.state is BreakerState.CLOSED else 1.0)
             inflight.add_metric([e.region, e.id], float(e.inflight))
             load.add_metric([e.region, e.id], float(e.load.running + e.load.waiting))
         yield healthy
+        yield breaker
         yield inflight
         yield load
         for name, (help_text, value) in self._gauges().items():

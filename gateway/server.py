@@ -13,10 +13,10 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.app import build_app
+from gateway.app import GATEWAY, build_app
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError
-from gateway.loop import install_best_loop
+from gateway.loop import install_best_loop, raise_open_file_limit
 
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -56,9 +56,12 @@ class GatewayRunner(web.AppRunner):
 
 
 def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
-    return GatewayRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **kwargs
-    )
+    """On cleanup the runner stops accepting, lets open requests and streams finish for the gateway's
+    ``drain_timeout_s`` (then cancels them: each still gets its usage record), and only then closes the
+    app, whose lifespan flushes the ledger."""
+    gateway = app.get(GATEWAY)
+    drain_s = gateway.resilience.drain_timeout_s if gateway is not None else SHUTDOWN_TIMEOUT_S
+    return GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s, **kwargs)
 
 
 async def serve_until_signal(app: web.Application, host: str, port: int, *, on_ready: Any = None) -> None:
@@ -81,5 +84,6 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *, on_r
 
 def run_gateway(config: KvgateConfig) -> None:
     install_best_loop()
+    raise_open_file_limit()
     s = config.gateway
     asyncio.run(serve_until_signal(build_app(config), s.host, s.port))

@@ -6,7 +6,9 @@ the body and, for a session id never seen before, one Redis read.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 from typing import Any
 
@@ -18,7 +20,7 @@ from cache.sessions import SessionBinding
 from cache.tokens import Tokenizer
 from gateway.billing import Billing, Caller, usage_counts
 from gateway.config import KvgateConfig
-from gateway.errors import GatewayError, NoCapacity, UpstreamFailed
+from gateway.errors import GatewayError, NoCapacity, Overloaded, UpstreamFailed, UpstreamTimedOut
 from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
 from gateway.relay import Outcome, relay_stream, relay_whole
@@ -28,12 +30,11 @@ from gateway.routing.disaggregation import choose_prefill
 from gateway.routing.regional import RemoteShareLimiter
 from gateway.shared_state import SharedState
 from gateway.upstream import Response, UpstreamClients, UpstreamConnectError, UpstreamError
+from region_map.breaker import CircuitBreaker
 from region_map.config import Role
 from region_map.fleet import EngineState, Fleet
 
 log = logging.getLogger("kvgate.gateway")
-
-MAX_ATTEMPTS = 3  # engines tried for one request while nothing has been sent to the client
 
 
 class _Retryable(Exception):
@@ -69,6 +70,13 @@ class Gateway:
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.limiter = RemoteShareLimiter(config.gateway.routing.max_remote_share)
+        self.resilience = r = config.gateway.resilience
+        for engine in fleet:
+            engine.breaker = CircuitBreaker(
+                failures=r.breaker_failures,
+                cooldown_s=r.breaker_cooldown_s,
+                max_cooldown_s=r.breaker_max_cooldown_s,
+            )
         self.started = int(time.time())
         self._seq = 0
 
@@ -128,7 +136,7 @@ class Gateway:
                 Candidate(
                     engine=e.id,
                     region=e.region,
-                    healthy=e.healthy,
+                    healthy=e.available,
                     load=total,
                     waiting=waiting,
                     cached_blocks=cached.get(e.id, 0) if precise else 0,
@@ -156,10 +164,11 @@ class Gateway:
         disaggregated = any(e.role is not Role.BOTH for e in engines)
         answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
         prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
+        answering = self._admit(answering, p.model)
         excluded: set[str] = set()
         failed_prefill: set[str] = set()
         last_error: GatewayError | None = None
-        for attempt in range(MAX_ATTEMPTS + len(prefilling)):
+        for attempt in range(self.resilience.max_attempts + len(prefilling)):
             candidates = self._candidates(
                 [e for e in answering if e.id not in excluded], cached, p.home_region
             )
@@ -186,11 +195,45 @@ class Gateway:
                 else:
                     excluded.add(engine.id)
                 log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
+                await asyncio.sleep(self._backoff_s(attempt))
         if last_error is not None:
             raise last_error
         raise NoCapacity(
             f"no healthy engine serves model '{p.model}' right now", headers={"Retry-After": "1"}
         )
+
+    def _admit(self, engines: list[EngineState], model: str) -> list[EngineState]:
+        """Admission control: engines at their limits take nothing more. When every available engine is
+        saturated the request is refused at once (503 with Retry-After) rather than queued without bound."""
+        r = self.resilience
+        open_ = [
+            e
+            for e in engines
+            if e.inflight < r.max_inflight_per_engine and e.load.waiting < r.max_waiting_per_engine
+        ]
+        if (
+            len(open_) < len(engines)
+            and not any(e.available for e in open_)
+            and any(e.available for e in engines)
+        ):
+            self.metrics.admission_refused.labels(model).inc()
+            raise Overloaded(
+                "every engine serving this model is at its queue limit; retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        return open_
+
+    def _backoff_s(self, attempt: int) -> float:
+        """Exponential, with jitter so that requests failed together do not retry together."""
+        base = self.resilience.retry_backoff_s * (2**attempt)
+        return base * (0.5 + random.random())
+
+    def _header_timeout_s(self, p: Prepared) -> float:
+        """How long an engine may take to start answering: a stream's first byte, or a whole answer."""
+        r, read_timeout = self.resilience, self.settings.read_timeout_s
+        if p.stream:
+            return min(r.first_byte_timeout_s, read_timeout)
+        return min(r.first_byte_timeout_s + p.max_tokens * r.s_per_output_token, read_timeout)
 
     # -- dispatch --------------------------------------------------------------------------------------
 
@@ -226,6 +269,7 @@ class Gateway:
         computing_cached = min(cached.get(computing.id, 0) * block_size, len(p.token_ids))
         pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
         engine.inflight += 1
+        engine.breaker.on_dispatch()
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
             try:
@@ -234,16 +278,20 @@ class Gateway:
                     p.path,
                     self._upstream_body(p, engine, prefill),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
-                    header_timeout=self.settings.read_timeout_s,
+                    header_timeout=self._header_timeout_s(p),
                 )
             except UpstreamError as exc:
                 self.metrics.upstream_error(engine.id, type(exc).__name__)
+                engine.breaker.on_failure()
                 if isinstance(exc, UpstreamConnectError):
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
                 raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}"), engine.id) from None
             if prefill is not None and upstream.status == 502:
                 await self._raise_if_transfer_failed(upstream, engine, prefill)
+            if upstream.status >= 500:
+                await self._raise_server_error(upstream, engine)
+            engine.breaker.on_success()
             self._after_dispatch(p, engine, decision, predicted, cached.get(engine.id, 0))
             headers = {
                 "x-request-id": p.request_id,
@@ -262,14 +310,19 @@ class Gateway:
             account = _Account(self, p, engine, received, pending, predicted)
             timeout = self.settings.read_timeout_s
             if upstream.status != 200 or not p.stream:
-                return await relay_whole(
-                    upstream,
-                    engine_id=engine.id,
-                    headers=headers,
-                    read_timeout_s=timeout,
-                    metrics=self.metrics,
-                    accounting=account,
-                )
+                try:
+                    return await relay_whole(
+                        upstream,
+                        engine_id=engine.id,
+                        headers=headers,
+                        read_timeout_s=timeout,
+                        metrics=self.metrics,
+                        accounting=account,
+                    )
+                except (UpstreamFailed, UpstreamTimedOut) as exc:
+                    # The body broke off, but nothing has reached the client yet: another engine may answer.
+                    engine.breaker.on_failure()
+                    raise _Retryable(exc, engine.id) from None
             return await relay_stream(
                 request,
                 upstream,
@@ -283,6 +336,7 @@ class Gateway:
             )
         finally:
             engine.inflight -= 1
+            engine.breaker.on_abandon()
             pending.settle()
 
     async def _raise_if_transfer_failed(
@@ -301,6 +355,22 @@ class Gateway:
         error_out = UpstreamFailed(f"engine {engine.id} answered 502: {message}")
         raise _Retryable(error_out, prefill.id if code == "kv_transfer_failed" else engine.id,
                          prefill_failed=code == "kv_transfer_failed")  # fmt: skip
+
+    async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:
+        """An engine's 5xx before any byte reached the client: count it against the engine, try another."""
+        try:
+            data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
+        except UpstreamError:
+            data = b""
+        engine.breaker.on_failure()
+        self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
+        try:
+            message = orjson.loads(data)["error"]["message"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            message = data[:200].decode("utf-8", errors="replace") or f"HTTP {upstream.status}"
+        raise _Retryable(
+            UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
+        )
 
     def _after_dispatch(
         self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_blocks: int

@@ -53,7 +53,9 @@ class SharedState:
         self.redis_sessions = (
             RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
         )
-        self.writer = BackgroundWriter()
+        self.writer = BackgroundWriter(
+            on_recovered=self._rebuild_redis, probe=redis.ping if redis is not None else None
+        )
         self._read_timeout_s = redis_read_timeout_s
         self._follower: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -99,8 +101,8 @@ class SharedState:
         if binding is not None:
             self._slide_in_redis(tenant, session_id)
             return binding
-        if self.redis_sessions is None:
-            return None
+        if self.redis_sessions is None or self.writer.failing:
+            return None  # Redis is away: don't wait on it; the session starts afresh here
         try:
             async with asyncio.timeout(self._read_timeout_s):
                 binding = await self.redis_sessions.get(tenant, session_id)
@@ -177,6 +179,37 @@ class SharedState:
         if self.redis_index is not None:
             index = self.redis_index
             self.writer.submit(lambda: index.replace(engine, hashes, seq))
+
+    # -- after an outage --------------------------------------------------------------------------------
+
+    def _rebuild_redis(self) -> None:
+        """Redis is back after writes failed: put this gateway's view there again. The view never stopped
+        following the engines' KV events, so it is the truth to restore; session bindings made meanwhile
+        are rewritten (the newest binding of a session wins, as it would have)."""
+        redis_index, redis_sessions = self.redis_index, self.redis_sessions
+        if redis_index is None or redis_sessions is None:
+            return
+        index = self.index
+
+        async def restore() -> None:
+            for engine in index.engines_now():
+                held = await index.holdings(engine)
+                if held.seq is not None:
+                    await redis_index.replace(engine, list(held.exact), held.seq)
+                by_ttl: dict[int, list[int]] = {}
+                for h, remaining_s in held.approximate.items():
+                    by_ttl.setdefault(max(1, int(remaining_s)), []).append(h)
+                for ttl_s, hashes in by_ttl.items():
+                    await redis_index.add(engine, hashes, ttl_s=float(ttl_s))
+
+        self.writer.submit(restore)
+        bindings = self.sessions.items_now()
+
+        async def rebind() -> None:
+            for (tenant, session_id), binding in bindings:
+                await redis_sessions.bind(tenant, session_id, binding)
+
+        self.writer.submit(rebind)
 
     # -- following the other gateways ------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, Role, TopologyConfig
 
 
@@ -44,6 +45,12 @@ class EngineState:
     # This gateway's own, instant view of what it has sent there and not yet finished.
     inflight: int = 0
     pending_prefill_tokens: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def available(self) -> bool:
+        """Healthy by its health checks and not skipped by its circuit breaker."""
+        return self.healthy and self.breaker.allows()
 
     @property
     def url(self) -> str:
@@ -120,6 +127,7 @@ class EngineState:
             "model": self.model,
             "block_size": self.block_size,
             "healthy": self.healthy,
+            "breaker": self.breaker.state.value,
             "kv_events": self.kv_events,
             "simulated": self.simulated,
             "load": {"requests": total, "waiting": waiting, "inflight_here": self.inflight},

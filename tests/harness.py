@@ -127,6 +127,7 @@ async def start_cluster(
     real_model: Path | None = None,
     roles: dict[str, str] | None = None,
     gateway_region: str | None = None,
+    extra_engines: dict[str, web.Application] | None = None,
     **gateway: Any,
 ) -> Cluster:
     """Engines per region (``{"eu-west": 2}``) and one gateway in front of them: simulated engines, or
@@ -152,6 +153,10 @@ async def start_cluster(
                 runner, url = await _start(app)
                 cluster.engine_runners[engine_id] = runner
                 cluster.engines[engine_id] = (handle, url)
+        for engine_id, app in (extra_engines or {}).items():  # e.g. tests/faulty_engines.py
+            runner, url = await _start(app)
+            cluster.engine_runners[engine_id] = runner
+            cluster.engines[engine_id] = (app, url)
         cluster.session = aiohttp.ClientSession()
         await cluster.add_gateway(gateway_region or next(iter(regions)), **gateway)
     except BaseException:

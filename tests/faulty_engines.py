@@ -1,0 +1,68 @@
+"""Deliberately faulty SIMULATED engines, for fault tests: each answers ``/health`` like a good engine (so
+health polling alone cannot catch it) and misbehaves on completions in one specific way."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from tests.harness import MODEL
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "model": MODEL, "block_size": 16, "kv_events": False})
+
+
+def black_hole() -> web.Application:
+    """Accepts every request and never sends a byte back."""
+
+    async def swallow(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.Event().wait()  # forever (until the gateway gives up and disconnects)
+        raise AssertionError("unreachable")
+
+    return _app(swallow)
+
+
+def server_error(status: int = 500) -> web.Application:
+    """Answers every completion with an error status before any token."""
+
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        body = {"error": {"message": "engine exploded", "type": "server_error", "param": None, "code": None}}
+        return web.json_response(body, status=status)
+
+    return _app(fail)
+
+
+class Firehose:
+    """Streams an endless SSE answer as fast as the connection takes it, counting the bytes it got rid of
+    (``await write`` returns once the transport has room: TCP backpressure reaches it)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.app = _app(self.stream)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 900 + b'"}}]}\n\n'
+        batch = chunk * 64  # ~60 kB per write
+        try:
+            while True:
+                await response.write(batch)
+                self.written += len(batch)
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return response
+
+
+def _app(handler: Any) -> web.Application:
+    app = web.Application()
+    app.router.add_get("/health", _health)
+    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_post("/v1/completions", handler)
+    return app

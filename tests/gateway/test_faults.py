@@ -1,0 +1,318 @@
+"""Faults: engines that hang, fail, die or flood, a client that reads slowly, Redis going away, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from cache.redis_keys import RedisKeys
+from cache.residency_redis import RedisResidencyIndex
+from cache.sessions_redis import RedisSessionStore
+from gateway.app import build_app
+from gateway.config import parse_config
+from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
+from region_map.breaker import BreakerState
+from tests.faulty_engines import Firehose, black_hole, server_error
+from tests.harness import MODEL, ClusterFactory, _start
+from tests.redis_process import RedisProcess
+
+
+def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def stream_text(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str, str]:
+    async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        return r.status, (await r.read()).decode(), r.headers.get("x-kvgate-engine", "")
+
+
+# -- engines that misbehave while their /health looks fine ------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_that_sends_nothing_is_timed_out_and_failed_over(
+    make_cluster: ClusterFactory, stream: bool
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/hole": black_hole()},
+        engine_options={"eu-west/hole": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+        resilience={"first_byte_timeout_s": 0.3, "s_per_output_token": 0.0, "breaker_failures": 2},
+    )
+    assert cluster.session is not None
+    hole = cluster.gateway.fleet.engines["eu-west/hole"]
+    started = time.monotonic()
+    for i in range(8):
+        if stream:
+            status, text, engine = await stream_text(cluster.session, cluster.url, chat(f"q{i}"))
+            assert status == 200 and text.endswith("data: [DONE]\n\n")
+        else:
+            status, body, headers = await cluster.post("/v1/chat/completions", chat(f"q{i}"))
+            assert status == 200 and body["usage"]["completion_tokens"] > 0
+            engine = headers["x-kvgate-engine"]
+        assert engine == "eu-west/e0"  # every answer came from the engine that answers
+    # Two timeouts opened the hole's breaker: the other requests never waited on it.
+    assert hole.breaker.state is BreakerState.OPEN
+    assert time.monotonic() - started < 8 * 0.3
+
+
+async def test_a_5xx_before_any_byte_is_retried_on_another_engine(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/bad": server_error(500)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    answers = [await cluster.post("/v1/chat/completions", chat(f"q{i}")) for i in range(6)]
+    assert [status for status, _, _ in answers] == [200] * 6
+    assert cluster.gateway.fleet.engines["eu-west/bad"].breaker.state is BreakerState.OPEN
+    assert any(h["x-kvgate-route"] == "failover" for _, _, h in answers)
+
+
+async def test_a_request_every_engine_fails_gets_the_last_error(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/bad": server_error(500)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+    )
+    status, body, _ = await cluster.post("/v1/chat/completions", chat())
+    assert status == 502 and "engine exploded" in body["error"]["message"]
+
+
+async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        sim={"decode_s_per_token": 0.05},
+        resilience={"max_inflight_per_engine": 2},
+    )
+    assert cluster.session is not None
+
+    async def one() -> tuple[int, float, str | None]:
+        start = time.monotonic()
+        status, _, headers = await cluster.post("/v1/chat/completions", chat(max_tokens=20))
+        return status, time.monotonic() - start, headers.get("Retry-After")
+
+    results = await asyncio.gather(*(one() for _ in range(5)))
+    assert sorted(s for s, _, _ in results) == [200, 200, 503, 503, 503]
+    refused = [r for r in results if r[0] == 503]
+    assert all(elapsed < 0.5 and retry == "1" for _, elapsed, retry in refused)  # the others take ~1 s
+
+
+# -- a client that reads slowly --------------------------------------------------------------------------
+
+
+async def test_a_slow_reader_holds_back_the_engine_instead_of_filling_the_gateway(
+    make_cluster: ClusterFactory,
+) -> None:
+    hose = Firehose()
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/hose": hose.app},
+        engine_options={"eu-west/hose": {"kv_events": False}},
+    )
+    host, port = cluster.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)  # a small window, as a slow phone has
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=16 * 1024)
+    body = orjson.dumps(chat(stream=True, max_tokens=100_000))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    received = len(await reader.readexactly(64 * 1024))
+    await asyncio.sleep(1.0)
+    stalled_at = hose.written
+    await asyncio.sleep(0.5)
+    # The engine could write gigabytes a second; it is held back by the client's pace instead. What is
+    # in flight is bounded by socket buffers on both legs, not by the length of the answer.
+    assert hose.written == stalled_at
+    assert hose.written - received < 24 << 20
+    for _ in range(50):
+        received += len(await reader.read(64 * 1024))
+    assert hose.written > stalled_at  # reading again lets the engine go on
+    writer.close()
+
+
+# -- engines dying under load ----------------------------------------------------------------------------
+
+
+def _sim_engines(count: int) -> list[EngineProcess]:
+    engines = []
+    for i in range(count):
+        port = free_port()
+        cmd = [sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL,
+               "--engine-id", f"eu-west/e{i}", "--decode-s-per-token", "0.004",
+               "--prefill-s-per-token", "0"]  # fmt: skip
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        engines.append(EngineProcess("eu-west", f"e{i}", port, process))
+    return engines
+
+
+async def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_streaming() -> None:
+    engines = _sim_engines(4)
+    try:
+        await wait_healthy(engines)
+        config = parse_config(
+            {
+                "region": "eu-west",
+                "regions": [
+                    {
+                        "name": "eu-west",
+                        "engines": [{"name": e.name, "url": e.url, "model": MODEL} for e in engines],
+                    }
+                ],
+                "gateway": {"health_interval_s": 0.1, "routing": {"policy": "least_load"}},
+            }
+        )
+        app = build_app(config)
+        runner, url = await _start(app)
+        victim = engines[1]
+        outcomes: list[tuple[bool, int, bool, str]] = []  # (stream, status, completed, engine)
+        queue = list(range(300))
+
+        async def worker(session: aiohttp.ClientSession) -> None:
+            while queue:
+                i = queue.pop(0)
+                if i == 100:
+                    os.kill(victim.process.pid, signal.SIGKILL)
+                body = chat(f"request {i} " * 20, max_tokens=25)
+                if i % 2:
+                    status, text, engine = await stream_text(session, url, body)
+                    outcomes.append((True, status, text.endswith("data: [DONE]\n\n"), engine))
+                else:
+                    async with session.post(url + "/v1/chat/completions", json=body) as r:
+                        data = await r.json(content_type=None)
+                        done = r.status == 200 and data["usage"]["completion_tokens"] == 25
+                        outcomes.append((False, r.status, done, r.headers.get("x-kvgate-engine", "")))
+
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(worker(session) for _ in range(16)))
+        await runner.cleanup()
+    finally:
+        stop_engines(engines)
+    assert len(outcomes) == 300
+    broken = [o for o in outcomes if not o[2]]
+    # Only streams that were already flowing from the killed engine may end early (with an error event);
+    # everything else, including every non-streaming request, was answered in full by another engine.
+    assert all(
+        stream and status == 200 and engine == f"eu-west/{victim.name}"
+        for stream, status, _, engine in broken
+    )
+    assert len(broken) <= 16
+    assert sum(1 for o in outcomes if o[3] == f"eu-west/{victim.name}") > len(
+        broken
+    )  # it served before dying
+
+
+# -- Redis away ------------------------------------------------------------------------------------------
+
+
+async def test_redis_outage_keeps_serving_and_redis_is_rebuilt_when_it_returns(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    cluster = await make_cluster({"eu-west": 2}, redis_url=private_redis.url)
+    state = cluster.gateway.state
+    state.writer.probe_interval_s = 0.1
+    status, _, _ = await cluster.post(
+        "/v1/chat/completions", chat("before"), headers={"x-session-affinity": "s1"}
+    )
+    assert status == 200
+    private_redis.stop()
+    for i in range(5):  # new sessions, never seen: no waiting on the missing Redis
+        start = time.monotonic()
+        status, _, headers = await cluster.post(
+            "/v1/chat/completions", chat(f"during {i} " * 30), headers={"x-session-affinity": f"outage-{i}"}
+        )
+        assert status == 200 and time.monotonic() - start < 0.25
+    await cluster.wait_for(lambda: state.writer.failing, within_s=5)
+    during_engine = headers["x-kvgate-engine"]
+    private_redis.start()
+    await cluster.wait_for(lambda: not state.writer.failing and not len(state.writer), within_s=10)
+    await state.writer.flush()
+    client = aioredis.from_url(private_redis.url)
+    sessions = RedisSessionStore(client, RedisKeys())
+    binding = await sessions.get("default", "outage-4")
+    assert binding is not None and binding.engine == during_engine  # written while Redis was away
+    held = await RedisResidencyIndex(client, RedisKeys()).holdings(during_engine)
+    assert held.exact == (await state.index.holdings(during_engine)).exact and held.exact
+    await client.aclose()
+
+
+# -- shutdown --------------------------------------------------------------------------------------------
+
+
+def test_graceful_shutdown_drains_open_streams_and_flushes_the_ledger(tmp_path: Path, redis_url: str) -> None:
+    [engine] = _sim_engines(1)
+    prefix = f"kvgate-test-{os.urandom(4).hex()}"
+    port = free_port()
+    try:
+        asyncio.run(wait_healthy([engine]))
+        config = tmp_path / "deploy.toml"
+        config.write_text(
+            f'region = "eu-west"\n[[regions]]\nname = "eu-west"\n'
+            f'engines = [{{ name = "e0", url = "{engine.url}", model = "{MODEL}" }}]\n'
+            f'[gateway]\nport = {port}\nredis_url = "{redis_url}"\nredis_prefix = "{prefix}"\n'
+            f'spool_path = "{tmp_path / "spool"}"\n'
+        )
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            asyncio.run(_drain_while_streaming(port, gateway))
+            assert gateway.wait(15) == 0
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+    finally:
+        stop_engines([engine])
+
+    async def records() -> int:
+        client = aioredis.from_url(redis_url)
+        try:
+            return int(await client.xlen(f"{{{prefix}:ledger}}:stream"))
+        finally:
+            async for key in client.scan_iter(match=f"*{prefix}*"):
+                await client.delete(key)
+            await client.aclose()
+
+    assert asyncio.run(records()) == 1  # the drained stream was billed before the gateway exited
+
+
+async def _drain_while_streaming(port: int, gateway: subprocess.Popen[bytes]) -> None:
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            try:
+                async with session.get(url + "/health") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+        body = chat("a long answer please", max_tokens=400, stream=True)  # 400 x 4 ms: 1.6 s
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            assert first.startswith(b"data:")
+            gateway.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            with pytest.raises(aiohttp.ClientError):  # no longer accepting
+                async with aiohttp.ClientSession() as other, other.get(url + "/health") as _:
+                    pass
+            rest = await r.read()
+        assert rest.endswith(b"data: [DONE]\n\n")  # the open stream ran to its end
