@@ -138,7 +138,7 @@ class MemoryLedger:
     """The ledger in process (the embedded default): the sums live as long as the gateway does; of the
     records themselves only the most recent ``keep_records`` (memory must not grow with traffic)."""
 
-    def __init__(self, keep_records: int = 100_000) -> None:
+    def __init__(self, keep_records: int = 10_000) -> None:
         self._seen: dict[str, None] = {}  # insertion-ordered: the oldest ids are forgotten first
         self._keep_seen = keep_records * 10
         self._records: deque[UsageRecord] = deque(maxlen=keep_records)

@@ -10,6 +10,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -19,6 +20,7 @@ from gateway.errors import GatewayError
 from gateway.loop import install_best_loop, raise_open_file_limit
 
 SHUTDOWN_TIMEOUT_S = 10.0
+MAX_FIELD_BYTES = 8190  # aiohttp's limit on a request line or a header line
 
 
 class _JsonErrorRequestHandler(RequestHandler):
@@ -37,6 +39,10 @@ class _JsonErrorRequestHandler(RequestHandler):
         self.logger.debug("bad HTTP request from %s: %s", request.remote, exc)
         detail = getattr(exc, "message", None) or message or HTTPStatus(status).phrase
         error = GatewayError(f"malformed HTTP request: {str(detail).strip()}")
+        if isinstance(exc, LineTooLong) or "Too many headers" in str(detail):
+            # Said without echoing the header back: it may be a credential.
+            status = 431
+            error = GatewayError(f"request headers too large (at most {MAX_FIELD_BYTES} bytes a line)")
         error.status, error.type, error.code = status, "invalid_request_error", "bad_http_request"
         response = error.response()
         response.force_close()

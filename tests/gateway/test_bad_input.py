@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.tenants import create_key
 from tests.harness import MODEL, Cluster, start_cluster
 
 
@@ -253,5 +254,101 @@ def test_fuzzed_requests_never_get_a_5xx(
             assert data.endswith(b"data: [DONE]\n\n")
         else:
             assert "usage" in json.loads(data)
+    else:
+        assert_openai_error(status, data)
+
+
+def test_oversized_headers_get_431_without_being_echoed(gw: BackgroundCluster) -> None:
+    status, _, data = gw.request("POST", "/v1/chat/completions", json.dumps(GOOD).encode(),
+                                 {"Authorization": "Bearer " + "s" * 20_000})  # fmt: skip
+    error = assert_openai_error(status, data, 431)
+    assert "sss" not in error["message"]
+    status, _, data = gw.request(
+        "POST", "/v1/chat/completions", json.dumps(GOOD).encode(), {f"x-h{i}": "v" for i in range(200)}
+    )
+    assert_openai_error(status, data, 431)
+
+
+EDGE = "👩‍👩‍👧‍👦 \u202eabc e\u0301 \U0001f600 \ufffd"  # ZWJ family, RTL override, combining mark, emoji
+
+
+@pytest.mark.parametrize(
+    ("raw", "ok"),
+    [
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "a\u0000b"}]}).encode(), True),
+        (
+            json.dumps(
+                {**GOOD, "messages": [{"role": "user", "content": EDGE}]}, ensure_ascii=False
+            ).encode(),
+            True,
+        ),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "\U0010ffff" * 50}]}).encode(), True),
+        (
+            b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            False,
+        ),
+        (
+            b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\xc0\xaf"}]}',
+            False,
+        ),
+        (b"\xef\xbb\xbf" + json.dumps(GOOD).encode(), False),
+        (json.dumps(GOOD).encode("utf-16"), False),
+        (b"", False),
+        (b"\x00" * 64, False),
+    ],
+)
+def test_unicode_edge_cases(gw: BackgroundCluster, raw: bytes, ok: bool) -> None:
+    status, data = post(gw, raw)
+    if ok:
+        assert status == 200, data[:300]
+        assert json.loads(data)["usage"]["prompt_tokens"] > 0
+    else:
+        assert_openai_error(status, data, 400)
+
+
+@pytest.fixture(scope="module")
+def gw_billed() -> Iterator[BackgroundCluster]:
+    """Authentication, prices and rate limits on: the paths that bill must survive bad input too."""
+    cluster = BackgroundCluster(
+        regions={"eu-west": 1},
+        max_body_bytes=64 * 1024,
+        auth={"enabled": True, "requests_per_minute": 100_000},
+        tenants={"acme": {}},
+        prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
+    )
+    store = cluster.cluster.gateway.billing.keys
+    cluster.key = asyncio.run_coroutine_threadsafe(create_key(store, "acme"), cluster.loop).result(10)[0]  # type: ignore[attr-defined]
+    yield cluster
+    cluster.close()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=bodies | st.binary(max_size=300).map(lambda b: {"__raw__": b}),
+    authorization=st.sampled_from(["valid", "none"]) | header_values,
+    extra=st.dictionaries(
+        st.sampled_from(["x-request-id", "x-session-affinity", "cf-ipcountry", "x-forwarded-for", "accept"]),
+        header_values.map(str.strip).filter(bool),
+        max_size=3,
+    ),
+)
+def test_fuzzed_requests_with_billing_never_get_a_5xx(
+    gw_billed: BackgroundCluster, body: dict[str, Any], authorization: str, extra: dict[str, str]
+) -> None:
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 4)
+    headers = dict(extra)
+    if authorization == "valid":
+        headers["Authorization"] = f"Bearer {gw_billed.key}"  # type: ignore[attr-defined]
+    elif authorization != "none" and authorization.strip():
+        headers["Authorization"] = authorization.strip()
+    raw = body.get("__raw__", body)
+    status, data = post(gw_billed, raw, headers)
+    if status == 200:
+        if body.get("stream") is True:
+            assert data.endswith(b"data: [DONE]\n\n")
+        else:
+            usage = json.loads(data)["usage"]
+            assert usage["cost"] >= 0
     else:
         assert_openai_error(status, data)
