@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from cache.redis_keys import RedisKeys
 from cache.residency_redis import RedisResidencyIndex
 from cache.sessions_redis import RedisSessionStore
-from gateway.app import build_app
+from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
@@ -202,6 +202,7 @@ async def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_streami
 
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(worker(session) for _ in range(16)))
+        records = await app[GATEWAY].billing.ledger.records()
         await runner.cleanup()
     finally:
         stop_engines(engines)
@@ -214,6 +215,10 @@ async def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_streami
         for stream, status, _, engine in broken
     )
     assert len(broken) <= 16
+    # Every request was billed once; the broken streams for what they had received.
+    assert len(records) == 300 and len({r.record_id for r in records}) == 300
+    failed = [r for r in records if r.status == "failed"]
+    assert len(failed) == len(broken) and all(r.estimated and r.completion_tokens < 25 for r in failed)
     assert sum(1 for o in outcomes if o[3] == f"eu-west/{victim.name}") > len(
         broken
     )  # it served before dying
