@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_export import send_cached
+from engine.metrics import EngineCounters
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, sample
@@ -106,6 +108,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list | tuple) else [] if eos is None else [eos])
         self._transferred: dict[str, int] = {}
         self.idle = True  # the last step found nothing to compute
+        self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -234,11 +237,20 @@ class LLMEngine:
         self.idle = not batch
         if not batch:
             return []
+        started = time.perf_counter()
+        prefill_tokens = sum(
+            item.num_new for item in batch if item.seq.num_computed < item.seq.num_prompt_tokens
+        )
         logits = self.runner.run(batch)
         sampling = [item.seq for item in batch if item.samples]
         tokens = sample(
             logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling]
         ) if sampling else []  # fmt: skip
+        # The step's time, split between the stages by the tokens each contributed to it.
+        elapsed, total_tokens = time.perf_counter() - started, sum(item.num_new for item in batch)
+        prefill_share = prefill_tokens / total_tokens if total_tokens else 0.0
+        self.counters.busy["prefill"].add(elapsed * prefill_share)
+        self.counters.busy["decode"].add(elapsed * (1.0 - prefill_share))
         for item in batch:
             seq = item.seq
             seq.num_computed += item.num_new
@@ -293,6 +305,7 @@ class LLMEngine:
         )
         self._sent_tokens[seq.request_id] = seq.num_output_tokens
         if reason is not None:
+            self.counters.finished(output.prompt_tokens, output.cached_tokens, output.completion_tokens)
             self._forget(seq.request_id)
         return output
 

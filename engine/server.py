@@ -20,6 +20,7 @@ from engine.kv_publisher import KvEventPublisher
 from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
 from engine.kv_transfer import KvTransferError, frame
 from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected, StepOutput
+from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import (
     GenerationRequest,
     OpenAIError,
@@ -131,6 +132,16 @@ class EngineServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.model, self.created))
+
+    def gauges(self) -> EngineGauges:
+        load = self.engine.load()
+        return EngineGauges(
+            running=load["running"],
+            waiting=load["waiting"],
+            kv_blocks_used=load["kv_blocks_used"],
+            kv_blocks_free=load["kv_blocks_free"],
+            gpu_utilization=gpu_utilization(self.llm.device),
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         alive = self.engine.alive
@@ -271,6 +282,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/kv/prefill", server.kv_prefill)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, server.gauges))
     server.publisher.add_routes(app)
     return app
 

@@ -20,6 +20,8 @@ from cache.spool import Spool
 from cache.tokens import load_tokenizer
 from gateway.billing import Billing, default_spool_path
 from gateway.config import KvgateConfig
+from gateway.dashboard import DashboardSampler
+from gateway.dashboard import add_routes as add_dashboard_routes
 from gateway.errors import GatewayError, http_exception_to_error
 from gateway.kv_events import KvEventConsumer
 from gateway.ledger_writer import LedgerWriter
@@ -38,6 +40,7 @@ from region_map.health import HealthPoller
 log = logging.getLogger("kvgate.app")
 
 GATEWAY = web.AppKey("gateway", Gateway)
+DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -99,6 +102,8 @@ def build_app(config: KvgateConfig) -> web.Application:
         billing=billing,
     )
     usage = UsageApi(billing)
+    dashboard = DashboardSampler(fleet, lambda: len(state.sessions), interval_s=settings.dashboard_interval_s)
+    metrics.listeners.append(dashboard.observe)
     metrics.watch(
         fleet,
         lambda: {
@@ -116,6 +121,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     )
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware(metrics)])
     app[GATEWAY] = gateway
+    app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -124,6 +130,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     app.router.add_get("/v1/admin/usage", usage.admin_usage)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", _metrics_handler(metrics))
+    add_dashboard_routes(app, dashboard)
     return app
 
 
@@ -173,6 +180,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     billing = gateway.billing
     try:
         await billing.writer.start()  # replays a spool left by an earlier run first
+        app[DASHBOARD].start()
         await state.start([e.id for e in fleet])
         await poller.probe_all()
         poller.start()
@@ -196,6 +204,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await poller.stop()
+        await app[DASHBOARD].stop()
         await billing.writer.stop()  # every record is in the ledger or the spool
         await state.stop()
         gateway.clients.close()

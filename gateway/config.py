@@ -121,6 +121,8 @@ class GatewaySettings(BaseModel):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     home: HomeSettings = Field(default_factory=HomeSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    dashboard_interval_s: float = Field(default=2.0, gt=0, description="the dashboard's sampling period")
+    log_format: str = Field(default="json", pattern="^(json|text)$", description="json lines or plain text")
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     shared_prefixes: list[str] = Field(
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"

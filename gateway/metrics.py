@@ -17,12 +17,15 @@ from region_map.breaker import BreakerState
 from region_map.fleet import Fleet
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        # (region, prompt tokens, cached tokens, ttft, itl) of every finished request: the dashboard's feed
+        self.listeners: list[Callable[[str, int, int, float | None, float | None], None]] = []
         r = self.registry
         self.requests = Counter(
             "kvgate_requests",
@@ -62,6 +65,13 @@ class GatewayMetrics:
             "From request arrival to the first streamed byte of the answer.",
             ["region", "model"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvgate_inter_token_latency_seconds",
+            "Mean time between the tokens of a stream, one observation per stream.",
+            ["region", "model"],
+            buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.latency = Histogram(
@@ -137,10 +147,15 @@ class GatewayMetrics:
         prompt_tokens: int,
         cached_tokens: int,
         completion_tokens: int,
+        itl_s: float | None = None,
     ) -> None:
         self._child(self.latency, region, model).observe(latency_s)
         if ttft_s is not None:
             self._child(self.ttft, region, model).observe(ttft_s)
+        if itl_s is not None:
+            self._child(self.itl, region, model).observe(itl_s)
+        for listener in self.listeners:
+            listener(region, prompt_tokens, cached_tokens, ttft_s, itl_s)
         if prompt_tokens:
             self._child(self.prompt_tokens, region, engine).inc(prompt_tokens)
         if cached_tokens:

@@ -421,15 +421,18 @@ class _Account:
         self.pending.settle()
         p, engine, g = self.p, self.engine, self.gateway
         prompt, cached, completion = usage_counts(usage)
+        now = time.perf_counter()
+        itl = (now - first_byte) / (completion - 1) if first_byte is not None and completion > 1 else None
         g.metrics.finished(
             engine.region,
             engine.id,
             p.model,
-            latency_s=time.perf_counter() - self.received,
+            latency_s=now - self.received,
             ttft_s=None if first_byte is None else first_byte - self.received,
             prompt_tokens=prompt,
             cached_tokens=cached,
             completion_tokens=completion,
+            itl_s=itl,
         )
         estimated = usage is None
         if estimated:

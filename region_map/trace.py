@@ -12,6 +12,7 @@ conversations do), or by ``hash_ids[0]`` for a one-block request.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ def conversation_key(hash_ids: list[int]) -> int:
 def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
     raw: list[tuple[int, int, int, list[int]]] = []
     p = Path(path)
-    with p.open() as lines:
+    opener = gzip.open if p.suffix == ".gz" else open  # the trace ships gzipped in tests/data
+    with opener(p, "rt") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

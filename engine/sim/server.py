@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from aiohttp import web
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
+from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import (
     FinishReason,
     GenerationRequest,
@@ -169,6 +171,10 @@ class SimEngine:
         self.running = 0
         self.waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
         self._waiters: deque[_Waiter] = deque()
+        self.counters = EngineCounters()
+
+    def gauges(self) -> EngineGauges:
+        return EngineGauges(self.running, len(self._waiters), self.cache.used, self.cache.free)
 
     @property
     def waiting(self) -> int:
@@ -206,6 +212,15 @@ class SimEngine:
                 waiter.future.set_result(None)  # the slot passes on: running stays the same
                 return
         self.running -= 1
+
+    @contextlib.contextmanager
+    def _busy(self, stage: str) -> Iterator[None]:
+        clock = self.counters.busy[stage]
+        clock.enter()
+        try:
+            yield
+        finally:
+            clock.exit()
 
     # ------------------------------------------------------------------------------------- handlers
 
@@ -285,7 +300,8 @@ class SimEngine:
                 pinned = self.cache.acquire(hashes[:n_cached])
                 uncached = req.prompt_tokens - cached_tokens
                 if uncached and cfg.prefill_s_per_token > 0:
-                    await asyncio.sleep(uncached * cfg.prefill_s_per_token)
+                    with self._busy("prefill"):
+                        await asyncio.sleep(uncached * cfg.prefill_s_per_token)
                 if n_cached < len(hashes):
                     self.cache.store(hashes)
                     pinned += self.cache.acquire(hashes[n_cached:])
@@ -293,11 +309,13 @@ class SimEngine:
             seed = req.seed if req.seed is not None else xxhash.xxh3_64_intdigest(ids.tobytes())
             text, finish = cut_at_stop(pseudo_text(seed, req.max_tokens), req.stop)
             usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
+            self.counters.finished(req.prompt_tokens, cached_tokens, len(text))
 
             if req.stream:
                 return await self._stream(request, req, hashes, text, finish, usage_obj, headers)
             if text and cfg.decode_s_per_token > 0:
-                await asyncio.sleep(len(text) * cfg.decode_s_per_token)
+                with self._busy("decode"):
+                    await asyncio.sleep(len(text) * cfg.decode_s_per_token)
             # Stored before the answer leaves, so a client's next turn is sure to find it.
             self._store_answer(ids, hashes, text, ns_seed, req.cache_shared_blocks)
             return json_response(response_body(req, text, finish, usage_obj), headers=headers)
@@ -336,12 +354,13 @@ class SimEngine:
                     await resp.write(start)
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
-                for i, ch in enumerate(text):
-                    # Sleep to a deadline rather than a fixed delay so timer overshoot does not add up.
-                    delay = t0 + (i + 1) * decode_s - loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    await resp.write(fmt.token(ch))
+                with self._busy("decode"):
+                    for i, ch in enumerate(text):
+                        # Sleep to a deadline rather than a fixed delay so timer overshoot does not add up.
+                        delay = t0 + (i + 1) * decode_s - loop.time()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        await resp.write(fmt.token(ch))
                 self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
                 await resp.write(fmt.finish(finish, usage_obj))
             await resp.write_eof()
@@ -387,6 +406,7 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
     app.router.add_get("/v1/models", engine.handle_models)
     app.router.add_get("/health", engine.handle_health)
+    app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, engine.gauges))
     engine.publisher.add_routes(app)
     return app
 

@@ -21,9 +21,7 @@ from gateway.simulate import run_simulation
 from region_map.simulator import CostModel
 from region_map.trace import load_trace
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 CONFIGS = [(1, 8), (4, 2)]
 POLICIES = [("round_robin", "round_robin"), ("session only", "session"), ("prefix only", "cache_aware"),
             ("default", "default")]  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from gateway.routing.base import RoutingSettings
 from gateway.simulate import SimRouter, run_simulation
 from region_map.trace import load_trace
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 KEYS = {"hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean",
         "cross_region_share"}  # fmt: skip
 
@@ -73,3 +75,8 @@ def test_the_real_trace_replays_in_under_a_minute() -> None:
         trace[:3000], policy="default", regions=4, engines_per_region=2, capacity_blocks=2000
     )
     assert result.hit_rate > 0.9 * result.pooled_hit_rate and result.cross_region_share < 0.2
+
+
+def test_the_shipped_trace_is_the_published_one() -> None:
+    digest = hashlib.sha256(gzip.decompress(TRACE.read_bytes())).hexdigest()
+    assert digest == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
