@@ -171,6 +171,7 @@ def run_make_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+        bar=True,
     )
     config = ModelConfig.from_dir(directory)
     print(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
 
 from engine.model.config import ModelConfig
 from engine.model.llama import CausalLM
@@ -62,8 +65,10 @@ def make_model(
     seed: int = 0,
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
+    bar: bool = False,
 ) -> Path:
-    """Write the checkpoint into ``directory`` (created if needed; files of the same names are replaced)."""
+    """Write the checkpoint into ``directory`` (created if needed; files of the same names are replaced).
+    ``progress`` hears each stage; ``bar`` draws a progress bar of the weights on stderr."""
     if preset not in PRESETS or arch not in ARCHS or dtype not in DTYPES:
         raise ValueError(f"unknown preset {preset!r}, arch {arch!r} or dtype {dtype!r}")
     say = progress or (lambda _: None)
@@ -81,7 +86,7 @@ def make_model(
     hf_config = hf_config_dict(spec, arch, tokenizer.get_vocab_size(), ids, dtype)
     config = ModelConfig.from_hf(hf_config, source="make_model")
 
-    tensors = random_weights(config, seed, DTYPES[dtype], say)
+    tensors = random_weights(config, seed, DTYPES[dtype], say, bar=bar)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     say(f"writing model.safetensors ({mib:.1f} MiB)")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -156,7 +161,7 @@ def hf_config_dict(
 
 
 def random_weights(
-    config: ModelConfig, seed: int, dtype: torch.dtype, say: Callable[[str], None]
+    config: ModelConfig, seed: int, dtype: torch.dtype, say: Callable[[str], None], *, bar: bool = False
 ) -> dict[str, torch.Tensor]:
     """normal(0, INIT_STD) for matrices, ones for norms; drawn in float32 in module order, then cast, so a
     seed gives the same weights in either dtype."""
@@ -164,15 +169,17 @@ def random_weights(
         shapes = [(name, p.shape) for name, p in CausalLM(config).named_parameters()]
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    step = max(1, len(shapes) // 10)
-    for i, (name, shape) in enumerate(shapes, 1):
-        if name.endswith("norm.weight"):
-            tensor = torch.ones(shape)
-        else:
-            tensor = torch.empty(shape).normal_(0.0, INIT_STD, generator=generator)
-        tensors[name] = tensor.to(dtype).contiguous()
-        if i % step == 0 or i == len(shapes):
-            say(f"generating random weights: {i}/{len(shapes)} tensors")
+    total = sum(math.prod(shape) for _, shape in shapes)
+    say(f"generating {total:,} random weights in {len(shapes)} tensors")
+    with tqdm(total=total, unit="weight", unit_scale=True, desc="random weights", disable=not bar,
+              file=sys.stderr, leave=False) as progress:  # fmt: skip
+        for name, shape in shapes:
+            if name.endswith("norm.weight"):
+                tensor = torch.ones(shape)
+            else:
+                tensor = torch.empty(shape).normal_(0.0, INIT_STD, generator=generator)
+            tensors[name] = tensor.to(dtype).contiguous()
+            progress.update(math.prod(shape))
     return tensors
 
 

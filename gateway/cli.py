@@ -4,12 +4,12 @@ entry-point group, so the gateway never imports the engine (or the reverse)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from gateway.logs import configure_logging
 from region_map.config import ConfigError
 
 
@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "info"), help="debug, info, warning"
     )
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "text"),
+        default=os.environ.get("KVGATE_LOG_FORMAT", "auto"),
+        help="JSON lines, or text; auto: text on a terminal, JSON lines otherwise",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered = False
     for ep in sorted(entry_points(group="kvgate.commands"), key=lambda e: e.name):
@@ -145,11 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -122,7 +122,7 @@ class GatewaySettings(BaseModel):
     home: HomeSettings = Field(default_factory=HomeSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     dashboard_interval_s: float = Field(default=2.0, gt=0, description="the dashboard's sampling period")
-    log_format: str = Field(default="json", pattern="^(json|text)$", description="json lines or plain text")
+    access_log: bool = Field(default=True, description="one JSON line per finished request (kvgate.access)")
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     shared_prefixes: list[str] = Field(
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"

@@ -35,6 +35,7 @@ from region_map.config import Role
 from region_map.fleet import EngineState, Fleet
 
 log = logging.getLogger("kvgate.gateway")
+access_log = logging.getLogger("kvgate.access")
 
 
 class _Retryable(Exception):
@@ -437,10 +438,13 @@ class _Account:
         estimated = usage is None
         if estimated:
             if first_byte is None:
+                self._log(outcome, now, first_byte, prompt, cached, completion, 0)
                 return  # nothing reached the client: nothing to bill
             # The stream ended before the engine's usage: bill what the client received, by the gateway's
             # own counts (the prompt it sent, the cache it predicted, one token per streamed event).
             prompt, cached, completion = len(p.token_ids), self.predicted, events
+        cost = g.billing.cost_picodollars(p.model, prompt, cached, completion)
+        self._log(outcome, now, first_byte, prompt, cached, completion, cost)
         g.billing.record(
             UsageRecord(
                 record_id=p.record_id,
@@ -449,7 +453,7 @@ class _Account:
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 completion_tokens=completion,
-                cost_picodollars=g.billing.cost_picodollars(p.model, prompt, cached, completion),
+                cost_picodollars=cost,
                 status=outcome,
                 key_id=p.key_id,
                 region=engine.region,
@@ -459,6 +463,37 @@ class _Account:
             )
         )
         g.metrics.usage_recorded(outcome, estimated)
+
+    def _log(
+        self,
+        outcome: Outcome,
+        now: float,
+        first_byte: float | None,
+        prompt: int,
+        cached: int,
+        completion: int,
+        cost: int,
+    ) -> None:
+        if not self.gateway.settings.access_log or not access_log.isEnabledFor(logging.INFO):
+            return
+        p = self.p
+        fields = {
+            "request_id": p.request_id,
+            "tenant": p.tenant,
+            "model": p.model,
+            "region": self.engine.region,
+            "engine": self.engine.id,
+            "home_region": p.home_region,
+            "outcome": outcome,
+            "stream": p.stream,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "completion_tokens": completion,
+            "ttft_s": None if first_byte is None else round(first_byte - self.received, 6),
+            "latency_s": round(now - self.received, 6),
+            "cost_usd": cost / 10**12,
+        }
+        access_log.info("request finished", extra={"fields": fields})
 
 
 class _PendingPrefill:

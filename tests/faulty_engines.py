@@ -1,5 +1,6 @@
-"""Deliberately faulty SIMULATED engines, for fault tests: each answers ``/health`` like a good engine (so
-health polling alone cannot catch it) and misbehaves on completions in one specific way."""
+"""Special-purpose SIMULATED engines for tests: each answers ``/health`` like a good engine (so health
+polling alone cannot catch a faulty one) and does one specific thing on completions: hang, fail, flood,
+or record what it was sent."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from tests.harness import MODEL
 
@@ -66,3 +68,19 @@ def _app(handler: Any) -> web.Application:
     app.router.add_post("/v1/chat/completions", handler)
     app.router.add_post("/v1/completions", handler)
     return app
+
+
+class Recorder:
+    """Answers every completion with a fixed two-token answer and keeps the headers it was sent."""
+
+    def __init__(self) -> None:
+        self.headers: list[CIMultiDict[str]] = []
+        self.app = _app(self.answer)
+
+    async def answer(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.headers.append(request.headers.copy())
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL, "choices": [choice],
+                                  "usage": usage})  # fmt: skip

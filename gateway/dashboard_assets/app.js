@@ -38,7 +38,7 @@ function draw(id, lines, format) {
   const pad = { left: 46, right: 8, top: 8, bottom: 18 };
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y1 = Math.max(...ys) * 1.1 || 1;
+  const y1 = format === pct ? 1 : Math.max(...ys) * 1.1 || 1;  // a ratio's axis ends at 100 %
   const X = (x) => pad.left + ((x - x0) / (x1 - x0)) * (width - pad.left - pad.right);
   const Y = (y) => height - pad.bottom - (y / y1) * (height - pad.top - pad.bottom);
 
@@ -64,6 +64,13 @@ function draw(id, lines, format) {
       drawing = true;
     }
     ctx.stroke();
+    ctx.fillStyle = COLORS[i % COLORS.length];
+    for (const [x, y] of l.points) {  // markers: a single sample is visible too
+      if (y === null || y === undefined) continue;
+      ctx.beginPath();
+      ctx.arc(X(x), Y(y), 2.5, 0, 2 * Math.PI);
+      ctx.fill();
+    }
   });
 }
 
@@ -84,7 +91,7 @@ function render(data) {
   draw("chart-sessions", [{ name: "sessions", points: series(s, (x) => x.sessions) }], num);
   const last = s[s.length - 1];
   document.getElementById("status").textContent = last
-    ? `${s.length} samples, every ${data.interval_s} s; last at ${new Date(last.t * 1000).toLocaleTimeString()}`
+    ? `${s.length} sample${s.length === 1 ? "" : "s"}, every ${data.interval_s} s; last at ${new Date(last.t * 1000).toLocaleTimeString()}`
     : "waiting for the first sample…";
 }
 

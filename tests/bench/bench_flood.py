@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import orjson
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway_overhead import pct, start_gateway
@@ -74,8 +75,9 @@ async def one(pool: UpstreamPool, payload: bytes) -> tuple[float, float]:
     return ttfb, time.perf_counter() - start
 
 
-async def flood(pools: list[UpstreamPool], concurrency: int, total: int) -> dict[str, float]:
-    """``total`` requests, ``concurrency`` of them in flight at every moment."""
+async def flood(pools: list[UpstreamPool], concurrency: int, total: int, label: str = "") -> dict[str, float]:
+    """``total`` requests, ``concurrency`` of them in flight at every moment (with a bar when labelled)."""
+    bar = tqdm(total=total, desc=label, file=sys.stderr, disable=not label, leave=False)
     ttfb: list[float] = []
     e2e: list[float] = []
     errors = 0
@@ -91,10 +93,12 @@ async def flood(pools: list[UpstreamPool], concurrency: int, total: int) -> dict
                 e2e.append(b)
             except Exception:
                 errors += 1
+            bar.update()
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
+    bar.close()
     return {"requests": total, "errors": errors, "req_s": total / wall,
             "ttfb_p50_ms": pct(ttfb, 0.5) * 1e3, "ttfb_p99_ms": pct(ttfb, 0.99) * 1e3,
             "e2e_p50_ms": pct(e2e, 0.5) * 1e3, "e2e_p99_ms": pct(e2e, 0.99) * 1e3}  # fmt: skip
@@ -114,11 +118,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             await flood(through, args.concurrency, args.concurrency)
             rss_before = rss_mb(gateway.pid)
             results = {
-                "direct": await flood(direct, args.concurrency, args.concurrency * 3),
-                "gateway": await flood(through, args.concurrency, args.requests),
+                "direct": await flood(direct, args.concurrency, args.concurrency * 3, "direct"),
+                "gateway": await flood(through, args.concurrency, args.requests, "through the gateway"),
             }
             rss_after = rss_mb(gateway.pid)
-            await flood(through, args.concurrency, args.requests)  # as many again: does memory level off?
+            await flood(through, args.concurrency, args.requests, "as many again")  # does memory level off?
             results["gateway_rss_mb"] = {
                 "before": rss_before,
                 "after": rss_after,

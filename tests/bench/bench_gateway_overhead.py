@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import orjson
+from tqdm import tqdm
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.loop import install_best_loop
@@ -139,7 +140,7 @@ async def measure(ports: dict[str, int], rounds: int, n: int, concurrency: int, 
     lat: dict[str, list[float]] = {name: [] for name in pools}
     ttfb: dict[str, list[float]] = {name: [] for name in pools}
     tput: dict[str, list[float]] = {name: [] for name in pools}
-    for _ in range(rounds):
+    for _ in tqdm(range(rounds), desc="rounds", file=sys.stderr):
         for name, values in (await latency_round(pools, n, stream=False)).items():
             lat[name].extend(values)
         for name, values in (await latency_round(pools, n // 2, stream=True)).items():

@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 import orjson
 import torch
+from tqdm import tqdm
 
 from engine.attention import KVCache
 from engine.kv_import import KvImporter
@@ -323,7 +324,7 @@ async def bench_ttft(
     pd_s: list[float] = []
     fallbacks = 0
     transferred: list[int] = []
-    for r in range(rounds):  # A B A B, a fresh prompt each time: every cache is cold
+    for r in tqdm(range(rounds), desc="transfer rounds", file=sys.stderr):  # A B A B, fresh prompts: cold
         t, fb, _ = await ttft(
             session, colo.url, completion_body(make_prompt(1000 + 2 * r, LONG_PROMPT, vocab), 2)
         )
@@ -454,7 +455,7 @@ async def bench_itl(
                "window": 0.0, "requests": 0}
         for name in ("colocated", "pd")
     }  # fmt: skip
-    for r in range(rounds):  # A B A B: both see the same machine state
+    for r in tqdm(range(rounds), desc="rounds", file=sys.stderr):  # A B A B: the same machine state
         for name, target, url in (("colocated", colo, None), ("pd", decode, prefill.url)):
             await settle(session, [colo, prefill, decode], w.vocab, seed=500_000 + 10 * r)
             res = await itl_round(session, target, url, w, seed=10 + r)

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from gateway.simulate import run_simulation
 from region_map.simulator import CostModel
 from region_map.trace import load_trace
@@ -39,20 +41,21 @@ def main() -> int:
     trace = load_trace(args.trace, limit=args.limit)
     cost = CostModel(rtt_s=0.040)
     rows = []
-    for regions, per_region in CONFIGS:
-        for label, policy in POLICIES:
-            start = time.perf_counter()
-            r = run_simulation(
-                trace,
-                policy=policy,
-                regions=regions,
-                engines_per_region=per_region,
-                capacity_blocks=args.capacity_blocks,
-                cost=cost,
-            )
-            rows.append({"config": f"{regions}x{per_region}", "policy": label, **r.as_json(),
-                         "seconds": time.perf_counter() - start})  # fmt: skip
-            print(f"{rows[-1]['config']} {label}: done in {rows[-1]['seconds']:.1f} s", file=sys.stderr)
+    runs = [
+        (regions, per_region, label, policy) for regions, per_region in CONFIGS for label, policy in POLICIES
+    ]
+    for regions, per_region, label, policy in tqdm(runs, desc="simulations", file=sys.stderr):
+        start = time.perf_counter()
+        r = run_simulation(
+            trace,
+            policy=policy,
+            regions=regions,
+            engines_per_region=per_region,
+            capacity_blocks=args.capacity_blocks,
+            cost=cost,
+        )
+        rows.append({"config": f"{regions}x{per_region}", "policy": label, **r.as_json(),
+                     "seconds": time.perf_counter() - start})  # fmt: skip
     print(f"{len(trace)} requests; {args.capacity_blocks} blocks per engine; hit = prompt blocks from cache")
     header = f"{'config':7s} {'policy':14s} {'hit':>7s} {'vs pooled':>9s} {'load':>6s} {'TTFT p50':>9s} " \
              f"{'p90':>8s} {'p99':>8s} {'cross':>6s}"  # fmt: skip

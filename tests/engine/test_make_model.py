@@ -133,7 +133,7 @@ def test_cli_says_the_weights_are_random(tmp_path: Path, capsys: pytest.CaptureF
     out, err = capsys.readouterr()
     assert "RANDOM" in out and "meaningless" in out
     assert "139,584 RANDOM parameters" in out and "vocab 512" in out
-    assert "generating random weights" in err  # the progress lines
+    assert "139,584 random weights" in err and "random weights:" in err  # the stages and the bar
     # a non-empty directory is refused unless --force
     assert args.func(args) == 1
     assert "not an empty directory" in capsys.readouterr().err

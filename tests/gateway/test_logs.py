@@ -1,0 +1,66 @@
+"""Structured logs: JSON lines, one access line per request, and the request id carried to the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from gateway.logs import JsonFormatter, TextFormatter
+from tests.faulty_engines import Recorder
+from tests.harness import MODEL, ClusterFactory
+
+
+def test_json_lines_carry_the_structured_fields() -> None:
+    record = logging.LogRecord("kvgate.access", logging.INFO, __file__, 1, "request %s", ("finished",), None)
+    record.fields = {"request_id": "r-1", "cached_tokens": 32, "ttft_s": 0.012}
+    line = JsonFormatter().format(record)
+    entry = json.loads(line)
+    assert (
+        entry["msg"] == "request finished" and entry["level"] == "info" and entry["logger"] == "kvgate.access"
+    )
+    assert entry["request_id"] == "r-1" and entry["cached_tokens"] == 32 and entry["ts"].endswith("+00:00")
+    assert "\n" not in line
+    assert TextFormatter().format(record).endswith("request_id=r-1 cached_tokens=32 ttft_s=0.012")
+
+
+async def test_each_request_leaves_one_access_line(
+    make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1}, prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
+    )
+    assert cluster.session is not None
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "same words " * 20}], "max_tokens": 4}
+    for i in range(2):
+        async with cluster.session.post(
+            cluster.url + "/v1/chat/completions",
+            json={**body, "stream": True},
+            headers={"x-request-id": f"client-{i}"},
+        ) as r:
+            await r.read()
+            assert r.headers["x-request-id"] == f"client-{i}"
+    lines = [r for r in caplog.records if r.name == "kvgate.access"]
+    assert [r.fields["request_id"] for r in lines] == ["client-0", "client-1"]  # type: ignore[attr-defined]
+    second = lines[1].fields  # type: ignore[attr-defined]
+    assert (
+        second["tenant"] == "default" and second["region"] == "eu-west" and second["engine"] == "eu-west/e0"
+    )
+    assert second["cached_tokens"] > 0 and second["ttft_s"] > 0 and second["cost_usd"] > 0
+    assert json.loads(JsonFormatter().format(lines[1]))["cached_tokens"] == second["cached_tokens"]
+
+
+async def test_the_request_id_travels_to_the_engine(make_cluster: ClusterFactory) -> None:
+    recorder = Recorder()
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/rec": recorder.app},
+        engine_options={"eu-west/rec": {"kv_events": False}},
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    await cluster.post("/v1/chat/completions", body, headers={"x-request-id": "trace-me-42"})
+    _, _, generated = await cluster.post("/v1/chat/completions", body)
+    assert [h["X-Request-Id"] for h in recorder.headers] == ["trace-me-42", generated["x-request-id"]]
+    assert generated["x-request-id"].startswith("req-")
