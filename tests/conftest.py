@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,6 +15,7 @@ import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cache.redis_keys import RedisKeys
+from tests.harness import Cluster, ClusterFactory, start_cluster
 from tests.redis_process import RedisProcess
 
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -78,3 +80,18 @@ def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def make_cluster() -> AsyncIterator[ClusterFactory]:
+    """Start clusters of engines and gateways (tests/harness.py); all are closed after the test."""
+    clusters: list[Cluster] = []
+
+    async def make(*args: Any, **kwargs: Any) -> Cluster:
+        cluster = await start_cluster(*args, **kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        await cluster.close()

@@ -120,3 +120,17 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_every_subcommand_has_help() -> None:
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices  # type: ignore[union-attr]
+    assert {"serve", "demo", "simulate", "keys", "usage", "engine", "sim-engine", "make-model"} <= set(
+        commands
+    )
+    for name in [*commands, "keys create", "keys list", "keys revoke"]:
+        result = run(*name.split(), "--help")
+        assert result.returncode == 0, (name, result.stderr)
+        assert result.stdout.startswith(f"usage: kvgate {name}") and "Traceback" not in result.stderr
