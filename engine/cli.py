@@ -98,6 +98,12 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=131072,
         help="largest prompt + max_tokens accepted (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenize with this Hugging Face tokenizer directory (default: byte-level); reported as its "
+        "model path to routers that ask",
+    )
 
 
 def run_sim_engine(args: argparse.Namespace) -> int:
@@ -122,6 +128,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         host=args.host,
         port=port,
         max_model_len=args.max_model_len,
+        tokenizer=args.tokenizer,
     )
     try:
         return serve(config, sock=sock)

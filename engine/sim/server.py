@@ -31,7 +31,7 @@ import xxhash
 from aiohttp import web
 
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
-from cache.tokens import load_tokenizer
+from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import (
@@ -70,6 +70,7 @@ class SimEngineConfig:
     port: int = 0  # 0: any free port
     max_model_len: int = 131072  # prompt + max_tokens; bounds the work one request can ask for
     kv_heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory; None: the byte-level tokenizer
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -161,7 +162,7 @@ class SimEngine:
 
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(None)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.publisher = KvEventPublisher(
             config.engine_id, config.block_size, heartbeat_s=config.kv_heartbeat_s
         )
@@ -232,6 +233,29 @@ class SimEngine:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.config.model, self.created))
+
+    # ------------------------------------------ what other routers probe (tests/bench/bench_routers.py)
+
+    def _model_info(self) -> dict[str, Any]:
+        path = self.config.tokenizer or self.config.model
+        return {"model_path": path, "tokenizer_path": path, "served_model_name": self.config.model,
+                "is_generation": True, "max_total_num_tokens": self.config.max_model_len}  # fmt: skip
+
+    async def handle_model_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/model_info`` and ``/server_info``, which sglang-router reads."""
+        return json_response(orjson.dumps(self._model_info()))
+
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` (vllm-router's cache-aware policy asks it for every request)."""
+        try:
+            body = orjson.loads(await request.read())
+            messages = body.get("messages")
+            text = render_messages(self.tokenizer, messages) if messages is not None else body["prompt"]
+            tokens = self.tokenizer.encode(text).tolist()
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+            return OpenAIError(f"cannot tokenize: {exc}").to_response({})
+        body = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
+        return json_response(orjson.dumps(body))
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return json_response(orjson.dumps(self.health()))
@@ -406,6 +430,9 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
     app.router.add_get("/v1/models", engine.handle_models)
     app.router.add_get("/health", engine.handle_health)
+    app.router.add_get("/model_info", engine.handle_model_info)
+    app.router.add_get("/server_info", engine.handle_model_info)
+    app.router.add_post("/tokenize", engine.handle_tokenize)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, engine.gauges))
     engine.publisher.add_routes(app)
     return app

@@ -1,0 +1,398 @@
+"""kvgate side by side with the Rust routers (sglang-router, vllm-router, smg), in front of the same simulated
+engines, on the same requests, in one run.
+
+    python tests/bench/bench_routers.py [--peers-venv DIR] [--smg-venv DIR] [--rounds 3] [--json]
+
+Peers are found in ``--peers-venv`` (sglang-router and vllm-router, see ../shared/BENCHMARKS.md) and
+``--smg-venv`` (smg), or ``KVGATE_PEERS_VENV`` / ``KVGATE_SMG_VENV``; one that is not installed is skipped
+with a line saying so. Every router runs in its own process in front of 4 simulated engines
+(``python -m engine.sim``, each its own process) that answer the probes the peers need (``/health``,
+``/v1/models``, ``/server_info``, ``/model_info``, ``/tokenize``) and report a local byte-level tokenizer
+(one token per byte), so no router downloads anything.
+
+1. Overhead: added latency at concurrency 1 (p50, p99; requests interleaved across the paths: direct,
+   kvgate, each peer) and throughput at concurrency 32 (rounds interleaved), against direct.
+2. The Mooncake conversation trace (``tests/data``), time-compressed: every hash id becomes the same 512-token
+   text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
+   requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
+   the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine.
+P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
+transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gateway_overhead import pct
+
+from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
+from gateway.loop import install_best_loop, raise_open_file_limit
+from gateway.upstream import UpstreamPool
+from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+
+MODEL = "kvgate-sim"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
+SYSTEM = "You are a helpful assistant. " * 60
+
+
+def byte_tokenizer_dir(directory: Path) -> Path:
+    """A Hugging Face tokenizer that maps every byte to one token (no merges): text of N ASCII bytes is N
+    tokens for every router and engine alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(
+        json.dumps({"model_type": "llama", "eos_token_id": len(vocab) - 1})
+    )
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    config = {"eos_token": "<|endoftext|>", "model_max_length": 1 << 20, "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+# -- processes ---------------------------------------------------------------------------------------------
+
+
+def start_engines(
+    count: int, tokenizer: Path, *, prefill_s: float, decode_s: float, capacity: int
+) -> list[EngineProcess]:
+    engines = []
+    for i in range(count):
+        port = free_port()
+        cmd = [sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL,
+               "--engine-id", f"bench/e{i}", "--tokenizer", str(tokenizer),
+               "--prefill-s-per-token", str(prefill_s), "--decode-s-per-token", str(decode_s),
+               "--capacity-blocks", str(capacity), "--max-running", "4096"]  # fmt: skip
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        engines.append(EngineProcess("bench", f"e{i}", port, process))
+    return engines
+
+
+@dataclass
+class Router:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+
+def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -> Router:
+    port = free_port()
+    lines = ",\n".join(f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines)
+    config = workdir / "kvgate.toml"
+    config.write_text(
+        f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
+        f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
+    )
+    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
+    return Router("kvgate", port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+
+
+def peer_commands(peers_venv: Path | None, smg_venv: Path | None) -> dict[str, list[str]]:
+    """name -> command prefix (ports and workers appended); a missing peer is reported and skipped."""
+    found: dict[str, list[str]] = {}
+    if peers_venv is not None and (peers_venv / "bin" / "python").exists():
+        python = str(peers_venv / "bin" / "python")
+        if subprocess.run([python, "-c", "import sglang_router"], capture_output=True).returncode == 0:
+            found["sglang-router"] = [python, "-m", "sglang_router.launch_router"]
+        if (peers_venv / "bin" / "vllm-router").exists():
+            found["vllm-router"] = [str(peers_venv / "bin" / "vllm-router")]
+    if smg_venv is not None and (smg_venv / "bin" / "smg").exists():
+        found["smg"] = [str(smg_venv / "bin" / "smg"), "launch"]
+    for name in ("sglang-router", "vllm-router", "smg"):
+        if name not in found:
+            print(f"{name}: not installed, skipped (see ../shared/BENCHMARKS.md)", file=sys.stderr)
+    return found
+
+
+def start_peer(name: str, prefix: list[str], engines: list[EngineProcess]) -> Router:
+    port = free_port()
+    log_level = "warning" if name == "vllm-router" else "warn"
+    cmd = [*prefix, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port()), "--worker-urls", *[e.url for e in engines],
+           "--policy", "cache_aware", "--log-level", log_level]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return Router(
+        name, port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    )
+
+
+async def wait_ready(router: Router, timeout_s: float = 60.0) -> bool:
+    """Ready = a chat completion through it succeeds (health endpoints differ between routers)."""
+    pool = UpstreamPool("127.0.0.1", router.port)
+    deadline = time.monotonic() + timeout_s
+    payload = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    try:
+        while time.monotonic() < deadline:
+            if router.process.poll() is not None:
+                return False
+            try:
+                r = await pool.request("POST", "/v1/chat/completions", payload,
+                                       [("Content-Type", "application/json")], header_timeout=5)  # fmt: skip
+                await r.read(5)
+                if r.status == 200:
+                    return True
+            except Exception:
+                pass
+            await asyncio.sleep(0.3)
+        return False
+    finally:
+        pool.close()
+
+
+# -- part 1: overhead --------------------------------------------------------------------------------------
+
+
+def chat_body(i: int) -> bytes:
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"question number {i % 50}"},
+    ]
+    return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 8})
+
+
+async def one(pool: UpstreamPool, payload: bytes, headers: list[tuple[str, str]] | None = None) -> float:
+    start = time.perf_counter()
+    all_headers = [("Content-Type", "application/json"), *(headers or [])]
+    r = await pool.request("POST", "/v1/chat/completions", payload, all_headers, header_timeout=60)
+    data = await r.read(60)
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+    return time.perf_counter() - start
+
+
+async def overhead(
+    ports: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float
+) -> dict[str, Any]:
+    pools = {name: UpstreamPool("127.0.0.1", port, max_idle=concurrency) for name, port in ports.items()}
+    for pool in pools.values():
+        for i in range(100):
+            await one(pool, chat_body(i))
+    latency: dict[str, list[float]] = {name: [] for name in pools}
+    rps: dict[str, list[float]] = {name: [] for name in pools}
+    for _ in tqdm(range(rounds), desc="overhead rounds", file=sys.stderr):
+        for i in range(n):
+            for name, pool in pools.items():  # A B C D per request: every path sees the same machine state
+                latency[name].append(await one(pool, chat_body(i)))
+        for name, pool in pools.items():
+            done = 0
+            deadline = time.perf_counter() + duration_s
+
+            async def worker(w: int, pool: UpstreamPool = pool, deadline: float = deadline) -> None:
+                nonlocal done
+                i = w
+                while time.perf_counter() < deadline:
+                    await one(pool, chat_body(i))
+                    done += 1
+                    i += concurrency
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker(w) for w in range(concurrency)))
+            rps[name].append(done / (time.perf_counter() - start))
+    for pool in pools.values():
+        pool.close()
+    d50, d99, drps = (
+        statistics.median(latency["direct"]),
+        pct(latency["direct"], 0.99),
+        statistics.median(rps["direct"]),
+    )
+    return {
+        name: {"added_p50_ms": (statistics.median(v) - d50) * 1e3, "added_p99_ms": (pct(v, 0.99) - d99) * 1e3,
+               "req_s": statistics.median(rps[name]), "throughput_ratio": statistics.median(rps[name]) / drps}
+        for name, v in latency.items()
+    }  # fmt: skip
+
+
+# -- part 2: the trace -------------------------------------------------------------------------------------
+
+
+def block_text(block_id: int) -> str:
+    """The same 512 ASCII bytes (= 512 tokens) for the same block id, anywhere in any prompt."""
+    seed = f"<{block_id:x}>"
+    return (seed * (TRACE_BLOCK_TOKENS // len(seed) + 1))[:TRACE_BLOCK_TOKENS]
+
+
+def trace_body(r: TraceRequest) -> bytes:
+    full, tail = divmod(r.input_tokens, TRACE_BLOCK_TOKENS)
+    text = "".join(block_text(b) for b in r.blocks[:full])
+    if tail and len(r.blocks) > full:
+        text += block_text(r.blocks[full])[:tail]
+    body = {"model": MODEL, "prompt": text, "max_tokens": max(1, min(r.output_tokens, 8)), "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    return orjson.dumps(body)
+
+
+async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[str, Any]:
+    pool = UpstreamPool("127.0.0.1", port, max_idle=256)
+    ttft: list[float] = []
+    prompt = cached = errors = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(trace), desc=f"trace :{port}", file=sys.stderr, leave=False)
+
+    async def send(r: TraceRequest) -> None:
+        nonlocal prompt, cached, errors
+        await asyncio.sleep(max(0.0, r.arrival_s / speedup - (time.perf_counter() - t0)))
+        start = time.perf_counter()
+        try:
+            headers = [("Content-Type", "application/json"), ("x-session-affinity", str(r.conversation))]
+            resp = await pool.request("POST", "/v1/completions", trace_body(r), headers, header_timeout=120)
+            first = await resp.next_batch(120)
+            ttft.append(time.perf_counter() - start)
+            data = (first or b"") + await resp.read(120)
+            usage = None
+            for line in data.split(b"\n"):
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    chunk = orjson.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+            if resp.status != 200 or usage is None:
+                raise RuntimeError(f"HTTP {resp.status}")
+            prompt += usage["prompt_tokens"]
+            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        except Exception:
+            errors += 1
+        bar.update()
+
+    await asyncio.gather(*(send(r) for r in trace))
+    bar.close()
+    pool.close()
+    hit_rate = cached / prompt if prompt else 0.0
+    return {
+        "hit_rate": hit_rate,
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p90_s": pct(ttft, 0.9),
+        "errors": errors,
+    }
+
+
+async def engine_counts(engines: list[EngineProcess]) -> list[float]:
+    counts = []
+    for e in engines:
+        pool = UpstreamPool("127.0.0.1", e.port)
+        r = await pool.request("GET", "/metrics")
+        text = (await r.read(10)).decode()
+        pool.close()
+        counts.append(next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("kvgate_engine_requests_finished_total")))  # fmt: skip
+    return counts
+
+
+# -- main --------------------------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    peers = peer_commands(args.peers_venv, args.smg_venv)
+    results: dict[str, Any] = {"peers": sorted(peers)}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = byte_tokenizer_dir(Path(tmp) / "tokenizer")
+        # Part 1: zero-cost engines, pure routing overhead.
+        engines = start_engines(4, tok, prefill_s=0.0, decode_s=0.0, capacity=4096)
+        routers: list[Router] = []
+        try:
+            await wait_healthy(engines)
+            routers = [start_kvgate(engines, tok, Path(tmp))] + [
+                start_peer(n, c, engines) for n, c in peers.items()
+            ]
+            ready = {r.name: await wait_ready(r) for r in routers}
+            for name, ok in ready.items():
+                if not ok:
+                    print(f"{name}: did not become ready, skipped", file=sys.stderr)
+            ports = {"direct": engines[0].port} | {r.name: r.port for r in routers if ready[r.name]}
+            results["overhead"] = await overhead(ports, args.rounds, args.requests, 32, args.duration)
+        finally:
+            for r in routers:
+                r.process.terminate()
+                r.process.wait(10)
+            stop_engines(engines)
+        # Part 2: the trace, fresh engines (empty caches) for every router, one router at a time.
+        trace = load_trace(TRACE, limit=args.trace_requests)
+        results["trace"] = {}
+        for name in ["kvgate", *peers]:
+            engines = start_engines(4, tok, prefill_s=args.prefill_s, decode_s=0.001, capacity=args.capacity)
+            router = None
+            try:
+                await wait_healthy(engines)
+                router = (
+                    start_kvgate(engines, tok, Path(tmp))
+                    if name == "kvgate"
+                    else start_peer(name, peers[name], engines)
+                )
+                if not await wait_ready(router):
+                    print(f"{name}: did not become ready for the trace, skipped", file=sys.stderr)
+                    continue
+                before = await engine_counts(engines)
+                figures = await replay(router.port, trace, args.speedup)
+                counts = [a - b for a, b in zip(await engine_counts(engines), before, strict=True)]
+                figures["load_max_over_mean"] = (
+                    max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
+                )
+                results["trace"][name] = figures
+            finally:
+                if router is not None:
+                    router.process.terminate()
+                    router.process.wait(10)
+                stop_engines(engines)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers-venv", type=Path, default=os.environ.get("KVGATE_PEERS_VENV"))
+    parser.add_argument("--smg-venv", type=Path, default=os.environ.get("KVGATE_SMG_VENV"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=200, help="requests per path per latency round")
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per throughput round")
+    parser.add_argument("--trace-requests", type=int, default=1500, help="the first N requests of the trace")
+    parser.add_argument("--speedup", type=float, default=20.0, help="time compression of the trace")
+    parser.add_argument("--prefill-s", type=float, default=2e-6, help="simulated prefill seconds per token")
+    parser.add_argument(
+        "--capacity", type=int, default=2000 * 32, help="prefix cache per engine, 16-token blocks"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    install_best_loop()
+    raise_open_file_limit()
+    results = asyncio.run(run(args))
+    print(
+        "\n1. overhead: 4 zero-cost simulated engines; c=1 latency interleaved per request, c=32 throughput"
+    )
+    print(f"{'router':14s} {'added p50':>10s} {'added p99':>10s} {'req/s c=32':>11s} {'ratio':>6s}")
+    for name, r in results["overhead"].items():
+        added = f"{r['added_p50_ms']:+9.3f}ms {r['added_p99_ms']:+9.3f}ms"
+        print(f"{name:14s} {added} {r['req_s']:11.0f} {r['throughput_ratio']:6.2f}")
+    print(f"\n2. Mooncake trace: first {args.trace_requests} requests, {args.speedup:g}x faster, 4 engines")
+    columns = ("hit rate", "TTFT p50", "TTFT p90", "load max/mean", "errors")
+    print(f"{'router':14s} " + " ".join(f"{c:>9s}" for c in columns))
+    for name, r in results["trace"].items():
+        ttft = f"{r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p90_s'] * 1e3:7.1f}ms"
+        print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7d}")
+    if args.json:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
