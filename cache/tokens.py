@@ -8,6 +8,9 @@ bytes) stands in; with one, its ``tokenizer.json`` is loaded through the ``token
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +59,12 @@ class HFTokenizer:
         self.name = path.parent.name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._guess_eos()
+        self._segments = _segment_splitter(self._tok)
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
+        self._lock = (
+            threading.Lock()
+        )  # encode may run on several threads at once (the gateway's long prompts)
 
     def _guess_eos(self) -> int:
         for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>"):
@@ -65,10 +74,61 @@ class HFTokenizer:
         return self.vocab_size - 1
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+        if self._segments is None or len(text) < _MIN_CACHED_CHARS:
+            return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+        # The tokenizer splits its input at special tokens before anything else, so the pieces between them
+        # encode independently: a system prompt or an earlier turn that every request of a conversation
+        # resends is encoded once and then taken from the cache.
+        pattern, special_ids = self._segments
+        ids: list[int] = []
+        for i, piece in enumerate(pattern.split(text)):
+            if i % 2:
+                ids.append(special_ids[piece])
+            elif piece:
+                ids.extend(self._encode_piece(piece))
+        return np.asarray(ids, dtype=np.uint32)
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        if len(piece) < _MIN_CACHED_CHARS:
+            return list(self._tok.encode(piece, add_special_tokens=False).ids)
+        with self._lock:
+            hit = self._cache.get(piece)
+            if hit is not None:
+                self._cache.move_to_end(piece)
+                return hit
+        ids = list(self._tok.encode(piece, add_special_tokens=False).ids)
+        with self._lock:
+            if piece not in self._cache:
+                self._cache[piece] = ids
+                self._cached_chars += len(piece)
+            while self._cached_chars > _CACHE_CHARS:
+                old, _ = self._cache.popitem(last=False)
+                self._cached_chars -= len(old)
+        return ids
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+
+_MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays off
+_CACHE_CHARS = 16 << 20
+
+
+def _segment_splitter(tok: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
+    """A regex that splits text at the tokenizer's special tokens (kept as separators) and their ids, when
+    splitting first is exactly what the tokenizer does: no special token strips or absorbs its neighbours."""
+    try:
+        added = json.loads(tok.to_str()).get("added_tokens", [])
+    except (ValueError, TypeError):
+        return None
+    special = [a for a in added if a.get("special")]
+    if not special or any(
+        a.get("lstrip") or a.get("rstrip") or a.get("single_word") or a.get("normalized") for a in special
+    ):
+        return None
+    contents = sorted((a["content"] for a in special), key=len, reverse=True)
+    ids = {a["content"]: int(a["id"]) for a in special}
+    return re.compile("(" + "|".join(re.escape(c) for c in contents) + ")"), ids
 
 
 class TokenizerError(ValueError):

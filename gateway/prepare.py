@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from gateway.tenants import Tenant
 from region_map.fleet import Fleet
 
 SESSION_HEADER = "x-session-affinity"
+THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 DEFAULT_MAX_TOKENS = 16  # what engines generate when a request names no max_tokens
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
@@ -86,27 +88,31 @@ class RequestPreparer:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
-    def chat(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+    async def chat(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_chat(body)
         try:
             text = render_messages(self.tokenizer, body["messages"])
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param="messages") from None
-        return self._prepare(
-            request, body, parsed, "/v1/chat/completions", self.tokenizer.encode(text), tenant
-        )
+        tokens = await self.encode(text)
+        return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
 
-    def completion(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+    async def completion(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_completion(body)
         prompt: Any = parsed.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        tokens = (
-            self.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
-        )
+        tokens = await self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
         return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)
+
+    async def encode(self, text: str) -> np.ndarray:
+        """Tokenize; a long text on a worker thread (the tokenizer releases the GIL), so that one long
+        prompt does not hold up every other request and the tokenizing uses another core."""
+        if len(text) < THREAD_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
 
     def _prepare(
         self,

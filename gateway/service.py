@@ -34,6 +34,8 @@ from region_map.breaker import CircuitBreaker
 from region_map.config import Role
 from region_map.fleet import EngineState, Fleet
 
+PENDING_MAX_BLOCKS = 64  # blocks of a new prefix noted as "on its way" until the engine's events confirm
+
 log = logging.getLogger("kvgate.gateway")
 access_log = logging.getLogger("kvgate.access")
 
@@ -88,14 +90,14 @@ class Gateway:
         caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
         return await self._admit_and_serve(
-            request, received, caller, self.prepare.chat(request, body, caller.tenant)
+            request, received, caller, await self.prepare.chat(request, body, caller.tenant)
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
         caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
-        p = self.prepare.completion(request, body, caller.tenant)
+        p = await self.prepare.completion(request, body, caller.tenant)
         return await self._admit_and_serve(request, received, caller, p)
 
     async def _admit_and_serve(
@@ -384,8 +386,11 @@ class Gateway:
                 self.state.bind_session(p.tenant, p.session_id, SessionBinding(engine.region, engine.id))
         s = self.settings
         if engine.kv_events:
-            # Its events will report these blocks; until then, note the ones the view does not know of.
-            self.state.record_route(engine.id, p.hashes[known_blocks:], s.pending_ttl_s, share=False)
+            # Its events will report these blocks; until then, note the first ones the view does not know:
+            # enough to steer a twin request that arrives before the events to the same engine, without
+            # paying per block for a long prompt twice (here and again in the events).
+            new = p.hashes[known_blocks : known_blocks + PENDING_MAX_BLOCKS]
+            self.state.record_route(engine.id, new, s.pending_ttl_s, share=False)
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)

@@ -298,18 +298,28 @@ async def engine_counts(engines: list[EngineProcess]) -> list[float]:
     return counts
 
 
+class _Skip(Exception):
+    pass
+
+
 # -- main --------------------------------------------------------------------------------------------------
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    peers = peer_commands(args.peers_venv, args.smg_venv)
-    results: dict[str, Any] = {"peers": sorted(peers)}
+    peers = {n: c for n, c in peer_commands(args.peers_venv, args.smg_venv).items() if n in args.routers}
+    results: dict[str, Any] = {"peers": sorted(peers), "overhead": {}, "trace": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tok = byte_tokenizer_dir(Path(tmp) / "tokenizer")
         # Part 1: zero-cost engines, pure routing overhead.
-        engines = start_engines(4, tok, prefill_s=0.0, decode_s=0.0, capacity=4096)
+        engines = (
+            start_engines(4, tok, prefill_s=0.0, decode_s=0.0, capacity=4096)
+            if "overhead" in args.parts
+            else []
+        )
         routers: list[Router] = []
         try:
+            if not engines:
+                raise _Skip
             await wait_healthy(engines)
             routers = [start_kvgate(engines, tok, Path(tmp))] + [
                 start_peer(n, c, engines) for n, c in peers.items()
@@ -320,6 +330,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{name}: did not become ready, skipped", file=sys.stderr)
             ports = {"direct": engines[0].port} | {r.name: r.port for r in routers if ready[r.name]}
             results["overhead"] = await overhead(ports, args.rounds, args.requests, 32, args.duration)
+        except _Skip:
+            pass
         finally:
             for r in routers:
                 r.process.terminate()
@@ -327,8 +339,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_engines(engines)
         # Part 2: the trace, fresh engines (empty caches) for every router, one router at a time.
         trace = load_trace(TRACE, limit=args.trace_requests)
-        results["trace"] = {}
-        for name in ["kvgate", *peers]:
+        for name in [n for n in ["kvgate", *peers] if "trace" in args.parts and n in args.routers]:
             engines = start_engines(4, tok, prefill_s=args.prefill_s, decode_s=0.001, capacity=args.capacity)
             router = None
             try:
@@ -371,8 +382,13 @@ def main() -> int:
     parser.add_argument(
         "--capacity", type=int, default=2000 * 32, help="prefix cache per engine, 16-token blocks"
     )
+    parser.add_argument("--parts", default="overhead,trace", help="which measures to run (comma-separated)")
+    parser.add_argument(
+        "--routers", default="kvgate,sglang-router,vllm-router,smg", help="which routers to run"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    args.parts, args.routers = set(args.parts.split(",")), set(args.routers.split(","))
     install_best_loop()
     raise_open_file_limit()
     results = asyncio.run(run(args))

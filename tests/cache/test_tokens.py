@@ -7,10 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cache.tokens import (
     ByteTokenizer,
     ChatContentError,
+    HFTokenizer,
     TokenizerError,
     load_tokenizer,
     render_chat,
@@ -107,3 +110,31 @@ def test_a_template_that_raises_is_a_content_error(tmp_path: Path) -> None:
     tok = load_tokenizer(_with_template(tmp_path / "m", template))
     with pytest.raises(ChatContentError, match="first must be user"):
         render_messages(tok, MESSAGES)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    tok = load_tokenizer(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+    assert isinstance(tok, HFTokenizer) and tok._segments is not None
+    return tok
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["system", "user", "assistant"]),
+            st.text(st.characters(blacklist_categories=["Cs"]), max_size=400)
+            | st.sampled_from(["the quick brown fox " * 30, " leading space and <|im_end|> inside " * 10]),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_segment_cached_encoding_equals_plain_encoding(
+    tiny_hf_tokenizer: HFTokenizer, turns: list[tuple[str, str]]
+) -> None:
+    text = render_chat([{"role": r, "content": c} for r, c in turns])
+    plain = tiny_hf_tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert tiny_hf_tokenizer.encode(text).tolist() == plain
+    assert tiny_hf_tokenizer.encode(text).tolist() == plain  # again, from the cache
