@@ -10,6 +10,7 @@ cached tokens too (OpenAI's ``prompt_tokens`` includes ``prompt_tokens_details.c
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
@@ -45,7 +46,13 @@ def dollars(picodollars: int) -> float:
 
 
 def day_of(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d")
+    """The UTC day of a Unix time, ``2026-11-30``."""
+    return _day_name(int(ts // 86_400))
+
+
+@functools.lru_cache(maxsize=64)
+def _day_name(day_number: int) -> str:
+    return (dt.date(1970, 1, 1) + dt.timedelta(days=day_number)).isoformat()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ bytes) stands in; with one, its ``tokenizer.json`` is loaded through the ``token
 
 from __future__ import annotations
 
+import array
 import json
 import re
 import threading
@@ -60,7 +61,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._guess_eos()
         self._segments = _segment_splitter(self._tok)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_chars = 0
         self._lock = (
             threading.Lock()
@@ -75,28 +76,28 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         if self._segments is None or len(text) < _MIN_CACHED_CHARS:
-            return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+            return _uint32(self._tok.encode(text, add_special_tokens=False).ids)
         # The tokenizer splits its input at special tokens before anything else, so the pieces between them
         # encode independently: a system prompt or an earlier turn that every request of a conversation
         # resends is encoded once and then taken from the cache.
         pattern, special_ids = self._segments
-        ids: list[int] = []
+        parts: list[np.ndarray] = []
         for i, piece in enumerate(pattern.split(text)):
             if i % 2:
-                ids.append(special_ids[piece])
+                parts.append(special_ids[piece])
             elif piece:
-                ids.extend(self._encode_piece(piece))
-        return np.asarray(ids, dtype=np.uint32)
+                parts.append(self._encode_piece(piece))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
-    def _encode_piece(self, piece: str) -> list[int]:
+    def _encode_piece(self, piece: str) -> np.ndarray:
         if len(piece) < _MIN_CACHED_CHARS:
-            return list(self._tok.encode(piece, add_special_tokens=False).ids)
+            return _uint32(self._tok.encode(piece, add_special_tokens=False).ids)
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:
                 self._cache.move_to_end(piece)
                 return hit
-        ids = list(self._tok.encode(piece, add_special_tokens=False).ids)
+        ids = _uint32(self._tok.encode(piece, add_special_tokens=False).ids)
         with self._lock:
             if piece not in self._cache:
                 self._cache[piece] = ids
@@ -114,7 +115,12 @@ _MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays
 _CACHE_CHARS = 16 << 20
 
 
-def _segment_splitter(tok: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
+def _uint32(ids: list[int]) -> np.ndarray:
+    """Token ids as uint32, three times faster than ``np.asarray(ids, dtype=np.uint32)``."""
+    return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+
+
+def _segment_splitter(tok: Any) -> tuple[re.Pattern[str], dict[str, np.ndarray]] | None:
     """A regex that splits text at the tokenizer's special tokens (kept as separators) and their ids, when
     splitting first is exactly what the tokenizer does: no special token strips or absorbs its neighbours."""
     try:
@@ -127,7 +133,7 @@ def _segment_splitter(tok: Any) -> tuple[re.Pattern[str], dict[str, int]] | None
     ):
         return None
     contents = sorted((a["content"] for a in special), key=len, reverse=True)
-    ids = {a["content"]: int(a["id"]) for a in special}
+    ids = {a["content"]: np.array([a["id"]], dtype=np.uint32) for a in special}
     return re.compile("(" + "|".join(re.escape(c) for c in contents) + ")"), ids
 
 

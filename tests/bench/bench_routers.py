@@ -52,23 +52,26 @@ SYSTEM = "You are a helpful assistant. " * 60
 
 
 def byte_tokenizer_dir(directory: Path) -> Path:
-    """A Hugging Face tokenizer that maps every byte to one token (no merges): text of N ASCII bytes is N
-    tokens for every router and engine alike."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A Hugging Face tokenizer that maps every byte to one token (no merges: text of N ASCII bytes is N
+    tokens for every router and engine alike), with ChatML's special tokens and chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<|endoftext|>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "config.json").write_text(
-        json.dumps({"model_type": "llama", "eos_token_id": len(vocab) - 1})
+    eos = tok.token_to_id("<|im_end|>")
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "eos_token_id": eos}))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    config = {"eos_token": "<|endoftext|>", "model_max_length": 1 << 20, "chat_template": template}
+    config = {"eos_token": "<|im_end|>", "model_max_length": 1 << 20, "chat_template": template}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
