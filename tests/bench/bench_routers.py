@@ -16,6 +16,7 @@ with a line saying so. Every router runs in its own process in front of 4 simula
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
    requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
    the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine.
+``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``.
 P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
 transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.
 """
@@ -103,7 +104,11 @@ class Router:
 
 def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -> Router:
     port = free_port()
-    lines = ",\n".join(f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines)
+    ids = os.environ.get("KVGATE_BENCH_TOKEN_IDS", "true")
+    lines = ",\n".join(
+        f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}", accepts_token_ids = {ids} }}'
+        for e in engines
+    )
     config = workdir / "kvgate.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
