@@ -143,7 +143,11 @@ def start_peer(name: str, prefix: list[str], engines: list[EngineProcess]) -> Ro
            "--policy", "cache_aware", "--log-level", log_level]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return Router(
-        name, port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        name,
+        port,
+        subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        ),
     )
 
 
