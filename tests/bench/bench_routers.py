@@ -113,6 +113,7 @@ def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
         f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
+        f'[gateway.routing]\npolicy = "{os.environ.get("KVGATE_BENCH_POLICY", "default")}"\n'
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
     return Router("kvgate", port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
