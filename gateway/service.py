@@ -228,7 +228,7 @@ class Gateway:
 
     def _backoff_s(self, attempt: int) -> float:
         """Exponential, with jitter so that requests failed together do not retry together."""
-        base = self.resilience.retry_backoff_s * (2**attempt)
+        base = self.resilience.retry_backoff_s * float(2**attempt)
         return base * (0.5 + random.random())
 
     def _header_timeout_s(self, p: Prepared) -> float:

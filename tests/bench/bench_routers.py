@@ -315,6 +315,21 @@ class _Skip(Exception):
     pass
 
 
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repeated runs (a router missing from a run is left out of its median)."""
+    out: dict[str, Any] = {"peers": runs[0]["peers"], "runs": len(runs)}
+    for part in ("overhead", "trace"):
+        names = list(dict.fromkeys(name for run in runs for name in run[part]))
+        out[part] = {
+            name: {
+                key: statistics.median(run[part][name][key] for run in runs if name in run[part])
+                for key in next(run[part][name] for run in runs if name in run[part])
+            }
+            for name in names
+        }
+    return out
+
+
 # -- main --------------------------------------------------------------------------------------------------
 
 
@@ -399,12 +414,14 @@ def main() -> int:
     parser.add_argument(
         "--routers", default="kvgate,sglang-router,vllm-router,smg", help="which routers to run"
     )
+    parser.add_argument("--repeat", type=int, default=1, help="run everything N times and report medians")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.parts, args.routers = set(args.parts.split(",")), set(args.routers.split(","))
     install_best_loop()
     raise_open_file_limit()
-    results = asyncio.run(run(args))
+    runs = [asyncio.run(run(args)) for _ in range(args.repeat)]
+    results = median_of(runs)
     print(
         "\n1. overhead: 4 zero-cost simulated engines; c=1 latency interleaved per request, c=32 throughput"
     )
@@ -417,7 +434,7 @@ def main() -> int:
     print(f"{'router':14s} " + " ".join(f"{c:>9s}" for c in columns))
     for name, r in results["trace"].items():
         ttft = f"{r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p90_s'] * 1e3:7.1f}ms"
-        print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7d}")
+        print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7.0f}")
     if args.json:
         print(json.dumps(results, indent=1))
     return 0
