@@ -23,6 +23,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--host", help="listen address (overrides gateway.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
     serve.add_argument("--redis", metavar="URL", help="shared state in Redis, e.g. redis://127.0.0.1:6379/0")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("KVGATE_WORKERS", "1")),
+        help="gateway processes sharing the port (default 1; more use more cores: give them Redis to share "
+        "sessions, the ledger and rate limits)",
+    )
     serve.set_defaults(func=_serve)
 
     demo = subparsers.add_parser(
@@ -82,10 +89,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config import load_config
-    from gateway.server import run_gateway
+    from gateway.server import run_gateway, run_workers
 
+    if args.workers < 1:
+        raise ConfigError("--workers must be at least 1")
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
     config = load_config(args.config, environ=os.environ, overrides=overrides)
+    if args.workers > 1:
+        if config.gateway.port == 0:
+            raise ConfigError("--workers needs a fixed port: with port 0 every worker would get its own")
+        return run_workers(config, args.workers)
     run_gateway(config)
     return 0
 

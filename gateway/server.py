@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -15,9 +21,12 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.app import GATEWAY, build_app
+from gateway.billing import default_spool_path
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError
 from gateway.loop import install_best_loop, raise_open_file_limit
+
+log = logging.getLogger("kvgate.server")
 
 SHUTDOWN_TIMEOUT_S = 10.0
 MAX_FIELD_BYTES = 8190  # aiohttp's limit on a request line or a header line
@@ -70,12 +79,14 @@ def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
     return GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s, **kwargs)
 
 
-async def serve_until_signal(app: web.Application, host: str, port: int, *, on_ready: Any = None) -> None:
+async def serve_until_signal(
+    app: web.Application, host: str, port: int, *, on_ready: Any = None, reuse_port: bool = False
+) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then stop accepting, drain, and clean up."""
     runner = runner_for(app)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, backlog=2048).start()
+        await web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None).start()
         if on_ready is not None:
             on_ready()
         stop = asyncio.Event()
@@ -88,8 +99,53 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *, on_r
         await runner.cleanup()
 
 
-def run_gateway(config: KvgateConfig) -> None:
+def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:
     install_best_loop()
     raise_open_file_limit()
     s = config.gateway
-    asyncio.run(serve_until_signal(build_app(config), s.host, s.port))
+    asyncio.run(serve_until_signal(build_app(config), s.host, s.port, reuse_port=reuse_port))
+
+
+def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
+    """Worker ``index``'s configuration: its own gateway id and ledger spool, the same port."""
+    s = config.gateway
+    spool = s.spool_path or str(default_spool_path(config.topology.region, s.port))
+    gateway = s.model_copy(
+        update={"gateway_id": f"{config.gateway_id}-w{index}", "spool_path": f"{spool}.w{index}"}
+    )
+    return dataclasses.replace(config, gateway=gateway)
+
+
+def run_workers(config: KvgateConfig, workers: int) -> int:
+    """``workers`` gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections).
+    Each follows every engine's KV events itself; sessions, the ledger and rate limits are shared only
+    through Redis, so without it each worker keeps its own. Stops all when one stops or on SIGINT/SIGTERM."""
+    if config.gateway.redis_url is None:
+        log.warning(
+            "%d workers without Redis: each keeps its own session bindings, usage ledger and rate limits",
+            workers,
+        )
+    context: Any = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    children = [
+        context.Process(target=run_gateway, args=(worker_config(config, i),), kwargs={"reuse_port": True},
+                        name=f"kvgate-worker-{i}")
+        for i in range(workers)
+    ]  # fmt: skip
+    for child in children:
+        child.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in children:
+            if child.is_alive() and child.pid is not None:
+                os.kill(child.pid, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    try:
+        while all(child.is_alive() for child in children):
+            multiprocessing.connection.wait([child.sentinel for child in children])
+    finally:
+        forward(signal.SIGTERM, None)  # one ended: the service is not whole, stop the rest
+        for child in children:
+            child.join()
+    return max(child.exitcode or 0 for child in children)

@@ -16,7 +16,8 @@ with a line saying so. Every router runs in its own process in front of 4 simula
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
    requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
    the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine.
-``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``.
+``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``;
+``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N``; ``KVGATE_BENCH_POLICY`` picks its routing policy.
 P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
 transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.
 """
@@ -115,7 +116,8 @@ def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -
         f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
         f'[gateway.routing]\npolicy = "{os.environ.get("KVGATE_BENCH_POLICY", "default")}"\n'
     )
-    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
+    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config),
+           "--workers", os.environ.get("KVGATE_BENCH_WORKERS", "1")]  # fmt: skip
     return Router("kvgate", port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
 
 

@@ -134,3 +134,56 @@ def test_every_subcommand_has_help() -> None:
         result = run(*name.split(), "--help")
         assert result.returncode == 0, (name, result.stderr)
         assert result.stdout.startswith(f"usage: kvgate {name}") and "Traceback" not in result.stderr
+
+
+def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
+    engine_port, port = free_port(), free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "engine.sim", "--port", str(engine_port), "--model", "kvgate-sim"],
+        stderr=subprocess.DEVNULL,
+    )
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{engine_port}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\n'
+    )
+    gateway = subprocess.Popen(
+        [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=subprocess.DEVNULL
+    )
+    try:
+        ids: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(ids) < 2 and time.monotonic() < deadline:
+            try:  # every request on a new connection: the kernel spreads them over the workers
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    ids.add(json.loads(r.read())["gateway_id"])
+            except OSError:
+                time.sleep(0.2)
+        assert len(ids) == 2 and all(i.endswith(("-w0", "-w1")) for i in ids)
+        body = json.dumps(
+            {"model": "kvgate-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert r.status == 200
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(30) == 0
+        assert not _port_open(port)
+    finally:
+        for process in (gateway, engine):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_workers_need_a_fixed_port(tmp_path: Path) -> None:
+    config = tmp_path / "deploy.toml"
+    engines = 'engines = [{ name = "e0", url = "http://h:1" }]\n'
+    config.write_text(f'region = "r"\n[[regions]]\nname = "r"\n{engines}[gateway]\nport = 0\n')
+    result = run("serve", "--config", str(config), "--workers", "2")
+    assert result.returncode == 2 and "fixed port" in result.stderr
