@@ -41,7 +41,7 @@ import orjson
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway_overhead import pct
+from bench_gateway_overhead import pct, start_floor
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.loop import install_best_loop, raise_open_file_limit
@@ -351,9 +351,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if not engines:
                 raise _Skip
             await wait_healthy(engines)
-            routers = [start_kvgate(engines, tok, Path(tmp))] + [
-                start_peer(n, c, engines) for n, c in peers.items()
-            ]
+            routers = [start_kvgate(engines, tok, Path(tmp))] if "kvgate" in args.routers else []
+            routers += [start_peer(n, c, engines) for n, c in peers.items()]
+            # The floor of any Python proxy on kvgate's stack (aiohttp server + its upstream client, bytes
+            # forwarded to one engine, no parsing or routing): what is left to win by routing work alone.
+            floor_process, floor_port = start_floor(engines[0].port)
+            routers.append(Router("python floor", floor_port, floor_process))
             ready = {r.name: await wait_ready(r) for r in routers}
             for name, ok in ready.items():
                 if not ok:
