@@ -123,9 +123,13 @@ class Billing:
         return prices.cost_picodollars(prompt_tokens, cached_tokens, completion_tokens) if prices else 0
 
     def usage_extras(self, model: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention)."""
+        """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention) when the model
+        has a price; nothing otherwise (and the engine's answer then passes through untouched)."""
+        prices = self.prices(model)
+        if prices is None:
+            return {}
         prompt, cached, completion = usage_counts(usage)
-        return {"cost": dollars(self.cost_picodollars(model, prompt, cached, completion))}
+        return {"cost": dollars(prices.cost_picodollars(prompt, cached, completion))}
 
     def record(self, rec: UsageRecord) -> None:
         """Hand a finished request's record to the ledger writer (never blocks, never drops)."""

@@ -64,8 +64,9 @@ async def relay_whole(
         usage = answer.get("usage")
     except (orjson.JSONDecodeError, AttributeError):
         usage = None
-    if isinstance(usage, dict):
-        answer["usage"] = {**usage, **accounting.annotate(usage)}
+    extras = accounting.annotate(usage) if isinstance(usage, dict) else None
+    if extras:
+        answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
     accounting.done(usage if isinstance(usage, dict) else None, None, "completed", 0)
     return web.Response(body=data, status=200, content_type="application/json", headers=headers)

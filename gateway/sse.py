@@ -68,9 +68,10 @@ class SseUsageTap:
         self.usage = usage
         if not chunk.get("choices") and not self._forward_usage_event:
             return None
-        if self._annotate is None:
+        extras = self._annotate(usage) if self._annotate is not None else None
+        if not extras:
             return event
-        chunk["usage"] = {**usage, **self._annotate(usage)}
+        chunk["usage"] = {**usage, **extras}
         return b"data: " + orjson.dumps(chunk) + (b"\r\n\r\n" if event.endswith(b"\r\n\r\n") else b"\n\n")
 
 
