@@ -103,7 +103,10 @@ class Router:
     process: subprocess.Popen[bytes]
 
 
-def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -> Router:
+def start_kvgate(
+    engines: list[EngineProcess], tokenizer: Path, workdir: Path, prefill_s_per_token: float = 5e-5
+) -> Router:
+    """kvgate in front of ``engines``, its prefill cost estimate set to theirs (as an operator would)."""
     port = free_port()
     ids = os.environ.get("KVGATE_BENCH_TOKEN_IDS", "true")
     lines = ",\n".join(
@@ -115,6 +118,7 @@ def start_kvgate(engines: list[EngineProcess], tokenizer: Path, workdir: Path) -
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
         f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
         f'[gateway.routing]\npolicy = "{os.environ.get("KVGATE_BENCH_POLICY", "default")}"\n'
+        f"prefill_s_per_token = {prefill_s_per_token!r}\n"
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config),
            "--workers", os.environ.get("KVGATE_BENCH_WORKERS", "1")]  # fmt: skip
@@ -378,7 +382,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 await wait_healthy(engines)
                 router = (
-                    start_kvgate(engines, tok, Path(tmp))
+                    start_kvgate(engines, tok, Path(tmp), args.prefill_s)
                     if name == "kvgate"
                     else start_peer(name, peers[name], engines)
                 )
