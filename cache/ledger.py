@@ -101,6 +101,10 @@ class DayTotals:
         self.completion_tokens += rec.completion_tokens
         self.cost_picodollars += rec.cost_picodollars
 
+    def merge(self, other: DayTotals) -> None:
+        for name in COUNTER_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "cost_usd": dollars(self.cost_picodollars)}
 

@@ -18,7 +18,7 @@ from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from cache.spool import Spool
 from cache.tokens import load_tokenizer
-from gateway.billing import Billing, default_spool_path
+from gateway.billing import Billing, spool_path
 from gateway.config import KvgateConfig
 from gateway.dashboard import DashboardSampler
 from gateway.dashboard import add_routes as add_dashboard_routes
@@ -146,7 +146,7 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
     else:
         keys = MemoryKeyStore()
     if redis is not None:
-        spool = Spool(settings.spool_path or default_spool_path(config.topology.region, settings.port))
+        spool = Spool(spool_path(config))
         writer = LedgerWriter(RedisLedger(redis, prefix), spool)
         limiter = RateLimiter(RedisBuckets(redis, prefix))
     else:

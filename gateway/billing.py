@@ -150,7 +150,10 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def default_spool_path(region: str, port: int) -> Path:
-    """Stable per region and port, so a gateway restarted in place replays what it spooled before."""
+def spool_path(config: KvgateConfig) -> Path:
+    """``gateway.spool_path``, or one stable per region and port, so that a gateway restarted in place
+    replays what it spooled before."""
+    if config.gateway.spool_path:
+        return Path(config.gateway.spool_path)
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "kvgate" / f"ledger-{region}-{port}.spool"
+    return Path(base) / "kvgate" / f"ledger-{config.topology.region}-{config.gateway.port}.spool"

@@ -128,7 +128,8 @@ class GatewaySettings(BaseModel):
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"
     )
     spool_path: str | None = Field(
-        default=None, description="ledger spool when Redis is away; default: kvgate-ledger-<gateway_id>.spool"
+        default=None,
+        description="ledger spool while Redis is away; default: ledger-<region>-<port>.spool, state dir",
     )
 
 

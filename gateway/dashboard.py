@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from region_map.fleet import Fleet
+from region_map.simulator import percentile
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 ASSETS_DIR = Path(__file__).with_name("dashboard_assets")  # shipped as package data
@@ -112,10 +113,8 @@ class DashboardSampler:
 
 
 def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """None for a window without observations: a quiet window shows a gap, not a zero."""
+    return percentile(values, q) if values else None
 
 
 def _asset(name: str) -> bytes:

@@ -64,6 +64,8 @@ class LedgerWriter:
         if self.spool is None:
             return True
         records = await asyncio.to_thread(self.spool.read)
+        if not records:
+            return True
         try:
             for i in range(0, len(records), MAX_BATCH):
                 async with asyncio.timeout(self._write_timeout_s):
@@ -72,8 +74,7 @@ class LedgerWriter:
             log.debug("spool replay failed: %s", exc)
             return False
         await asyncio.to_thread(self.spool.clear, len(records))
-        if records:
-            log.info("replayed %d spooled usage records into the ledger", len(records))
+        log.info("replayed %d spooled usage records into the ledger", len(records))
         return True
 
     def _take_batch(self, first: UsageRecord) -> list[UsageRecord]:
@@ -122,8 +123,7 @@ class LedgerWriter:
                 self._done(len(batch))
 
     async def start(self) -> None:
-        if self.spool is not None and len(await asyncio.to_thread(self.spool.read)):
-            self.degraded = not await self.replay()
+        self.degraded = not await self.replay()  # a spool left by an earlier run
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
 
     async def flush(self, timeout_s: float = 10.0) -> None:

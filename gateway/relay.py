@@ -118,16 +118,22 @@ async def relay_stream(
     return response
 
 
+def error_fields(data: bytes, status: int) -> tuple[bool, str | None, str]:
+    """(is OpenAI-shaped, code, message) of an engine's error body; any other body gives its first 200
+    characters (or the status) as the message."""
+    try:
+        error = orjson.loads(data)["error"]
+        return True, error.get("code"), str(error["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return False, None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
+
+
 def engine_error(
     engine_id: str, status: int, data: bytes, headers: dict[str, str], metrics: GatewayMetrics
 ) -> web.Response:
     """An engine's own error: its 4xx pass through (they are about the request); a 5xx becomes a 502."""
-    try:
-        body = orjson.loads(data)
-        message = body["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        body, message = None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
-    if 400 <= status < 500 and isinstance(body, dict):
+    openai_shaped, _, message = error_fields(data, status)
+    if 400 <= status < 500 and openai_shaped:
         return web.Response(body=data, status=status, content_type="application/json", headers=headers)
     metrics.upstream_error(engine_id, f"http_{status}")
     error = UpstreamFailed(f"engine {engine_id} answered {status}: {message}")

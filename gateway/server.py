@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.app import GATEWAY, build_app
-from gateway.billing import default_spool_path
+from gateway.billing import spool_path
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError
 from gateway.loop import install_best_loop, raise_open_file_limit
@@ -108,11 +108,8 @@ def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:
 
 def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
     """Worker ``index``'s configuration: its own gateway id and ledger spool, the same port."""
-    s = config.gateway
-    spool = s.spool_path or str(default_spool_path(config.topology.region, s.port))
-    gateway = s.model_copy(
-        update={"gateway_id": f"{config.gateway_id}-w{index}", "spool_path": f"{spool}.w{index}"}
-    )
+    update = {"gateway_id": f"{config.gateway_id}-w{index}", "spool_path": f"{spool_path(config)}.w{index}"}
+    gateway = config.gateway.model_copy(update=update)
     return dataclasses.replace(config, gateway=gateway)
 
 

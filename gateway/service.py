@@ -15,15 +15,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from cache.ledger import UsageRecord
 from cache.sessions import SessionBinding
 from cache.tokens import Tokenizer
-from gateway.billing import Billing, Caller, usage_counts
+from gateway.accounting import RequestAccount
+from gateway.billing import Billing, Caller
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError, NoCapacity, Overloaded, UpstreamFailed, UpstreamTimedOut
 from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
-from gateway.relay import Outcome, relay_stream, relay_whole
+from gateway.relay import error_fields, relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.routing.base import route_key
 from gateway.routing.disaggregation import choose_prefill
@@ -37,7 +37,6 @@ from region_map.fleet import EngineState, Fleet
 PENDING_MAX_BLOCKS = 64  # blocks of a new prefix noted as "on its way" until the engine's events confirm
 
 log = logging.getLogger("kvgate.gateway")
-access_log = logging.getLogger("kvgate.access")
 
 
 class _Retryable(Exception):
@@ -167,7 +166,7 @@ class Gateway:
         disaggregated = any(e.role is not Role.BOTH for e in engines)
         answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
         prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
-        answering = self._admit(answering, p.model)
+        answering = self._with_room(answering, p.model)
         excluded: set[str] = set()
         failed_prefill: set[str] = set()
         last_error: GatewayError | None = None
@@ -205,7 +204,7 @@ class Gateway:
             f"no healthy engine serves model '{p.model}' right now", headers={"Retry-After": "1"}
         )
 
-    def _admit(self, engines: list[EngineState], model: str) -> list[EngineState]:
+    def _with_room(self, engines: list[EngineState], model: str) -> list[EngineState]:
         """Admission control: engines at their limits take nothing more. When every available engine is
         saturated the request is refused at once (503 with Retry-After) rather than queued without bound."""
         r = self.resilience
@@ -310,7 +309,16 @@ class Gateway:
                 headers["x-kvgate-prefill-engine"] = computing.id
                 headers["x-kvgate-decode-engine"] = engine.id
                 self.metrics.disaggregated(engine.region, path, computing.id, engine.id)
-            account = _Account(self, p, engine, received, pending, predicted)
+            account = RequestAccount(
+                p,
+                engine,
+                billing=self.billing,
+                metrics=self.metrics,
+                access_log=self.settings.access_log,
+                received=received,
+                predicted=predicted,
+                settle=pending.settle,
+            )
             timeout = self.settings.read_timeout_s
             if upstream.status != 200 or not p.stream:
                 try:
@@ -347,11 +355,7 @@ class Gateway:
     ) -> None:
         """A decode engine whose K/V transfer broke answers 502 before any token: retry elsewhere."""
         data = await upstream.read(self.settings.read_timeout_s)
-        try:
-            error = orjson.loads(data)["error"]
-            code, message = error.get("code"), error.get("message")
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            code, message = None, data[:200].decode("utf-8", errors="replace")
+        _, code, message = error_fields(data, upstream.status)
         self.metrics.upstream_error(
             prefill.id if code == "kv_transfer_failed" else engine.id, f"http_502_{code}"
         )
@@ -367,10 +371,7 @@ class Gateway:
             data = b""
         engine.breaker.on_failure()
         self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
-        try:
-            message = orjson.loads(data)["error"]["message"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            message = data[:200].decode("utf-8", errors="replace") or f"HTTP {upstream.status}"
+        _, _, message = error_fields(data, upstream.status)
         raise _Retryable(
             UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
         )
@@ -394,111 +395,6 @@ class Gateway:
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
-
-
-class _Account:
-    """Accounts for one relayed answer: its cost in the usage the client sees, then metrics and exactly one
-    ledger record once it ends (a stream the client left counts what it had received)."""
-
-    __slots__ = ("engine", "gateway", "p", "pending", "predicted", "received")
-
-    def __init__(
-        self,
-        gateway: Gateway,
-        p: Prepared,
-        engine: EngineState,
-        received: float,
-        pending: _PendingPrefill,
-        predicted: int,
-    ) -> None:
-        self.gateway = gateway
-        self.p = p
-        self.engine = engine
-        self.received = received
-        self.pending = pending
-        self.predicted = predicted
-
-    def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self.gateway.billing.usage_extras(self.p.model, usage)
-
-    def done(
-        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, events: int
-    ) -> None:
-        self.pending.settle()
-        p, engine, g = self.p, self.engine, self.gateway
-        prompt, cached, completion = usage_counts(usage)
-        now = time.perf_counter()
-        itl = (now - first_byte) / (completion - 1) if first_byte is not None and completion > 1 else None
-        g.metrics.finished(
-            engine.region,
-            engine.id,
-            p.model,
-            latency_s=now - self.received,
-            ttft_s=None if first_byte is None else first_byte - self.received,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            completion_tokens=completion,
-            itl_s=itl,
-        )
-        estimated = usage is None
-        if estimated:
-            if first_byte is None:
-                self._log(outcome, now, first_byte, prompt, cached, completion, 0)
-                return  # nothing reached the client: nothing to bill
-            # The stream ended before the engine's usage: bill what the client received, by the gateway's
-            # own counts (the prompt it sent, the cache it predicted, one token per streamed event).
-            prompt, cached, completion = len(p.token_ids), self.predicted, events
-        cost = g.billing.cost_picodollars(p.model, prompt, cached, completion)
-        self._log(outcome, now, first_byte, prompt, cached, completion, cost)
-        g.billing.record(
-            UsageRecord(
-                record_id=p.record_id,
-                tenant=p.tenant,
-                model=p.model,
-                prompt_tokens=prompt,
-                cached_tokens=cached,
-                completion_tokens=completion,
-                cost_picodollars=cost,
-                status=outcome,
-                key_id=p.key_id,
-                region=engine.region,
-                engine=engine.id,
-                request_id=p.request_id,
-                estimated=estimated,
-            )
-        )
-        g.metrics.usage_recorded(outcome, estimated)
-
-    def _log(
-        self,
-        outcome: Outcome,
-        now: float,
-        first_byte: float | None,
-        prompt: int,
-        cached: int,
-        completion: int,
-        cost: int,
-    ) -> None:
-        if not self.gateway.settings.access_log or not access_log.isEnabledFor(logging.INFO):
-            return
-        p = self.p
-        fields = {
-            "request_id": p.request_id,
-            "tenant": p.tenant,
-            "model": p.model,
-            "region": self.engine.region,
-            "engine": self.engine.id,
-            "home_region": p.home_region,
-            "outcome": outcome,
-            "stream": p.stream,
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "completion_tokens": completion,
-            "ttft_s": None if first_byte is None else round(first_byte - self.received, 6),
-            "latency_s": round(now - self.received, 6),
-            "cost_usd": cost / 10**12,
-        }
-        access_log.info("request finished", extra={"fields": fields})
 
 
 class _PendingPrefill:

@@ -90,11 +90,7 @@ def _days_and_total(days: list[DayTotals]) -> dict[str, Any]:
 def _sum(days: Any) -> dict[str, Any]:
     total = DayTotals("total")
     for d in days:
-        total.requests += d.requests
-        total.prompt_tokens += d.prompt_tokens
-        total.cached_tokens += d.cached_tokens
-        total.completion_tokens += d.completion_tokens
-        total.cost_picodollars += d.cost_picodollars
+        total.merge(d)
     out = total.to_json()
     del out["day"]
     return out

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -99,7 +100,11 @@ async def latency_round(pools: dict[str, UpstreamPool], n: int, stream: bool) ->
     return samples
 
 
-async def throughput_round(pool: UpstreamPool, concurrency: int, duration_s: float) -> float:
+async def throughput_round(
+    pool: UpstreamPool, concurrency: int, duration_s: float, make_body: Callable[[int], bytes] | None = None
+) -> float:
+    """Requests per second with ``concurrency`` requests always in flight for ``duration_s``."""
+    make_body = make_body or body
     done = 0
     deadline = time.perf_counter() + duration_s
 
@@ -107,7 +112,7 @@ async def throughput_round(pool: UpstreamPool, concurrency: int, duration_s: flo
         nonlocal done
         i = w
         while time.perf_counter() < deadline:
-            await one(pool, body(i))
+            await one(pool, make_body(i))
             done += 1
             i += concurrency
 

@@ -42,7 +42,7 @@ import orjson
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway_overhead import pct, start_floor
+from bench_gateway_overhead import one, pct, start_floor, throughput_round
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.loop import install_best_loop, raise_open_file_limit
@@ -193,16 +193,6 @@ def chat_body(i: int) -> bytes:
     return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 8})
 
 
-async def one(pool: UpstreamPool, payload: bytes, headers: list[tuple[str, str]] | None = None) -> float:
-    start = time.perf_counter()
-    all_headers = [("Content-Type", "application/json"), *(headers or [])]
-    r = await pool.request("POST", "/v1/chat/completions", payload, all_headers, header_timeout=60)
-    data = await r.read(60)
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
-    return time.perf_counter() - start
-
-
 async def overhead(
     ports: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float
 ) -> dict[str, Any]:
@@ -217,20 +207,7 @@ async def overhead(
             for name, pool in pools.items():  # A B C D per request: every path sees the same machine state
                 latency[name].append(await one(pool, chat_body(i)))
         for name, pool in pools.items():
-            done = 0
-            deadline = time.perf_counter() + duration_s
-
-            async def worker(w: int, pool: UpstreamPool = pool, deadline: float = deadline) -> None:
-                nonlocal done
-                i = w
-                while time.perf_counter() < deadline:
-                    await one(pool, chat_body(i))
-                    done += 1
-                    i += concurrency
-
-            start = time.perf_counter()
-            await asyncio.gather(*(worker(w) for w in range(concurrency)))
-            rps[name].append(done / (time.perf_counter() - start))
+            rps[name].append(await throughput_round(pool, concurrency, duration_s, chat_body))
     for pool in pools.values():
         pool.close()
     d50, d99, drps = (
