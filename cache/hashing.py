@@ -144,11 +144,22 @@ def shared_boundary_seed(last_shared_hash: int, private_seed: int) -> int:
     return xxhash.xxh3_64_intdigest(last_shared_hash.to_bytes(8, "little"), seed=private_seed)
 
 
-def chain_parent(hashes: Sequence[BlockHash], shared_blocks: int, private_seed: int) -> int | None:
+def public_blocks(shared_blocks: int, private_seed: int, public_seed: int | None) -> int:
+    """How many leading blocks really hash in the public namespace: none without one, or when the
+    tenant's namespace is the public one (no salt: everything is one namespace already)."""
+    return (
+        shared_blocks if shared_blocks > 0 and public_seed is not None and public_seed != private_seed else 0
+    )
+
+
+def chain_parent(
+    hashes: Sequence[BlockHash], shared_blocks: int, private_seed: int, public_seed: int | None
+) -> int | None:
     """What the block after ``hashes`` (a ``namespaced_block_hashes`` chain) continues from, as ``parent``:
     the last hash, or the tenant's boundary seed right after a shared public prefix."""
     if not hashes:
         return None
+    shared_blocks = public_blocks(shared_blocks, private_seed, public_seed)
     if shared_blocks and len(hashes) == shared_blocks:
         return shared_boundary_seed(hashes[-1], private_seed)
     return hashes[-1]
@@ -169,7 +180,8 @@ def namespaced_block_hashes(
     """Block hashes whose first ``shared_blocks`` blocks live in the public namespace (an operator-declared
     prefix every tenant may share) and the rest in the tenant's. Without a shared part: ``block_hashes``."""
     hash_fn: Hasher = hasher or (lambda ids, bs, seed: block_hashes(ids, bs, seed))
-    if shared_blocks <= 0 or public_seed is None or public_seed == private_seed:
+    shared_blocks = public_blocks(shared_blocks, private_seed, public_seed)
+    if not shared_blocks or public_seed is None:  # (the second only tells the type checker)
         return hash_fn(token_ids, block_size, private_seed)
     cut = shared_blocks * block_size
     head = hash_fn(token_ids[:cut], block_size, public_seed)

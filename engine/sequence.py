@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cache.hashing import block_hashes, shared_boundary_seed
+from cache.hashing import block_hashes, public_blocks, shared_boundary_seed
 
 if TYPE_CHECKING:
     from engine.kv_export import ExportSink
@@ -90,9 +90,7 @@ class Sequence:
         """Chain hashes of every full block of the tokens so far (extended incrementally, never rehashed).
         Equal to ``cache.hashing.namespaced_block_hashes`` of the whole sequence."""
         full = len(self.token_ids) // block_size
-        shared = (
-            self.shared_blocks if self.public_seed is not None and self.public_seed != self.hash_seed else 0
-        )
+        shared = public_blocks(self.shared_blocks, self.hash_seed, self.public_seed)
         while len(self._hashes) < full:
             done = len(self._hashes)
             if done < shared:  # still inside the public prefix

@@ -173,6 +173,7 @@ class SimEngine:
         self.waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
         self._waiters: deque[_Waiter] = deque()
         self.counters = EngineCounters()
+        self._public_seed = _namespace_seed(config.model, "")  # of operator-declared shared prefixes
 
     def gauges(self) -> EngineGauges:
         return EngineGauges(self.running, len(self._waiters), self.cache.used, self.cache.free)
@@ -309,11 +310,7 @@ class SimEngine:
             bs = cfg.block_size
             ns_seed = _namespace_seed(cfg.model, req.cache_salt)
             hashes = namespaced_block_hashes(
-                ids,
-                bs,
-                ns_seed,
-                public_seed=_namespace_seed(cfg.model, ""),
-                shared_blocks=req.cache_shared_blocks,
+                ids, bs, ns_seed, public_seed=self._public_seed, shared_blocks=req.cache_shared_blocks
             )
             n_cached = self.cache.match(hashes)
             cached_tokens = n_cached * bs
@@ -403,13 +400,11 @@ class SimEngine:
         bs = self.config.block_size
         tail_start = len(hashes) * bs
         chain = hashes
-        # A shared public prefix only exists beside a salt (without one, everything is one namespace).
-        shared_blocks = shared_blocks if ns_seed != _namespace_seed(self.config.model, "") else 0
         if text and ids.shape[0] - tail_start + len(text) >= bs:
             out_ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint32)
             tail = np.concatenate((ids[tail_start:], out_ids))
             chain = hashes + block_hashes(
-                tail, bs, ns_seed, parent=chain_parent(hashes, shared_blocks, ns_seed)
+                tail, bs, ns_seed, parent=chain_parent(hashes, shared_blocks, ns_seed, self._public_seed)
             )
         self.cache.store(chain)
 

@@ -134,5 +134,5 @@ def test_shared_prefix_blocks_are_public_and_the_rest_private() -> None:
     )
     # A chain continues block by block exactly as if hashed whole (the engines extend chains this way).
     head = namespaced_block_hashes(ids[:12], 4, acme, public_seed=public, shared_blocks=3)
-    rest = block_hashes(ids[12:], 4, acme, parent=chain_parent(head, 3, acme))
+    rest = block_hashes(ids[12:], 4, acme, parent=chain_parent(head, 3, acme, public))
     assert head + rest == a
