@@ -14,6 +14,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, KVCache, paged_attention
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.parallel.distributed import RankPlacement, TensorParallel
+from engine.parallel.layers import attention_projections, column_linear, embedding, lm_head, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -31,15 +33,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.head_dim = d
         self.scale = d**-0.5
-        self.q_proj = nn.Linear(hidden, config.num_attention_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * d, hidden, bias=config.o_proj_bias)
+        self.q_proj, self.k_proj, self.v_proj = attention_projections(
+            hidden, config.num_attention_heads, config.num_key_value_heads, d, config.attention_bias, tp
+        )  # with tp > 1, this rank's heads only
+        self.o_proj = row_linear(config.num_attention_heads * d, hidden, config.o_proj_bias, tp)
         self.q_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
@@ -63,22 +65,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = column_linear(hidden, inter, bias, tp)
+        self.up_proj = column_linear(hidden, inter, bias, tp)
+        self.down_proj = row_linear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,39 +96,66 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Model(nn.Module):
-    """The ``model.`` prefix of the checkpoint: embeddings, layers and the final norm."""
+class MissingLayer(nn.Module):
+    """A pipeline stage's stand-in for a layer another stage holds: keeps the layer numbers (and so the
+    checkpoint names) of the layers it does hold."""
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class Model(nn.Module):
+    """The ``model.`` prefix of the checkpoint: embeddings, layers and the final norm. A pipeline stage
+    holds its own layers only; the first stage embeds and the last one applies the final norm."""
+
+    def __init__(self, config: ModelConfig, placement: RankPlacement | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        tp = placement.tp if placement else None
+        self.stage_layers = placement.layers if placement else range(config.num_hidden_layers)
+        first = placement is None or placement.is_first_stage
+        last = placement is None or placement.is_last_stage
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp) if first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, tp) if i in self.stage_layers else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.rotary = RotaryEmbedding(config)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,  # a later pipeline stage's input: the previous stage's output
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        if hidden is None:
+            assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            x = hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # computed once per step, shared by every layer
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.layer(i), meta)
-            kv_cache.layer_stored(i)
-        return self.norm(x)
+        first = self.stage_layers.start  # the stage's KV cache holds its own layers, from 0
+        for i in self.stage_layers:
+            x = self.layers[i](x, cos, sin, kv_cache.layer(i - first), meta)
+            kv_cache.layer_stored(i - first)
+        return x if self.norm is None else self.norm(x)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, placement: RankPlacement | None = None) -> None:
+        """The whole model, or with ``placement`` one rank's part of it (its stage, its tensor shard)."""
         super().__init__()
         self.config = config
-        self.model = Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Model(config, placement)
+        tp, last = (placement.tp, placement.is_last_stage) if placement else (None, True)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp) if last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with ``lm_head`` when the config says so (call again after ``to_empty``)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding with ``lm_head`` when the config says so (call again after ``to_empty``).
+        A last pipeline stage without the embedding loads its own copy instead."""
+        embed = self.model.embed_tokens
+        if self.config.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     def forward(
         self,
@@ -134,10 +163,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] long
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        hidden: torch.Tensor | None = None,  # [T, hidden] from the previous pipeline stage
+    ) -> torch.Tensor:  # [T, hidden], after the final norm (before it on all but the last stage)
         """Run one flattened step: store its K/V in ``kv_cache`` and return every token's hidden state."""
-        return self.model(input_ids, positions, kv_cache, meta)
+        return self.model(input_ids, positions, kv_cache, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; the caller picks the rows it samples from."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden).float()

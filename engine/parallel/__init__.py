@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: process groups, sharded layers, pipeline stages, worker processes."""
