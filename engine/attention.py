@@ -1,18 +1,22 @@
-"""Attention over the paged KV cache, in torch (the CPU path; Triton kernels come later).
+"""Attention over the paged KV cache: Triton kernels where ``engine.kernels.ops`` picks them (CUDA), one
+batched torch SDPA call elsewhere.
 
 A step's tokens arrive flattened: T new tokens from B sequences, each sequence with some tokens already in
 the cache (a cached prefix, earlier prefill chunks, earlier decode steps). ``AttentionMetadata`` says, once
 per step, where each new token's K/V goes (``slot_mapping``) and which cache slots each sequence reads
-(``key_slots``); every layer then stores, gathers and runs one batched SDPA call.
+(``key_slots`` for torch, ``block_tables`` for the kernels); every layer then stores and attends.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,21 @@ class AttentionMetadata:
     query_rows: torch.Tensor  # [B, Lq] long: flat row of each (padded) query
     query_valid: torch.Tensor  # [B, Lq] bool
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool: True where a query may attend a key
+    # The same step as the Triton kernels read it (int32, no padded [Lq, Lk] tensors)
+    block_size: int
+    block_tables: torch.Tensor  # [B, max_blocks]: padding reads block 0
+    seq_lens: torch.Tensor  # [B]: context_lens on the device
+    query_start: torch.Tensor  # [B + 1]: sequence b's rows are query_start[b]:query_start[b + 1]
+    prefix_lens: torch.Tensor  # [B]: tokens of each sequence in the cache before this step
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token: the paged decode kernel serves the step."""
+        return all(n == 1 for n in self.query_lens)
 
 
 def build_metadata(
@@ -51,6 +66,7 @@ def build_metadata(
     query_rows = torch.zeros(len(slices), q_max, dtype=torch.long)
     query_valid = torch.zeros(len(slices), q_max, dtype=torch.bool)
     mask = torch.zeros(len(slices), 1, q_max, k_max, dtype=torch.bool)
+    block_tables = torch.zeros(len(slices), max(len(s.block_table) for s in slices), dtype=torch.int32)
     row = 0
     for b, s in enumerate(slices):
         ctx = s.num_computed + s.num_new
@@ -59,6 +75,7 @@ def build_metadata(
                 f"sequence {b}: {s.num_new} new tokens, {ctx} in context, {len(s.block_table)} blocks"
             )
         table = torch.as_tensor(list(s.block_table), dtype=torch.long)
+        block_tables[b, : len(table)] = table
         positions = torch.arange(ctx, dtype=torch.long)
         seq_slots = table[positions // block_size] * block_size + positions % block_size
         key_slots[b, :ctx] = seq_slots
@@ -78,7 +95,16 @@ def build_metadata(
         query_rows=query_rows.to(device),
         query_valid=query_valid.to(device),
         mask=mask.to(device),
+        block_size=block_size,
+        block_tables=block_tables.to(device),
+        seq_lens=_int32([s.num_computed + s.num_new for s in slices], device),
+        query_start=_int32([0, *itertools.accumulate(s.num_new for s in slices)], device),
+        prefix_lens=_int32([s.num_computed for s in slices], device),
     )
+
+
+def _int32(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int32).to(device)
 
 
 def paged_attention(
@@ -91,8 +117,16 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Store this step's K/V in the cache, then attend each query to its sequence's cached context."""
-    k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-    v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if ops.use_triton(q):
+        if meta.is_decode:
+            longest = max(meta.context_lens)  # known on the host: no device sync to size the split
+            tables, lens, block = meta.block_tables, meta.seq_lens, meta.block_size
+            return ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, block, scale, longest)
+        return ops.paged_prefill_attention(
+            q, k, v, k_cache, v_cache, meta.block_tables, meta.query_start, meta.prefix_lens, meta.block_size,
+            scale, max(meta.query_lens),
+        )  # fmt: skip
     keys = k_cache[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lk, D]
     values = v_cache[meta.key_slots].transpose(1, 2).to(q.dtype)
     queries = q[meta.query_rows].transpose(1, 2)  # [B, Hq, Lq, D]
