@@ -8,12 +8,12 @@ from any number of sequences; ``AttentionMetadata`` says which sequence each tok
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, paged_attention
+from engine.kernels import ops
 from engine.model.config import ModelConfig
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.rope import RotaryEmbedding
 from engine.parallel.distributed import RankPlacement, TensorParallel
 from engine.parallel.layers import attention_projections, column_linear, embedding, lm_head, row_linear
 
@@ -26,10 +26,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As transformers: normalize in float32, cast back, then scale in the input dtype.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual), in one pass over memory on the Triton path."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = ops.rotary(q, k, cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1))
 
@@ -73,7 +74,7 @@ class MLP(nn.Module):
         self.down_proj = row_linear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -92,8 +93,9 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x)  # x + attended, and its norm
+        return x + self.mlp(h)
 
 
 class MissingLayer(nn.Module):

@@ -11,7 +11,11 @@ import math
 
 import torch
 
+from engine.kernels.rotary import apply_rotary_torch as apply_rotary
+from engine.kernels.rotary import rotate_half
 from engine.model.config import ModelConfig
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "inv_freq", "rotate_half"]
 
 
 def inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32, CPU
@@ -61,14 +65,3 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self._freqs_on(positions.device)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [T, H, D] rotated by cos/sin [T, D] of each token's position."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]: broadcast over heads
-    return x * cos + rotate_half(x) * sin
