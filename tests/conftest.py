@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+import tests.triton_interpret  # noqa: F401  (first: Triton's import mode, before the engine imports it)
 from cache.redis_keys import RedisKeys
 from tests.harness import Cluster, ClusterFactory, start_cluster
 from tests.redis_process import RedisProcess

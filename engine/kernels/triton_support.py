@@ -23,6 +23,12 @@ except ImportError:  # pragma: no cover - triton ships wherever torch's CUDA bui
     tl = _NoTritonLanguage()  # type: ignore[assignment]
 
 
+def interpreter_usable() -> bool:
+    """Whether launches can be interpreted: Triton's own library must have been imported in interpreter
+    mode too (it decides once, at import), else it is compiled code the interpreter cannot call."""
+    return HAVE_TRITON and not isinstance(tl.standard.cdiv, triton.runtime.JITFunction)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``), read at each call."""
     return HAVE_TRITON and bool(triton.knobs.runtime.interpret)
@@ -39,6 +45,10 @@ class LazyKernel:
         if not HAVE_TRITON:
             raise RuntimeError(f"kernel {self.fn.__name__} needs Triton, which is not installed")
         mode = interpreting()
+        if mode and not interpreter_usable():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after Triton was imported: set it before the first import"
+            )
         jitted = self._jitted.get(mode)
         if jitted is None:
             jitted = self._jitted[mode] = triton.jit(self.fn)
