@@ -63,6 +63,10 @@ def weight_files(directory: Path) -> list[Path]:
     single = directory / SINGLE_FILE
     if single.is_file():
         return [single]
+    from engine.compress.checkpoint import compressed_weight_files  # `kvgate compress` output
+
+    if (compressed := compressed_weight_files(directory)) is not None:
+        return compressed
     index = directory / INDEX_FILE
     if not index.is_file():
         other = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in directory.glob(pattern))
@@ -129,6 +133,10 @@ def _some(names: list[str]) -> str:
 
 
 def _open(path: Path) -> Any:  # safetensors' handle has no public type
+    if path.suffix == ".kvgate":  # compressed weights, behind the same handle; errors name the tensor
+        from engine.compress.checkpoint import CompressedSafetensors
+
+        return CompressedSafetensors(path)
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError for a bad header, OSError for an unreadable file
