@@ -282,6 +282,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser("make-model", help=MAKE_MODEL_HELP, description=MAKE_MODEL_HELP)
     add_make_model_arguments(parser)
     parser.set_defaults(func=run_make_model)
+    from engine.compress import cli as compress_cli  # argparse only: importing it stays cheap
+
+    for name, text, run in (
+        ("compress", compress_cli.COMPRESS_HELP, compress_cli.run_compress),
+        ("decompress", compress_cli.DECOMPRESS_HELP, compress_cli.run_decompress),
+    ):
+        parser = subparsers.add_parser(name, help=text, description=text)
+        compress_cli.add_arguments(parser)
+        parser.set_defaults(func=run)
 
 
 def sim_engine_main(argv: Sequence[str] | None = None) -> int:

@@ -289,7 +289,8 @@ def _write_original(
     """Decode ``reader``'s tensors into the safetensors file it came from; returns (bytes, tensors)."""
     header, tensors, name = _source(reader)
     out_path = target / name
-    with out_path.open("wb") as out:
+    partial = out_path.with_name(name + ".partial")  # a failed decode leaves no file that looks whole
+    with partial.open("wb") as out:
         out.write(header)
         for tensor_name, t in sorted(tensors.items(), key=lambda item: item[1].begin):
             entry = reader.entries.get(tensor_name)
@@ -300,6 +301,7 @@ def _write_original(
             out.seek(len(header) + t.begin)
             out.write(decode_tensor(reader, entry, pool=pool).data)
             progress.update(t.end - t.begin)
+    partial.replace(out_path)
     return out_path.stat().st_size, len(tensors)
 
 
