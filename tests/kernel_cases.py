@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import KVCache, SeqSlice, build_metadata
+from engine.model.config import ModelConfig
+from engine.model.llama import CausalLM
+
 # Compared against a float32 reference: fp32 kernels agree to rounding; fp16/bf16 outputs to their own ulp
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -59,3 +63,55 @@ def query_start(new_lens: list[int], device: torch.device | str) -> torch.Tensor
     for n in new_lens:
         starts.append(starts[-1] + n)
     return int32(starts, device)
+
+
+def tiny_qwen3(device: torch.device | str) -> CausalLM:
+    """A random 2-layer model with q/k norms and grouped-query heads (the norms' weights random too)."""
+    config = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        qk_norm=True,
+    )
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape))
+    return model.to(device)
+
+
+@torch.inference_mode()
+def greedy(model: CausalLM, steps: int, block_size: int = 8) -> tuple[list[torch.Tensor], list[int]]:
+    """A 13-token prompt in one step, then ``steps - 1`` decode steps -> (logits of each step, tokens)."""
+    device = next(model.parameters()).device
+    config = model.config
+    cache = KVCache(
+        config.num_hidden_layers,
+        4,
+        block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+        torch.float32,
+        device,
+    )
+    table = [3, 0, 2]
+    ids = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(4))
+    prompt_len = len(ids)
+    logits: list[torch.Tensor] = []
+    tokens: list[int] = []
+    for _ in range(steps):
+        done = 0 if not tokens else prompt_len + len(tokens) - 1
+        meta = build_metadata([SeqSlice(table, done, len(ids))], block_size, device)
+        positions = torch.arange(done, done + len(ids), device=device)
+        logits.append(model.compute_logits(model(ids.to(device), positions, cache, meta)).cpu())
+        tokens.append(int(logits[-1][-1].argmax()))
+        ids = torch.tensor(tokens[-1:])
+    return logits, tokens

@@ -257,6 +257,10 @@ def check_decode(
             f"paged decode attention: {q_heads} query heads of dim {dim} do not group over "
             f"{k_cache.shape[1]} KV heads of dim {k_cache.shape[2]}"
         )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelInputError(
+            f"paged decode attention: q is {q.dtype} but the caches {k_cache.dtype}, {v_cache.dtype}"
+        )
     _check_tables(block_tables, batch, "paged decode attention")
     if context_lens.shape != (batch,) or context_lens.dtype not in (torch.int32, torch.int64):
         raise KernelInputError(

@@ -247,6 +247,11 @@ def check_prefill(
             f"{what}: {q.shape[1]} query heads of dim {q.shape[2]} do not group over {k.shape[1]} KV heads "
             f"of dim {k.shape[2]}"
         )
+    if len({q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise KernelInputError(
+            f"{what}: q, k, v and the caches must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
+        )
     batch = prefix_lens.shape[0] if prefix_lens.dim() == 1 else -1
     if batch < 0 or query_start.shape != (batch + 1,):
         raise KernelInputError(

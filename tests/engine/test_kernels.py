@@ -7,7 +7,6 @@ in the input dtype on a GPU: tests/gpu covers that). Full-size shapes on CUDA ar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +23,7 @@ from engine.kernels.kv_store import store_kv_torch, store_kv_triton
 from engine.kernels.norm import rms_norm_torch, rms_norm_triton
 from engine.kernels.rotary import rotary_torch, rotary_triton
 from engine.kernels.triton_support import interpreter_usable
-from engine.model.config import ModelConfig
-from engine.model.llama import CausalLM
-from tests.kernel_cases import TOLERANCE, int32, paged_cache, query_start, randn
+from tests.kernel_cases import TOLERANCE, greedy, int32, paged_cache, query_start, randn, tiny_qwen3
 
 pytest.importorskip("triton")
 if not interpreter_usable():  # a GPU machine: Triton compiles there, and tests/gpu runs these kernels
@@ -254,41 +251,10 @@ def test_engine_attention_steps_through_the_kernels(monkeypatch: pytest.MonkeyPa
 
 def test_model_through_the_kernels_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen3-style model (q/k norms, GQA): same logits and greedy tokens through either path."""
-    config = ModelConfig(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        qk_norm=True,
+    model = tiny_qwen3("cpu")
+    (torch_logits, torch_tokens), (triton_logits, triton_tokens) = run_both_paths(
+        monkeypatch, lambda: greedy(model, steps=4)
     )
-    torch.manual_seed(0)
-    model = CausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn(param.shape))
-    table, prompt = [3, 0, 2], torch.randint(0, 64, (13,), generator=gen(4))
-
-    @torch.inference_mode()
-    def generate() -> tuple[list[torch.Tensor], list[int]]:
-        cache = KVCache(2, 4, BLOCK, 2, 16, torch.float32)
-        logits, tokens, ids = [], [], prompt
-        for _ in range(4):
-            done = 0 if not tokens else len(prompt) + len(tokens) - 1
-            meta = build_metadata([SeqSlice(table, done, len(ids))], BLOCK)
-            positions = torch.arange(done, done + len(ids))
-            logits.append(model.compute_logits(model(ids, positions, cache, meta)))
-            tokens.append(int(logits[-1][-1].argmax()))
-            ids = torch.tensor(tokens[-1:])
-        return logits, tokens
-
-    (torch_logits, torch_tokens), (triton_logits, triton_tokens) = run_both_paths(monkeypatch, generate)
     assert triton_tokens == torch_tokens
     for ours, theirs in zip(triton_logits, torch_logits, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-    assert not math.isnan(float(torch.cat(triton_logits).sum()))
