@@ -9,13 +9,14 @@ index becomes ``model.kvgate.index.json``). Each ``.kvgate`` file keeps its sour
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,7 +291,7 @@ def _write_original(
     header, tensors, name = _source(reader)
     out_path = target / name
     partial = out_path.with_name(name + ".partial")  # a failed decode leaves no file that looks whole
-    with partial.open("wb") as out:
+    with _removed_on_error(partial), partial.open("wb") as out:
         out.write(header)
         for tensor_name, t in sorted(tensors.items(), key=lambda item: item[1].begin):
             entry = reader.entries.get(tensor_name)
@@ -303,6 +304,15 @@ def _write_original(
             progress.update(t.end - t.begin)
     partial.replace(out_path)
     return out_path.stat().st_size, len(tensors)
+
+
+@contextlib.contextmanager
+def _removed_on_error(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _read_index(directory: Path) -> dict[str, Any]:
