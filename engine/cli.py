@@ -229,6 +229,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: all)"
     )
     parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=_positive_int,
+        default=1,
+        help="split every layer over N ranks (heads, MLP, vocabulary); one GPU each (default: 1)",
+    )
+    parser.add_argument(
+        "--pp",
+        "--pipeline-parallel-size",
+        dest="pp",
+        type=_positive_int,
+        default=1,
+        help="split the layers into M pipeline stages; runs --tp x --pp worker processes (default: 1)",
+    )
+    parser.add_argument(
         "--role",
         choices=("prefill", "decode", "both"),
         default="both",
@@ -242,6 +258,8 @@ def run_engine(args: argparse.Namespace) -> int:
 
     from engine.llm_engine import EngineConfig
     from engine.model.errors import ModelLoadError
+    from engine.parallel.distributed import ParallelConfigError
+    from engine.parallel.executor import RankFailed
     from engine.server import ServerConfig, serve
 
     if args.threads:
@@ -257,6 +275,8 @@ def run_engine(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
     )
     server_config = ServerConfig(
         engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role
@@ -266,6 +286,12 @@ def run_engine(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)
         return 2
+    except ParallelConfigError as exc:
+        print(f"kvgate engine: cannot split the model: {exc}", file=sys.stderr)
+        return 2
+    except RankFailed as exc:
+        print(f"kvgate engine: a worker rank failed: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"kvgate engine: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -17,14 +17,18 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_export import send_cached
 from engine.metrics import EngineCounters
+from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.parallel.distributed import ParallelConfig, check_parallel, kv_bytes_per_block
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import CacheNamespace, SamplingParams, SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from engine.kv_export import ExportSink
+    from engine.model.llama import CausalLM
+    from engine.parallel.executor import ParallelExecutor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +45,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    tensor_parallel_size: int = 1  # with either above 1, tp x pp worker processes run the model
+    pipeline_parallel_size: int = 1
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
     @property
     def model_name(self) -> str:
@@ -80,30 +90,37 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _DTYPES[config.dtype] if config.dtype else None
-        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
-        self.dtype = next(self.model.parameters()).dtype
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
-        mc = self.model_config
+        # tp x pp > 1: the model and its KV cache live in worker processes, this process schedules.
+        self.model: CausalLM | None = None
+        self.kv_cache: KVCache | None = None
+        self.runner: ModelRunner | ParallelExecutor
+        if config.parallel.world_size > 1:
+            num_blocks = self._start_parallel(config, dtype)
+            mc = self.model_config
+        else:
+            self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
+            self.dtype = next(self.model.parameters()).dtype
+            mc = self.model_config
+            bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, self._element_size)
+            num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+            self.kv_cache = KVCache(
+                mc.num_hidden_layers,
+                num_blocks,
+                config.block_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                self.dtype,
+                self.device,
+            )
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        bytes_per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim
-        bytes_per_block *= torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
-        self.kv_cache = KVCache(
-            mc.num_hidden_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-        )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         eos = mc.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list | tuple) else [] if eos is None else [eos])
         self._transferred: dict[str, int] = {}
@@ -113,6 +130,39 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_tokens: dict[str, int] = {}
+
+    def _start_parallel(self, config: EngineConfig, dtype: torch.dtype | None) -> int:
+        """Check the layout, size the KV cache per rank and spawn the workers; returns the block count."""
+        from engine.parallel.executor import ParallelExecutor  # spawns processes: only when asked
+
+        self.model_config = mc = ModelConfig.from_dir(config.model_dir)
+        check_parallel(mc, config.parallel)
+        self.dtype = dtype or getattr(torch, mc.torch_dtype)
+        bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, self._element_size)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+        self.runner = ParallelExecutor(
+            config.model_dir,
+            config.parallel,
+            device=self.device,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            vocab_size=mc.vocab_size,
+        )
+        return num_blocks
+
+    @property
+    def _element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why this engine can compute nothing more (a worker rank died), or None while it can."""
+        return self.runner.failure
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to do in one process)."""
+        self.runner.close()
 
     @property
     def model_name(self) -> str:
@@ -184,6 +234,8 @@ class LLMEngine:
         """Prefill ``prompt_token_ids`` without sampling; stream their K/V from ``from_position`` on."""
         if request_id in self._seqs:
             raise RequestRejected(f"request id {request_id!r} is already running")
+        if self.kv_cache is None:
+            raise RequestRejected("KV export is not supported with tensor or pipeline parallelism")
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, SamplingParams(max_tokens=0))
         if not 0 <= from_position < len(prompt):
@@ -266,7 +318,7 @@ class LLMEngine:
     def _send_cached_exports(self) -> None:
         """Exports whose every position was already cached: send them from the cache, no model step."""
         for seq in self.scheduler.cached_exports:
-            assert seq.export is not None
+            assert seq.export is not None and self.kv_cache is not None
             send_cached(seq, self.kv_cache)
             self._finish_export(seq)
         self.scheduler.cached_exports.clear()

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import KVCache, SeqSlice, build_metadata
+from engine.attention import KVCache, build_metadata
 from engine.kv_export import layer_sender, plan_exports
 from engine.model.llama import CausalLM
+from engine.parallel.pipeline import MicroBatch
 from engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
+    failure: BaseException | None = None  # one process: a failing step raises, nothing fails in between
+
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -23,28 +26,20 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute every scheduled token; returns float32 logits [N, vocab] for the N entries that sample,
         in batch order."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slices: list[SeqSlice] = []
-        sample_rows: list[int] = []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_new
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slices.append(SeqSlice(seq.block_table, start, item.num_new))
-            if item.samples:
-                sample_rows.append(len(ids) - 1)
-        meta = build_metadata(slices, self.kv_cache.block_size, self.device)
-        input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        step = MicroBatch.of(batch)
+        meta = build_metadata(step.slices, self.kv_cache.block_size, self.device)
+        input_ids = torch.as_tensor(step.token_ids, dtype=torch.long, device=self.device)
+        pos = torch.as_tensor(step.positions, dtype=torch.long, device=self.device)
         plans = plan_exports(batch, self.kv_cache.block_size)
         self.kv_cache.on_layer_stored = layer_sender(plans, self.kv_cache) if plans else None
         try:
             hidden = self.model(input_ids, pos, self.kv_cache, meta)
         finally:
             self.kv_cache.on_layer_stored = None
-        if not sample_rows:
+        if not step.sample_rows:
             return torch.empty(0, self.model.config.vocab_size)
-        rows = torch.as_tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.as_tensor(step.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]).float().cpu()
+
+    def close(self) -> None:
+        """Nothing to release (the parallel executor's ``close`` stops its workers)."""

@@ -58,7 +58,9 @@ class EngineServer:
         self.config = config
         self.llm = engine
         self.publisher = KvEventPublisher(config.engine_id, engine.config.block_size)
-        self.importer = KvImporter(engine.kv_cache, engine.model_name)
+        # KV transfer needs the cache in this process: a tp/pp engine's lives in its workers.
+        cache = engine.kv_cache
+        self.importer = KvImporter(cache, engine.model_name) if cache is not None else None
         self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish, kv_fetcher=self.importer)
         self.created = int(time.time())
 
@@ -70,7 +72,8 @@ class EngineServer:
         self.engine.start()
         yield
         await self.engine.stop()
-        await self.importer.close()
+        if self.importer is not None:
+            await self.importer.close()
 
     # -- endpoints --------------------------------------------------------------------------------------
 
@@ -144,7 +147,8 @@ class EngineServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        alive = self.engine.alive
+        failure = self.llm.failure  # a dead worker rank: red at once, before any step trips over it
+        alive = self.engine.alive and failure is None
         body: dict[str, Any] = {
             "status": "ok" if alive else "error",
             "engine_id": self.config.engine_id,
@@ -155,10 +159,12 @@ class EngineServer:
             "simulated": False,
             "device": str(self.llm.device),
             "dtype": str(self.llm.dtype).removeprefix("torch."),
+            "tensor_parallel_size": self.llm.config.tensor_parallel_size,
+            "pipeline_parallel_size": self.llm.config.pipeline_parallel_size,
             "load": self.engine.load(),
         }
         if not alive:
-            body["error"] = str(self.engine.error or "the engine loop is not running")
+            body["error"] = str(self.engine.error or failure or "the engine loop is not running")
         return json_response(orjson.dumps(body), status=200 if alive else 503)
 
     # -- generation -------------------------------------------------------------------------------------
@@ -296,8 +302,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     except ImportError:
         loop_factory = None
     engine = LLMEngine(engine_config)
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(engine, server_config))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(_serve(engine, server_config))
+    finally:
+        engine.close()  # a tp/pp engine's worker processes
 
 
 async def _serve(engine: LLMEngine, config: ServerConfig) -> int:
@@ -309,6 +318,9 @@ async def _serve(engine: LLMEngine, config: ServerConfig) -> int:
         await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
         host, port = runner.addresses[0][:2]
         blocks = f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}"
+        if engine.config.parallel.world_size > 1:
+            parallel = engine.config.parallel
+            blocks += f", tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
         print(
             f"kvgate engine {config.engine_id}: serving {engine.model_name!r} "
             f"({engine.dtype}, {engine.device}, {blocks}) on http://{host}:{port}",

@@ -18,6 +18,8 @@ from safetensors import safe_open
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import CausalLM
+from engine.parallel.distributed import RankPlacement
+from engine.parallel.layers import Shard, read_shard, shard_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,9 +34,14 @@ class StoredTensor:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    placement: RankPlacement | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The model in eval mode on ``device``, in ``dtype`` (default: the config's ``torch_dtype``)."""
+    """The model in eval mode on ``device``, in ``dtype`` (default: the config's ``torch_dtype``). With
+    ``placement``, one rank's part: the whole checkpoint is checked, only that rank's slices are read."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"{directory}: no such model directory")
@@ -43,19 +50,27 @@ def load_model(
     stored = index_checkpoint(weight_files(directory))
 
     with torch.device("meta"):  # no memory and no random init: every weight is overwritten below
-        model = CausalLM(config).to(dtype)
-    params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as the embedding
-    check_names_and_shapes(directory, params, stored, config)
+        model = CausalLM(config, placement).to(dtype)
+        whole = model if placement is None else CausalLM(config).to(dtype)
+    # a tied lm_head.weight is listed once, as the embedding
+    check_names_and_shapes(directory, dict(whole.named_parameters()), stored, config)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each parameter new storage, which unties them
     params = dict(model.named_parameters())
+    shards = shard_map(model)
+    # A last pipeline stage without the embedding reads its tied head from the embedding's tensor.
+    source = {name: _tied_source(name, config) for name in params}
     with torch.no_grad():
-        for path in sorted({stored[name].path for name in params}):
-            names = [name for name in params if stored[name].path == path]
+        for path in sorted({stored[source[name]].path for name in params}):
+            names = [name for name in params if stored[source[name]].path == path]
             with _open(path) as f:
                 for name in names:
-                    params[name].copy_(_read(f, path, name))
+                    params[name].copy_(_read(f, path, source[name], shards.get(name)))
     return model.eval(), config
+
+
+def _tied_source(name: str, config: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if config.tie_word_embeddings and name == "lm_head.weight" else name
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -143,8 +158,8 @@ def _open(path: Path) -> Any:  # safetensors' handle has no public type
         raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
 
 
-def _read(f: Any, path: Path, name: str) -> torch.Tensor:
+def _read(f: Any, path: Path, name: str, shard: Shard | None = None) -> torch.Tensor:
     try:
-        return f.get_tensor(name)  # type: ignore[no-any-return]
+        return f.get_tensor(name) if shard is None else read_shard(f, name, shard)  # type: ignore[no-any-return]
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read tensor {name}: {exc}") from None

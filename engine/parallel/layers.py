@@ -117,6 +117,10 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParall
 
 def embedding(vocab_size: int, hidden: int, tp: TensorParallel | None) -> nn.Module:
     if tp is None or not tp.enabled:
+        if torch.get_default_device().type == "meta":
+            # A meta tensor holds no values, so skip the init: normal_ on meta imports torch._dynamo
+            # (2 s of CPU in every fresh process, every worker rank included).
+            return nn.Embedding(vocab_size, hidden, _weight=torch.empty(vocab_size, hidden))
         return nn.Embedding(vocab_size, hidden)
     return VocabParallelEmbedding(vocab_size, hidden, tp)
 
