@@ -229,6 +229,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: all)"
     )
     parser.add_argument(
+        "--compressed-weights",
+        action="store_true",
+        help="keep BF16 weights losslessly compressed in memory (~1.33x), each layer expanded as it runs",
+    )
+    parser.add_argument(
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
@@ -275,6 +280,7 @@ def run_engine(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
+        compressed_weights=args.compressed_weights,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
     )

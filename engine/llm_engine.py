@@ -20,7 +20,12 @@ from engine.metrics import EngineCounters
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.parallel.distributed import ParallelConfig, check_parallel, kv_bytes_per_block
+from engine.parallel.distributed import (
+    ParallelConfig,
+    ParallelConfigError,
+    check_parallel,
+    kv_bytes_per_block,
+)
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import CacheNamespace, SamplingParams, SeqStatus, Sequence
@@ -45,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    compressed_weights: bool = False  # BF16 weights held in the palette form, each layer expanded as it runs
     tensor_parallel_size: int = 1  # with either above 1, tp x pp worker processes run the model
     pipeline_parallel_size: int = 1
 
@@ -96,11 +102,17 @@ class LLMEngine:
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | ParallelExecutor
         if config.parallel.world_size > 1:
+            if config.compressed_weights:
+                raise ParallelConfigError("compressed weights need tensor and pipeline parallel sizes of 1")
             num_blocks = self._start_parallel(config, dtype)
             mc = self.model_config
         else:
             self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
             self.dtype = next(self.model.parameters()).dtype
+            if config.compressed_weights:
+                from engine.compress.in_memory import keep_compressed
+
+                keep_compressed(self.model)
             mc = self.model_config
             bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, self._element_size)
             num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
