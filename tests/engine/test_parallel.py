@@ -25,7 +25,8 @@ from engine.sequence import SamplingParams
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
+# tp4: the tiny model's 2 KV heads are each replicated on two ranks
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2), "tp4": (4, 1)}
 
 
 def config(model_dir: Path, tp: int = 1, pp: int = 1, **overrides: Any) -> EngineConfig:
