@@ -219,6 +219,8 @@ class CompressedSafetensors:
         entry = self._reader.entries[name]
         data = decode_tensor(self._reader, entry, pool=self._pool)
         dtype = getattr(torch, _DTYPE_NAMES[entry.dtype])
+        if data.size == 0:  # frombuffer refuses an empty buffer
+            return torch.empty(entry.shape, dtype=dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(entry.shape)
 
     def close(self) -> None:
