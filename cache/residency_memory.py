@@ -6,6 +6,8 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import is_not
 
 from cache.events import KvEventBatch
 from cache.residency import EngineHoldings, batch_ops
@@ -23,7 +25,11 @@ class MemoryResidencyIndex:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._exact: dict[int, set[str]] = {}  # hash -> engines holding it (from KV events)
+        # hash -> engines holding it (from KV events). The sets are immutable and a block held by one
+        # engine shares that engine's one singleton, so storing a prefill's hundreds of new blocks is a
+        # few C-level dict and set operations rather than a set built per block.
+        self._exact: dict[int, frozenset[str]] = {}
+        self._singletons: dict[str, frozenset[str]] = {}
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._by_engine: dict[str, set[int]] = {}
         self._seq: dict[str, int] = {}
@@ -53,8 +59,8 @@ class MemoryResidencyIndex:
         matched: dict[str, int] = {}
         for depth in range(1, len(hashes)):
             h = hashes[depth]
-            holders = exact.get(h)
-            if holders is not None and alive <= holders:
+            held = exact.get(h)
+            if held is not None and alive <= held:
                 continue  # the common case: every engine still matching holds this block exactly
             holders = self._holders(h, now)
             if alive <= holders:
@@ -74,15 +80,17 @@ class MemoryResidencyIndex:
         owned = self._by_engine.setdefault(engine, set())
         exact, approx = self._exact, self._approx
         if ttl_s is None:
-            for h in hashes:
-                holders = exact.get(h)
-                if holders is None:
-                    exact[h] = {engine}
-                else:
-                    holders.add(engine)
-                guesses = approx.get(h)
-                if guesses is not None and guesses.pop(engine, None) is not None and not guesses:
-                    del approx[h]
+            single = self._singletons.get(engine)
+            if single is None:
+                single = self._singletons[engine] = frozenset((engine,))
+            shared = {h: exact[h] for h in exact.keys() & hashes}  # blocks other engines hold too
+            exact.update(dict.fromkeys(hashes, single))
+            for h, others in shared.items():
+                exact[h] = others if engine in others else others | single
+            if approx:
+                for h in approx.keys() & hashes:
+                    if approx[h].pop(engine, None) is not None and not approx[h]:
+                        del approx[h]
             owned.update(hashes)
             return
         expiry = self._clock() + ttl_s
@@ -111,18 +119,25 @@ class MemoryResidencyIndex:
 
     def remove_now(self, engine: str, hashes: Iterable[int]) -> None:
         exact, approx = self._exact, self._approx
+        hashes = hashes if isinstance(hashes, (set, frozenset, list, tuple)) else list(hashes)
+        # Evictions come by the hundred and nearly all were held by this engine alone: pop every entry in
+        # C-level loops, then put back, without this engine, the few that other engines hold too.
+        known = list(exact.keys() & hashes)
+        popped = list(map(exact.pop, known))
+        alone = self._singletons.get(engine, frozenset((engine,)))
+        shared = list(map(is_not, popped, repeat(alone)))  # not this engine's singleton
+        for h, held in zip(compress(known, shared), compress(popped, shared), strict=True):
+            rest = held - alone
+            if rest:
+                exact[h] = rest
+        if approx:
+            for h in approx.keys() & hashes:
+                guesses = approx[h]
+                if guesses.pop(engine, None) is not None and not guesses:
+                    del approx[h]
         owned = self._by_engine.get(engine)
-        for h in hashes:
-            holders = exact.get(h)
-            if holders is not None:
-                holders.discard(engine)
-                if not holders:
-                    del exact[h]
-            guesses = approx.get(h)
-            if guesses is not None and guesses.pop(engine, None) is not None and not guesses:
-                del approx[h]
-            if owned is not None:
-                owned.discard(h)
+        if owned is not None:
+            owned.difference_update(hashes)
 
     def clear_now(self, engine: str) -> None:
         owned = self._by_engine.pop(engine, set())

@@ -76,7 +76,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         if self._segments is None or len(text) < _MIN_CACHED_CHARS:
-            return _uint32(self._tok.encode(text, add_special_tokens=False).ids)
+            return self._encode_uncached(text)
         # The tokenizer splits its input at special tokens before anything else, so the pieces between them
         # encode independently: a system prompt or an earlier turn that every request of a conversation
         # resends is encoded once and then taken from the cache.
@@ -91,13 +91,13 @@ class HFTokenizer:
 
     def _encode_piece(self, piece: str) -> np.ndarray:
         if len(piece) < _MIN_CACHED_CHARS:
-            return _uint32(self._tok.encode(piece, add_special_tokens=False).ids)
+            return self._encode_uncached(piece)
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:
                 self._cache.move_to_end(piece)
                 return hit
-        ids = _uint32(self._tok.encode(piece, add_special_tokens=False).ids)
+        ids = self._encode_uncached(piece)
         with self._lock:
             if piece not in self._cache:
                 self._cache[piece] = ids
@@ -107,11 +107,19 @@ class HFTokenizer:
                 self._cached_chars -= len(old)
         return ids
 
+    def _encode_uncached(self, text: str) -> np.ndarray:
+        if len(text) < _GIL_FREE_CHARS:
+            return _uint32(self._tok.encode(text, add_special_tokens=False).ids)
+        # ``encode`` holds the GIL for the whole encoding; ``encode_batch`` releases it, so a long prompt
+        # tokenized on a worker thread no longer stops the event loop (and uses another core).
+        return _uint32(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+
     def decode(self, token_ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
 
 _MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays off
+_GIL_FREE_CHARS = 4096  # from this length on, encode without the GIL (encode_batch costs a little more)
 _CACHE_CHARS = 16 << 20
 
 

@@ -108,8 +108,8 @@ class RequestPreparer:
         return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)
 
     async def encode(self, text: str) -> np.ndarray:
-        """Tokenize; a long text on a worker thread (the tokenizer releases the GIL), so that one long
-        prompt does not hold up every other request and the tokenizing uses another core."""
+        """Tokenize; a long text on a worker thread (the tokenizer encodes long texts without the GIL), so
+        that one long prompt does not hold up every other request and the tokenizing uses another core."""
         if len(text) < THREAD_TOKENIZE_CHARS:
             return self.tokenizer.encode(text)
         return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
