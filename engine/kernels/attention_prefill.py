@@ -186,7 +186,7 @@ def paged_prefill_attention_triton(
     block_m = 64 if q.is_cuda else 16
     block_n = 64 if q.is_cuda else 16
     block_d = max(16, next_power_of_2(dim))
-    if q.is_cuda and block_d > 128:  # keep the [M, D] accumulator and K/V tiles within registers
+    if q.is_cuda and (block_d > 128 or q.dtype == torch.float32):  # [M, D] accumulator and tiles in registers
         block_m, block_n = 32, 32
     grid = (-(-max_query_len // block_m), batch, q_heads)
     _prefill_kernel[grid](
