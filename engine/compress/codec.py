@@ -55,6 +55,13 @@ def encode(chunks: Sequence[np.ndarray], freqs: np.ndarray, *, pool: Executor | 
 
 
 def table_for(freqs: np.ndarray) -> np.ndarray:
+    """The decode table of ``freqs`` (4096 uint32); ValueError for frequencies no encoder writes."""
+    if native_available():
+        assert _native is not None
+        freqs = np.ascontiguousarray(freqs, dtype=np.uint32)
+        if freqs.shape != (256,):
+            raise ValueError("freqs must be 256 values")
+        return np.frombuffer(_native.decode_table(freqs.tobytes()), dtype=np.uint32)
     return rans.decode_table(freqs)
 
 

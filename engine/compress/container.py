@@ -9,9 +9,8 @@ naming the file, the tensor and the chunk.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -119,16 +118,21 @@ class Writer:
 
 
 class Reader:
-    """A ``.kvgate`` file mapped into memory; ``payload`` hands out a chunk's verified bytes."""
+    """An open ``.kvgate`` file; ``payload`` reads a chunk (positioned reads: threads share the handle and
+    no page faults are taken one page at a time, as with a mapping) and verifies it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            with path.open("rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+            self._fd = os.open(path, os.O_RDONLY)
+            self.size = os.fstat(self._fd).st_size
+        except OSError as exc:
             raise CorruptWeightsError(f"{path}: cannot read the compressed weights file: {exc}") from None
-        self.manifest = self._read_manifest()
+        try:
+            self.manifest = self._read_manifest()
+        except BaseException:
+            os.close(self._fd)
+            raise
         try:
             self.entries = {
                 name: TensorEntry.from_json(name, data) for name, data in self.manifest["tensors"].items()
@@ -137,22 +141,19 @@ class Reader:
             raise CorruptWeightsError(f"{path}: the manifest is malformed: {exc!r}") from None
 
     def _read_manifest(self) -> dict[str, Any]:
-        size = len(self._map)
-        if size < len(MAGIC) + _FOOTER.size or self._map[: len(MAGIC)] != MAGIC:
+        size = self.size
+        if size < len(MAGIC) + _FOOTER.size or os.pread(self._fd, len(MAGIC), 0) != MAGIC:
             raise CorruptWeightsError(f"{self.path}: not a kvgate compressed weights file (no {MAGIC!r})")
-        length, digest, end = _FOOTER.unpack_from(self._map, size - _FOOTER.size)
+        length, digest, end = _FOOTER.unpack(os.pread(self._fd, _FOOTER.size, size - _FOOTER.size))
         if end != MAGIC or length > size - len(MAGIC) - _FOOTER.size:
             raise CorruptWeightsError(f"{self.path}: no valid footer: the file is truncated or damaged")
-        blob = memoryview(self._map)[size - _FOOTER.size - length : size - _FOOTER.size]
+        blob = os.pread(self._fd, length, size - _FOOTER.size - length)
         if checksum(blob) != digest:
-            blob.release()
             raise CorruptWeightsError(f"{self.path}: the manifest's checksum does not match: corrupt file")
         try:
             manifest = json.loads(zlib.decompress(blob))
         except (zlib.error, ValueError) as exc:
             raise CorruptWeightsError(f"{self.path}: the manifest cannot be read: {exc}") from None
-        finally:
-            blob.release()
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CorruptWeightsError(f"{self.path}: not a {FORMAT} manifest")
         if manifest.get("version") != VERSION:
@@ -165,10 +166,10 @@ class Reader:
         """(stream, rest) bytes of chunk ``index`` of ``entry``, after checking they are what was written."""
         chunk = entry.chunks[index]
         where = f"{self.path}: tensor {entry.name!r} chunk {index + 1}/{len(entry.chunks)}"
-        limit = len(self._map) - _FOOTER.size
+        limit = self.size - _FOOTER.size
         if chunk.offset < len(MAGIC) or chunk.offset + chunk.size > limit:
             raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
-        view = memoryview(self._map)[chunk.offset : chunk.offset + chunk.size]
+        view = memoryview(os.pread(self._fd, chunk.size, chunk.offset))
         stream, rest = view[: chunk.stream_len], view[chunk.stream_len :]
         if _checksum2(stream, rest) != chunk.checksum:
             raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")
@@ -181,8 +182,9 @@ class Reader:
         return iter(self.entries)
 
     def close(self) -> None:
-        with contextlib.suppress(BufferError):  # a view still borrows the map; it closes with the last one
-            self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> Reader:
         return self

@@ -121,8 +121,7 @@ def decode_tensor(reader: Reader, entry: TensorEntry, *, pool: Executor | None =
 def _table(reader: Reader, entry: TensorEntry) -> np.ndarray:
     freqs = np.zeros(256, dtype=np.uint32)
     try:
-        for symbol, freq in entry.freqs.items():
-            freqs[symbol] = freq
+        freqs[list(entry.freqs)] = list(entry.freqs.values())
         return codec.table_for(freqs)
     except (ValueError, IndexError, OverflowError) as exc:
         where = f"{reader.path}: tensor {entry.name!r}"

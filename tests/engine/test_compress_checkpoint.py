@@ -178,6 +178,9 @@ def test_a_flipped_manifest_byte_or_a_cut_file_is_refused(mixed_dir: Path, tmp_p
     with pytest.raises(CorruptWeightsError, match="truncated"):
         Reader(path)
     path.write_bytes(b"")
+    with pytest.raises(CorruptWeightsError, match="not a kvgate compressed weights file"):
+        Reader(path)
+    path.unlink()
     with pytest.raises(CorruptWeightsError, match="cannot read"):
         Reader(path)
 

