@@ -58,15 +58,34 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     const uint8_t *sym = (const uint8_t *)sym_buf.buf;
     const uint32_t *freqs = (const uint32_t *)freq_buf.buf;
     Py_ssize_t n = sym_buf.len;
-    uint32_t start[256];
+    /* Division by a symbol's frequency as a multiply by its reciprocal (ryg's rans64): x / f is
+     * mulhi(x, rcp) >> shift for every x < 2^63, and the whole update is x + bias + q * (SCALE - f). */
+    uint64_t rcp[256];
+    uint32_t shift[256], bias[256], cmpl[256];
     uint32_t acc = 0;
     if (freq_buf.len != 256 * 4) {
         PyErr_SetString(PyExc_ValueError, "freqs must be 256 uint32");
         goto done;
     }
     for (int s = 0; s < 256; s++) {
-        start[s] = acc;
-        acc += freqs[s];
+        uint32_t f = freqs[s];
+        cmpl[s] = SCALE - f;
+        if (f < 2) {
+            rcp[s] = ~0ull;
+            shift[s] = 0;
+            bias[s] = acc + SCALE - 1;
+        } else {
+            uint32_t sh = 0;
+            while (f > (1u << sh)) sh++;
+            uint64_t x0 = f - 1, x1 = 1ull << (sh + 31);
+            uint64_t t1 = x1 / f;
+            x0 += (x1 % f) << 32;
+            uint64_t t0 = x0 / f;
+            rcp[s] = t0 + (t1 << 32);
+            shift[s] = sh - 1;
+            bias[s] = acc;
+        }
+        acc += f;
     }
     if (acc != SCALE) {
         PyErr_SetString(PyExc_ValueError, "freqs must sum to 4096");
@@ -94,7 +113,9 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
             words[nwords++] = (uint32_t)v;
             v >>= 32;
         }
-        x[i % LANES] = ((v / f) << SCALE_BITS) + (v % f) + start[sym[i]];
+        uint32_t s = sym[i];
+        uint64_t q = (uint64_t)(((unsigned __int128)v * rcp[s]) >> 64) >> shift[s];
+        x[i % LANES] = v + bias[s] + q * cmpl[s];
     }
     Py_END_ALLOW_THREADS
     if (bad) {
@@ -238,9 +259,64 @@ done:
     return result;
 }
 
+/* split(raw, kind) -> (symbols, rest, counts): float_split.split and the symbols' histogram (256 u64) in one
+ * pass over the tensor's bytes. */
+static PyObject *py_split(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer raw;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*i", &raw, &kind)) return NULL;
+    PyObject *symbols = NULL, *rest = NULL, *counts = NULL, *result = NULL;
+    if (kind < KIND_BF16 || kind > KIND_F32 || raw.len % OUT_WIDTH[kind]) {
+        PyErr_SetString(PyExc_ValueError, "split: unknown kind, or a size that is not a whole number of elements");
+        goto done;
+    }
+    Py_ssize_t n = raw.len / OUT_WIDTH[kind];
+    symbols = PyBytes_FromStringAndSize(NULL, n);
+    rest = PyBytes_FromStringAndSize(NULL, n * REST_WIDTH[kind]);
+    counts = PyBytes_FromStringAndSize(NULL, 256 * 8);
+    if (!symbols || !rest || !counts) goto done;
+    uint8_t *sym = (uint8_t *)PyBytes_AS_STRING(symbols), *r = (uint8_t *)PyBytes_AS_STRING(rest);
+    uint64_t *hist = (uint64_t *)PyBytes_AS_STRING(counts);
+    const uint8_t *in = (const uint8_t *)raw.buf;
+    Py_BEGIN_ALLOW_THREADS
+    memset(hist, 0, 256 * 8);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t s;
+        if (kind == KIND_F32) {
+            uint32_t u;
+            memcpy(&u, in + 4 * i, 4);
+            s = (uint8_t)(u >> 23);
+            r[3 * i] = (uint8_t)(((u >> 24) & 0x80) | ((u >> 16) & 0x7f));
+            r[3 * i + 1] = (uint8_t)(u >> 8);
+            r[3 * i + 2] = (uint8_t)u;
+        } else {
+            uint16_t u;
+            memcpy(&u, in + 2 * i, 2);
+            if (kind == KIND_BF16) {
+                s = (uint8_t)(u >> 7);
+                r[i] = (uint8_t)(((u >> 8) & 0x80) | (u & 0x7f));
+            } else {
+                s = (uint8_t)(u >> 8);
+                r[i] = (uint8_t)u;
+            }
+        }
+        sym[i] = s;
+        hist[s]++;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyTuple_Pack(3, symbols, rest, counts);
+done:
+    Py_XDECREF(symbols);
+    Py_XDECREF(rest);
+    Py_XDECREF(counts);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode(symbols, freqs) -> bytes: one chunk's rANS stream"},
     {"decode", py_decode, METH_VARARGS, "decode(stream, table, rest, out, n, kind): fill out, GIL released"},
+    {"split", py_split, METH_VARARGS, "split(raw, kind) -> (symbols, rest, counts): one pass, GIL released"},
     {"decode_table", py_decode_table, METH_VARARGS, "decode_table(freqs) -> bytes: 4096 packed u32 slots"},
     {NULL, NULL, 0, NULL},
 };

@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 
 from engine.compress import rans
-from engine.compress.float_split import REST_WIDTH, WORD, merge
+from engine.compress.float_split import REST_WIDTH, WORD, merge, split
 
 OUT_WIDTH = {kind: int(word[-1]) for kind, word in WORD.items()}
 
@@ -52,6 +52,20 @@ def encode(chunks: Sequence[np.ndarray], freqs: np.ndarray, *, pool: Executor | 
 
         return list(pool.map(one, chunks) if pool else map(one, chunks))
     return rans.encode_numpy(chunks, freqs)
+
+
+def split_and_count(raw: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(symbols, rest, counts [256]) of a float tensor's bytes: float_split.split plus the histogram."""
+    if native_available():
+        assert _native is not None
+        symbols, rest, counts = _native.split(np.ascontiguousarray(raw).reshape(-1), kind)
+        return (
+            np.frombuffer(symbols, dtype=np.uint8),
+            np.frombuffer(rest, dtype=np.uint8),
+            np.frombuffer(counts, dtype=np.uint64).astype(np.int64),
+        )
+    symbols, rest = split(raw, kind)
+    return symbols, rest, np.bincount(symbols, minlength=256)
 
 
 def table_for(freqs: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.compress import codec, rans
 from engine.compress.container import CorruptWeightsError, Reader, TensorEntry, Writer
-from engine.compress.float_split import KINDS, REST_WIDTH, merge, split
+from engine.compress.float_split import KINDS, REST_WIDTH, merge
 
 _T = TypeVar("_T")
 CHUNK_ELEMENTS = 1 << 17  # 256 KiB of BF16 per chunk: many chunks per tensor for threads, little overhead
@@ -49,9 +49,8 @@ def encode_tensor(
     kind = KINDS.get(dtype)
     bounds = [(lo, min(lo + chunk_elements, count)) for lo in range(0, count, chunk_elements)]
     if kind is not None and count:
-        symbols, rest = split(raw, kind)
+        symbols, rest, counts = codec.split_and_count(raw, kind)
         width = REST_WIDTH[kind]
-        counts = np.bincount(symbols, minlength=256)
         present = np.flatnonzero(counts)
         if len(present) == 1:
             chunks = [writer.append(hi - lo, b"", rest[lo * width : hi * width]) for lo, hi in bounds]

@@ -92,6 +92,18 @@ def test_every_float_kind_round_trips_bit_for_bit(
     assert np.array_equal(np.concatenate(outs), raw)
 
 
+@needs_native
+@pytest.mark.parametrize(
+    ("kind", "dtype"), [(KIND_BF16, torch.bfloat16), (KIND_F16, torch.float16), (KIND_F32, torch.float32)]
+)
+def test_native_split_and_histogram_match_numpy(kind: int, dtype: torch.dtype) -> None:
+    raw = weights(999, dtype, seed=7)
+    symbols, rest, counts = codec.split_and_count(raw, kind)
+    expected_symbols, expected_rest = split(raw, kind)
+    assert np.array_equal(symbols, expected_symbols) and np.array_equal(rest, expected_rest)
+    assert np.array_equal(counts, np.bincount(expected_symbols, minlength=256))
+
+
 def test_numpy_path_round_trips_on_its_own(numpy_path: None) -> None:
     assert not codec.native_available()
     symbols, _ = split(weights(3001, torch.bfloat16), KIND_BF16)
