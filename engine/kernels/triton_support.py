@@ -4,10 +4,22 @@ A kernel module's signatures name ``tl.constexpr``, so they must evaluate withou
 ``tl`` is then a stand-in that only provides that name. Kernels are jitted lazily, once per mode, because
 Triton decides between compiling and interpreting (``TRITON_INTERPRET=1``) when ``triton.jit`` runs: a test
 that sets the variable after the engine was imported still gets interpreted kernels.
+
+Kernel bodies carry no Python type hints on their parameters: Triton reads annotations as Triton types.
 """
 
 from collections.abc import Callable
 from typing import Any
+
+__all__ = [
+    "HAVE_TRITON",
+    "LazyKernel",
+    "interpreter_usable",
+    "interpreting",
+    "kernel",
+    "next_power_of_2",
+    "tl",
+]
 
 try:
     import triton
@@ -20,7 +32,7 @@ except ImportError:  # pragma: no cover - triton ships wherever torch's CUDA bui
     class _NoTritonLanguage:
         constexpr = object
 
-    tl = _NoTritonLanguage()  # type: ignore[assignment]
+    tl = _NoTritonLanguage()
 
 
 def interpreter_usable() -> bool:
