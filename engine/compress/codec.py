@@ -6,6 +6,7 @@ package was installed. ``use_native(False)`` forces the numpy path.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from types import ModuleType
@@ -17,13 +18,17 @@ from engine.compress.float_split import REST_WIDTH, WORD, merge, split
 
 OUT_WIDTH = {kind: int(word[-1]) for kind, word in WORD.items()}
 
-_native: ModuleType | None
-try:
-    from engine.compress import _rans as _native  # type: ignore[attr-defined]
 
-    assert _native.LANES == rans.LANES and _native.SCALE_BITS == rans.SCALE_BITS
-except ImportError:  # not built (no compiler at install time): numpy reads and writes the same format
-    _native = None
+def _load_native() -> ModuleType | None:
+    try:
+        module = importlib.import_module("engine.compress._rans")
+    except ImportError:  # not built (no compiler at install time): numpy reads and writes the same format
+        return None
+    assert module.LANES == rans.LANES and module.SCALE_BITS == rans.SCALE_BITS
+    return module
+
+
+_native = _load_native()
 
 _enabled = True
 

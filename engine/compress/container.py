@@ -91,7 +91,7 @@ class Writer:
         self._file.write(MAGIC)
         self._offset = len(MAGIC)
 
-    def append(self, count: int, stream: bytes | memoryview, rest: bytes | memoryview) -> Chunk:
+    def append(self, count: int, stream: bytes, rest: bytes | memoryview) -> Chunk:
         chunk = Chunk(self._offset, count, len(stream), len(rest), _checksum2(stream, rest))
         self._file.write(stream)
         self._file.write(rest)

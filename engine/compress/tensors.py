@@ -53,20 +53,20 @@ def encode_tensor(
         width = REST_WIDTH[kind]
         present = np.flatnonzero(counts)
         if len(present) == 1:
-            chunks = [writer.append(hi - lo, b"", rest[lo * width : hi * width]) for lo, hi in bounds]
+            chunks = [writer.append(hi - lo, b"", rest[lo * width : hi * width].data) for lo, hi in bounds]
             return TensorEntry(name, dtype, shape, "const", tuple(chunks), symbol=int(present[0]))
         freqs = rans.normalize(counts)
         streams = codec.encode([symbols[lo:hi] for lo, hi in bounds], freqs, pool=pool)
         table_bytes = 4 * len(present)
         if sum(map(len, streams)) + rest.size + table_bytes < raw.size:
             chunks = [
-                writer.append(hi - lo, stream, rest[lo * width : hi * width])
+                writer.append(hi - lo, stream, rest[lo * width : hi * width].data)
                 for (lo, hi), stream in zip(bounds, streams, strict=True)
             ]
             freq_map = {int(s): int(freqs[s]) for s in present}
             return TensorEntry(name, dtype, shape, "rans", tuple(chunks), freqs=freq_map)
     size = ITEMSIZE[dtype]
-    chunks = [writer.append(hi - lo, b"", raw[lo * size : hi * size]) for lo, hi in bounds]
+    chunks = [writer.append(hi - lo, b"", raw[lo * size : hi * size].data) for lo, hi in bounds]
     return TensorEntry(name, dtype, shape, "raw", tuple(chunks))
 
 
