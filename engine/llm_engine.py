@@ -99,6 +99,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
         # tp x pp > 1: the model and its KV cache live in worker processes, this process schedules.
         self.model: CausalLM | None = None
+        self.model_config: ModelConfig
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | ParallelExecutor
         if config.parallel.world_size > 1:

@@ -160,6 +160,6 @@ def _open(path: Path) -> Any:  # safetensors' handle has no public type
 
 def _read(f: Any, path: Path, name: str, shard: Shard | None = None) -> torch.Tensor:
     try:
-        return f.get_tensor(name) if shard is None else read_shard(f, name, shard)  # type: ignore[no-any-return]
+        return f.get_tensor(name) if shard is None else read_shard(f, name, shard)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read tensor {name}: {exc}") from None

@@ -56,6 +56,7 @@ class ParallelExecutor:
         vocab_size: int,
         timeout_s: float = 120.0,
         startup_timeout_s: float = 600.0,
+        min_micro_batch_tokens: int = 64,
     ) -> None:
         world = parallel.world_size
         if device.type == "cuda" and torch.cuda.device_count() < world:
@@ -72,6 +73,9 @@ class ParallelExecutor:
         self._stop_lock = threading.Lock()  # the watchdog and the engine thread may both stop the workers
         self._closing = False
         self._output_rank = parallel.rank(parallel.pipeline_parallel_size - 1, 0)
+        # One micro-batch per stage keeps every stage busy once the pipeline is full; 1 turns overlap off.
+        self.num_micro_batches = parallel.pipeline_parallel_size
+        self.min_micro_batch_tokens = min_micro_batch_tokens
         # Fork would copy the driver's threads and CUDA state; spawn would import torch again in every
         # worker (seconds of CPU each). A fork server imports it once and forks clean workers from itself.
         ctx = mp.get_context("forkserver")
@@ -116,7 +120,7 @@ class ParallelExecutor:
         in batch order. Raises RankFailed (and stops every worker) if any rank fails."""
         if self.failure is not None:
             raise self.failure
-        plan = plan_step(batch, self.parallel)
+        plan = plan_step(batch, self.num_micro_batches, self.min_micro_batch_tokens)
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
@@ -143,22 +147,22 @@ class ParallelExecutor:
             if not ready:
                 silent = sorted(set(by_conn.values()) - set(replies))
                 self._fail(f"no answer from ranks {silent} in {timeout_s:g} s")
-            for item in ready:
-                if item in by_conn:  # answers first: a rank that reported an error then exited says why
-                    rank = by_conn[item]
-                    try:
-                        message = item.recv()  # type: ignore[union-attr]
-                    except (EOFError, OSError):
-                        self._fail(self._death(rank))
-                    if message[0] == "error":
-                        kind, text = message[1], message[2]
-                        if starting and kind in _LOAD_ERRORS:
-                            self._fail(text, _LOAD_ERRORS[kind])
-                        self._fail(f"rank {self._describe(rank)} failed: {kind}: {text}")
-                    replies[rank] = message[1]
-            for item in ready:
-                rank = by_sentinel.get(item)  # type: ignore[call-overload]
-                if rank is not None and rank not in replies:
+            # Answers first: a rank that reported an error and then exited says why it failed.
+            for conn in (item for item in ready if isinstance(item, Connection)):
+                rank = by_conn[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(self._death(rank))
+                if message[0] == "error":
+                    kind, text = message[1], message[2]
+                    if starting and kind in _LOAD_ERRORS:
+                        self._fail(text, _LOAD_ERRORS[kind])
+                    self._fail(f"rank {self._describe(rank)} failed: {kind}: {text}")
+                replies[rank] = message[1]
+            for sentinel in (item for item in ready if isinstance(item, int)):
+                rank = by_sentinel[sentinel]
+                if rank not in replies:
                     self._fail(self._death(rank))
         return replies
 

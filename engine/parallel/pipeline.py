@@ -1,10 +1,12 @@
 """Pipeline stages: a step's sequences cut into micro-batches that flow stage to stage.
 
 The driver cuts a step into at most ``pp`` micro-batches of whole sequences (contiguous in batch order, about
-equal in tokens). Stage 0 embeds micro-batch 0, sends its hidden states on (without waiting for them to be
-received) and starts micro-batch 1 while stage 1 works on micro-batch 0, and so on; the last stage returns
-the logits of the rows that sample, micro-batch after micro-batch, which is batch order again. Sequences
-never attend across micro-batches, so the cut changes no token.
+equal in tokens), none smaller than ``min_tokens``: each micro-batch reads all of a stage's weights again,
+which a decode step of a few tokens pays in full and no overlap wins back. Stage 0 embeds micro-batch 0,
+sends its hidden states on (without waiting for them to be received) and starts micro-batch 1 while stage 1
+works on micro-batch 0, and so on; the last stage returns the logits of the rows that sample, micro-batch
+after micro-batch, which is batch order again. Sequences never attend across micro-batches, so the cut
+changes no token.
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ class MicroBatch:
         return cls(ids, positions, slices, sample_rows)
 
 
-def split_micro_batches(batch: Sequence[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
-    """At most ``n`` non-empty groups of consecutive sequences, cut where the tokens so far reach the next
-    ``1/n`` of the step's tokens."""
-    n = max(1, min(n, len(batch)))
+def split_micro_batches(
+    batch: Sequence[ScheduledSeq], n: int, min_tokens: int = 1
+) -> list[list[ScheduledSeq]]:
+    """At most ``n`` non-empty groups of consecutive sequences (fewer when the step has fewer than
+    ``n * min_tokens`` tokens), cut where the tokens so far reach the next ``1/n`` of the step's tokens."""
     total = sum(item.num_new for item in batch)
+    n = max(1, min(n, len(batch), total // max(1, min_tokens)))
     groups: list[list[ScheduledSeq]] = []
     current: list[ScheduledSeq] = []
     done = 0
@@ -68,8 +72,8 @@ def split_micro_batches(batch: Sequence[ScheduledSeq], n: int) -> list[list[Sche
     return groups
 
 
-def plan_step(batch: Sequence[ScheduledSeq], parallel: ParallelConfig) -> list[MicroBatch]:
-    return [MicroBatch.of(g) for g in split_micro_batches(batch, parallel.pipeline_parallel_size)]
+def plan_step(batch: Sequence[ScheduledSeq], num_micro_batches: int, min_tokens: int = 1) -> list[MicroBatch]:
+    return [MicroBatch.of(g) for g in split_micro_batches(batch, num_micro_batches, min_tokens)]
 
 
 class PipelineStage:

@@ -104,6 +104,9 @@ def test_micro_batches_are_contiguous_nonempty_and_balanced_in_tokens() -> None:
     assert cut((1, 1), 4) == [[1], [1]]  # never more groups than sequences
     assert cut((5, 6, 7), 1) == [[5, 6, 7]]
     assert cut((1, 1, 1, 1, 1, 1), 3) == [[1, 1], [1, 1], [1, 1]]
+    items = scheduled(1, 1, 1, 1, 1, 1, 1, 1)  # a decode step of 8 tokens
+    assert len(split_micro_batches(items, 2, min_tokens=64)) == 1  # not worth re-reading the weights
+    assert len(split_micro_batches(items, 2, min_tokens=4)) == 2
 
 
 def test_a_micro_batch_flattens_its_sequences_in_order() -> None:
