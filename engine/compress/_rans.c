@@ -313,10 +313,59 @@ done:
     return result;
 }
 
+/* expand_palette(codes, low, palette, exception_index, exception_value, out): palette.expand_reference in
+ * one pass (BF16 bits = palette[4-bit code] | low byte, then the exceptions), GIL released. */
+static PyObject *py_expand_palette(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer codes, low, palette, index, value, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*", &codes, &low, &palette, &index, &value, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = low.len, m = index.len / 4;
+    if (codes.len != (n + 1) / 2 || palette.len != 32 || index.len % 4 || value.len != m * 2 ||
+        out.len != n * 2) {
+        PyErr_SetString(PyExc_ValueError, "expand_palette: the sizes of the parts do not match");
+        goto done;
+    }
+    const uint8_t *c = (const uint8_t *)codes.buf, *lo = (const uint8_t *)low.buf;
+    const int32_t *where = (const int32_t *)index.buf;
+    const uint16_t *val = (const uint16_t *)value.buf;
+    uint16_t pal[16], *o = (uint16_t *)out.buf;
+    memcpy(pal, palette.buf, 32);
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint32_t pairs[256]; /* both elements of a code byte at once (little-endian: element 2j in the low half) */
+    for (uint32_t b = 0; b < 256; b++) pairs[b] = pal[b & 15] | ((uint32_t)pal[b >> 4] << 16);
+    for (Py_ssize_t j = 0; j < n / 2; j++) {
+        uint32_t v = pairs[c[j]] | lo[2 * j] | ((uint32_t)lo[2 * j + 1] << 16);
+        memcpy(o + 2 * j, &v, 4);
+    }
+    if (n & 1) o[n - 1] = (uint16_t)(pal[c[n >> 1] & 15] | lo[n - 1]);
+    for (Py_ssize_t k = 0; k < m; k++) {
+        if (where[k] < 0 || where[k] >= n) {
+            bad = 1;
+            break;
+        }
+        o[where[k]] = val[k];
+    }
+    Py_END_ALLOW_THREADS
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, "expand_palette: an exception index lies outside the tensor");
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&low);
+    PyBuffer_Release(&palette);
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&value);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode(symbols, freqs) -> bytes: one chunk's rANS stream"},
     {"decode", py_decode, METH_VARARGS, "decode(stream, table, rest, out, n, kind): fill out, GIL released"},
     {"split", py_split, METH_VARARGS, "split(raw, kind) -> (symbols, rest, counts): one pass, GIL released"},
+    {"expand_palette", py_expand_palette, METH_VARARGS, "expand a palette-form BF16 weight, GIL released"},
     {"decode_table", py_decode_table, METH_VARARGS, "decode_table(freqs) -> bytes: 4096 packed u32 slots"},
     {NULL, NULL, 0, NULL},
 };

@@ -37,6 +37,11 @@ def native_available() -> bool:
     return _native is not None and _enabled
 
 
+def native_module() -> ModuleType | None:
+    """The extension, or None when it is not built or turned off (the palette form's CPU expansion too)."""
+    return _native if native_available() else None
+
+
 def use_native(enabled: bool) -> None:
     """Turn the native path off (tests compare the two) or back on."""
     global _enabled

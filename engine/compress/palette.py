@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.compress import codec
+
 ESCAPE = 15
 EXCEPTION_BYTES = 6  # an int32 position and an int16 value
 
@@ -87,4 +89,15 @@ def expand_reference(pw: PaletteWeight, out: torch.Tensor) -> torch.Tensor:
     torch.bitwise_or(high[: pw.numel], pw.low.to(torch.int16), out=flat)
     if pw.exception_index.numel():
         flat.index_copy_(0, pw.exception_index.to(torch.int64), pw.exception_value)
+    return out
+
+
+def expand_native(pw: PaletteWeight, out: torch.Tensor) -> torch.Tensor:
+    """``expand_reference`` in one native pass (the ``_rans`` extension), for CPU tensors."""
+    native = codec.native_module()
+    if native is None or out.device.type != "cpu":
+        raise RuntimeError("the native expansion needs the _rans extension and CPU tensors")
+    flat = out.view(-1).view(torch.int16)
+    parts = (pw.codes, pw.low, pw.palette, pw.exception_index, pw.exception_value)
+    native.expand_palette(*(t.numpy() for t in parts), flat.numpy())
     return out

@@ -1,13 +1,14 @@
 """The Triton kernels that expand a palette-form weight (palette.py) to BF16 on the GPU: a dense pass over
 every element, then a patch pass over the exceptions. ``expand`` picks them for CUDA tensors (or under
-``TRITON_INTERPRET=1``) and palette.expand_reference otherwise; both write the same bits.
+``TRITON_INTERPRET=1``), the native CPU pass or the torch reference otherwise; all write the same bits.
 """
 
 # No `from __future__ import annotations`: the interpreter needs tl.constexpr as a real annotation.
 
 import torch
 
-from engine.compress.palette import PaletteWeight, expand_reference
+from engine.compress import codec
+from engine.compress.palette import PaletteWeight, expand_native, expand_reference
 from engine.kernels.triton_support import HAVE_TRITON, interpreting, kernel, tl
 
 BLOCK = 1024
@@ -46,9 +47,12 @@ def expand_triton(pw: PaletteWeight, out: torch.Tensor) -> torch.Tensor:
 
 
 def expand(pw: PaletteWeight, out: torch.Tensor) -> torch.Tensor:
-    """Expand with Triton on CUDA (or in its interpreter), else with the torch reference."""
+    """Expand with Triton on CUDA (or in its interpreter), natively on CPU when the extension is built,
+    else with the torch reference."""
     if HAVE_TRITON and (out.is_cuda or interpreting()):
         return expand_triton(pw, out)
+    if out.device.type == "cpu" and codec.native_available():
+        return expand_native(pw, out)
     return expand_reference(pw, out)
 
 

@@ -11,7 +11,8 @@ kvgate's ``small`` random Llama (88M parameters, BF16). For each, in the same ru
     zipnn alternated, best of ``--rounds``; kvgate's decompression includes every checksum;
   - the in-memory palette form's ratio;
   - (random Llama only: the engine cannot run a BERT) decode-step time with weights kept compressed in memory
-    (torch reference expansion on CPU) against the uncompressed engine, alternated, medians.
+    (expanded on CPU by the torch reference, and by the native pass) against the uncompressed engine,
+    alternated, medians.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def measure_model(name: str, model: Path, work: Path, rounds: int, threads: int)
 
 
 def decode_step_slowdown(model: Path, rounds: int) -> None:
-    """Decode steps of the uncompressed engine and of one keeping its weights compressed, alternated."""
+    """Decode steps of the uncompressed engine and of one keeping its weights compressed, expanding them
+    with the torch reference and with the native CPU pass, alternated; medians."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sequence import SamplingParams
 
@@ -182,12 +184,15 @@ def decode_step_slowdown(model: Path, rounds: int) -> None:
         config = EngineConfig(str(model), device="cpu", num_kv_blocks=256, compressed_weights=compressed)
         return LLMEngine(config)
 
-    engines = {"plain": build(False), "compressed": build(True)}
+    plain, held = build(False), build(True)
+    # (engine, whether the native path is on): the compressed engine runs once per expansion path
+    runs = {"plain": (plain, True), "torch reference": (held, False), "native": (held, True)}
     params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
-    step_ms: dict[str, list[float]] = {name: [] for name in engines}
+    step_ms: dict[str, list[float]] = {name: [] for name in runs}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
-        for name, engine in engines.items():
+        for name, (engine, native) in runs.items():
+            codec.use_native(native)
             for i in range(4):
                 engine.add_request(f"{name}-{i}-{time.monotonic_ns()}", [3 + i, 17, 99, 5, 42, 8], params)
             engine.step()  # prefill
@@ -197,16 +202,16 @@ def decode_step_slowdown(model: Path, rounds: int) -> None:
                 engine.step()
                 times.append(time.perf_counter() - start)
             step_ms[name].append(1e3 * statistics.median(times))
-        tokens = {
-            name: e.generate([[3, 17, 99, 5]], SamplingParams(max_tokens=8, temperature=0.0))
-            for name, e in engines.items()
-        }
-    plain, held = statistics.median(step_ms["plain"]), statistics.median(step_ms["compressed"])
+            tokens[name] = engine.generate([[3, 17, 99, 5]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    codec.use_native(True)
+    base = statistics.median(step_ms["plain"])
     threads = torch.get_num_threads()
-    print(f"\n== decode step, 4 sequences, CPU, torch reference expansion, {threads} torch threads")
-    print(f"  uncompressed engine      {plain:7.2f} ms/step")
-    print(f"  weights kept compressed  {held:7.2f} ms/step   slowdown {held / plain:.2f}x")
-    print(f"  same greedy tokens: {tokens['plain'] == tokens['compressed']}")
+    print(f"\n== decode step, 4 sequences, CPU, {threads} torch threads (medians of {rounds})")
+    print(f"  uncompressed engine              {base:7.2f} ms/step")
+    for name in ("torch reference", "native"):
+        ms = statistics.median(step_ms[name])
+        print(f"  kept compressed, {name + ' expansion':<16} {ms:7.2f} ms/step   slowdown {ms / base:.2f}x")
+    print(f"  same greedy tokens: {len({tuple(t) for t in tokens.values()}) == 1}")
 
 
 def _zipnn() -> type | None:

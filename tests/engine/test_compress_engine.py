@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.attention import KVCache, SeqSlice, build_metadata
+from engine.compress import codec
 from engine.compress.checkpoint import compress_checkpoint
 from engine.compress.in_memory import keep_compressed
-from engine.compress.palette import ESCAPE, compress, expand_reference
+from engine.compress.palette import ESCAPE, compress, expand_native, expand_reference
 from engine.kernels.triton_support import interpreter_usable
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.errors import ModelLoadError
@@ -122,6 +123,16 @@ def test_palette_form_expands_bit_for_bit(shape: tuple[int, ...]) -> None:
         assert 0 < form.exception_index.numel() < weight.numel()  # both paths of the expansion run
     out = torch.full_like(weight, float("nan"))
     expand_reference(form, out)
+    assert torch.equal(out.view(torch.int16), weight.view(torch.int16))
+
+
+@pytest.mark.skipif(not codec.native_available(), reason="the _rans extension is not built")
+@pytest.mark.parametrize("shape", [(1,), (9,), (33, 17)])
+def test_native_cpu_expansion_matches_the_reference(shape: tuple[int, ...]) -> None:
+    weight = spread_weights(shape, seed=4)
+    form = compress(weight)
+    out = torch.zeros_like(weight)
+    assert expand_native(form, out) is out
     assert torch.equal(out.view(torch.int16), weight.view(torch.int16))
 
 
