@@ -10,7 +10,6 @@ then stores and attends.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -76,35 +75,41 @@ def build_metadata(
 ) -> AttentionMetadata:
     if not slices:
         raise ValueError("a step needs at least one sequence")
-    tables = np.zeros((len(slices), max(len(s.block_table) for s in slices)), dtype=np.int32)
-    slots: list[np.ndarray] = []
+    count = len(slices)
+    num_new = np.fromiter((s.num_new for s in slices), dtype=np.int64, count=count)
+    num_computed = np.fromiter((s.num_computed for s in slices), dtype=np.int64, count=count)
+    num_blocks = np.fromiter((len(s.block_table) for s in slices), dtype=np.int64, count=count)
+    ctx = num_computed + num_new
+    bad = np.flatnonzero((num_new < 1) | (num_blocks * block_size < ctx))
+    if bad.size:
+        b = int(bad[0])
+        blocks = num_blocks[b]
+        raise ValueError(f"sequence {b}: {num_new[b]} new tokens, {ctx[b]} in context, {blocks} blocks")
+    tables = np.zeros((count, int(num_blocks.max())), dtype=np.int32)
     for b, s in enumerate(slices):
-        ctx = s.num_computed + s.num_new
-        if s.num_new < 1 or len(s.block_table) * block_size < ctx:
-            raise ValueError(
-                f"sequence {b}: {s.num_new} new tokens, {ctx} in context, {len(s.block_table)} blocks"
-            )
-        table = np.asarray(s.block_table, dtype=np.int64)
-        tables[b, : len(table)] = table
-        new = np.arange(s.num_computed, ctx)
-        slots.append(table[new // block_size] * block_size + new % block_size)
+        tables[b, : len(s.block_table)] = s.block_table
+    # Every new token at once: its sequence, its position there, the slot the block table gives it
+    starts = np.concatenate(([0], np.cumsum(num_new)))
+    seq = np.repeat(np.arange(count), num_new)
+    pos = np.arange(starts[-1]) - starts[seq] + num_computed[seq]
+    slots = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
     device = torch.device(device)
     return AttentionMetadata(
         slices=tuple(slices),
         device=device,
         block_size=block_size,
-        query_lens=tuple(s.num_new for s in slices),
-        context_lens=tuple(s.num_computed + s.num_new for s in slices),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        query_lens=tuple(num_new.tolist()),
+        context_lens=tuple(ctx.tolist()),
+        slot_mapping=torch.from_numpy(slots).to(device),
         block_tables=torch.from_numpy(tables).to(device),
-        seq_lens=_int32([s.num_computed + s.num_new for s in slices], device),
-        query_start=_int32([0, *itertools.accumulate(s.num_new for s in slices)], device),
-        prefix_lens=_int32([s.num_computed for s in slices], device),
+        seq_lens=_int32(ctx, device),
+        query_start=_int32(starts, device),
+        prefix_lens=_int32(num_computed, device),
     )
 
 
-def _int32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.int32).to(device)
+def _int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(values.astype(np.int32)).to(device)
 
 
 def _dense_layout(slices: Sequence[SeqSlice], block_size: int, device: torch.device) -> DenseLayout:
