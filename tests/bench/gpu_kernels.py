@@ -149,10 +149,11 @@ def kernels(s: Shapes, device: torch.device, dtype: torch.dtype, timer: Timer) -
     from engine.attention import SeqSlice, build_metadata, paged_attention
     from engine.kernels import activation, kv_store, norm, rotary
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # permutations, on the host
+    g_device = torch.Generator(device=device).manual_seed(0)  # data, made where it is used (GBs of it)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=g).to(device, dtype)
+        return torch.randn(shape, generator=g_device, device=device, dtype=dtype)
 
     size = dtype.itemsize
     print(
