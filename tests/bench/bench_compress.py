@@ -207,10 +207,11 @@ def decode_step_slowdown(model: Path, rounds: int) -> None:
     base = statistics.median(step_ms["plain"])
     threads = torch.get_num_threads()
     print(f"\n== decode step, 4 sequences, CPU, {threads} torch threads (medians of {rounds})")
-    print(f"  uncompressed engine              {base:7.2f} ms/step")
+    print(f"  uncompressed engine                          {base:8.2f} ms/step")
     for name in ("torch reference", "native"):
         ms = statistics.median(step_ms[name])
-        print(f"  kept compressed, {name + ' expansion':<16} {ms:7.2f} ms/step   slowdown {ms / base:.2f}x")
+        label = f"kept compressed, {name} expansion"
+        print(f"  {label:<44} {ms:8.2f} ms/step   slowdown {ms / base:.2f}x")
     print(f"  same greedy tokens: {len({tuple(t) for t in tokens.values()}) == 1}")
 
 
