@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cache.token_chunks import CHUNK_CHARS, chunker_for
+
 
 class Tokenizer(Protocol):
     name: str
@@ -60,7 +62,13 @@ class HFTokenizer:
         self.name = path.parent.name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._guess_eos()
-        self._segments = _segment_splitter(self._tok)
+        config = _parsed(self._tok)
+        self._segments = _segment_splitter(config)
+        # Long pieces are cut into chunks where that cannot change a token (cache.token_chunks): a text
+        # that grows at its end then re-encodes only its tail.
+        self._chunker = (
+            chunker_for(config) if self._segments is not None or not config.get("added_tokens") else None
+        )
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_chars = 0
         self._lock = (
@@ -75,8 +83,10 @@ class HFTokenizer:
         return self.vocab_size - 1
 
     def encode(self, text: str) -> np.ndarray:
-        if self._segments is None or len(text) < _MIN_CACHED_CHARS:
+        if len(text) < _MIN_CACHED_CHARS:
             return self._encode_uncached(text)
+        if self._segments is None:  # no special tokens to split at (then the chunker may still cut)
+            return self._encode_piece(text) if self._chunker is not None else self._encode_uncached(text)
         # The tokenizer splits its input at special tokens before anything else, so the pieces between them
         # encode independently: a system prompt or an earlier turn that every request of a conversation
         # resends is encoded once and then taken from the cache.
@@ -92,6 +102,11 @@ class HFTokenizer:
     def _encode_piece(self, piece: str) -> np.ndarray:
         if len(piece) < _MIN_CACHED_CHARS:
             return self._encode_uncached(piece)
+        if self._chunker is not None and len(piece) >= 2 * CHUNK_CHARS:
+            return np.concatenate([self._encode_cached(chunk) for chunk in self._chunker(piece)])
+        return self._encode_cached(piece)
+
+    def _encode_cached(self, piece: str) -> np.ndarray:
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:
@@ -128,13 +143,19 @@ def _uint32(ids: list[int]) -> np.ndarray:
     return np.frombuffer(array.array("I", ids), dtype=np.uint32)
 
 
-def _segment_splitter(tok: Any) -> tuple[re.Pattern[str], dict[str, np.ndarray]] | None:
+def _parsed(tok: Any) -> dict[str, Any]:
+    """The tokenizer's own description (tokenizer.json), or {} when it cannot give one."""
+    try:
+        config = json.loads(tok.to_str())
+    except (ValueError, TypeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _segment_splitter(config: dict[str, Any]) -> tuple[re.Pattern[str], dict[str, np.ndarray]] | None:
     """A regex that splits text at the tokenizer's special tokens (kept as separators) and their ids, when
     splitting first is exactly what the tokenizer does: no special token strips or absorbs its neighbours."""
-    try:
-        added = json.loads(tok.to_str()).get("added_tokens", [])
-    except (ValueError, TypeError):
-        return None
+    added = config.get("added_tokens") or []
     special = [a for a in added if a.get("special")]
     if not special or any(
         a.get("lstrip") or a.get("rstrip") or a.get("single_word") or a.get("normalized") for a in special
