@@ -107,6 +107,8 @@ def compress_checkpoint(
     if target.resolve() == source.resolve():
         raise ModelLoadError(f"{target}: compress into another directory than the model's own")
     files = source_weight_files(source)
+    if any(path.suffix == SUFFIX for path in files):
+        raise ModelLoadError(f"{source}: already compressed (it holds {files[0].name})")
     headers = [read_safetensors_header(path) for path in files]
     target.mkdir(parents=True, exist_ok=True)
     _copy_others(source, target, skip={p.name for p in files} | {SAFETENSORS_INDEX})

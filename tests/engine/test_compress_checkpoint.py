@@ -204,6 +204,8 @@ def test_cli_compresses_refuses_a_full_target_and_reports_corruption(
     assert "x) in" in capsys.readouterr().out
     assert engine_main(["compress", str(bf16_model), str(tmp_path / "c")]) == 1
     assert "not an empty directory" in capsys.readouterr().err
+    assert engine_main(["compress", str(tmp_path / "c"), str(tmp_path / "twice")]) == 2
+    assert "already compressed" in capsys.readouterr().err
     assert engine_main(["decompress", str(tmp_path / "c"), str(tmp_path / "back")]) == 0
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
         bf16_model / "model.safetensors"
