@@ -293,6 +293,8 @@ def _write_original(
 ) -> tuple[int, int]:
     """Decode ``reader``'s tensors into the safetensors file it came from; returns (bytes, tensors)."""
     header, tensors, name = _source(reader)
+    largest = max((nbytes(e.dtype, e.shape) for e in reader.entries.values()), default=0)
+    buffer = np.empty(largest, dtype=np.uint8)  # one allocation reused by every tensor
     out_path = target / name
     partial = out_path.with_name(name + ".partial")  # a failed decode leaves no file that looks whole
     with _removed_on_error(partial), partial.open("wb") as out:
@@ -304,7 +306,7 @@ def _write_original(
                     f"{reader.path}: tensor {tensor_name!r} differs from its source header"
                 )
             out.seek(len(header) + t.begin)
-            out.write(decode_tensor(reader, entry, pool=pool).data)
+            out.write(decode_tensor(reader, entry, pool=pool, out=buffer).data)
             progress.update(t.end - t.begin)
     partial.replace(out_path)
     return out_path.stat().st_size, len(tensors)

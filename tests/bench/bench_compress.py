@@ -38,7 +38,7 @@ from engine.compress.checkpoint import COMPRESSED_FILE, compress_checkpoint
 from engine.compress.container import Reader
 from engine.compress.in_memory import MIN_ELEMENTS
 from engine.compress.palette import compress as palette_compress
-from engine.compress.tensors import decode_tensor
+from engine.compress.tensors import decode_tensor, nbytes
 
 MB = 1e6
 
@@ -102,9 +102,14 @@ def best(job: Callable[[], object], rounds: int) -> float:
 
 
 def decode_all(path: Path, threads: int) -> None:
+    """The whole file's tensors decoded into one buffer: what zipnn's decompress() returns too."""
     with Reader(path) as reader, ThreadPoolExecutor(threads) as pool:
-        for entry in reader.entries.values():
-            decode_tensor(reader, entry, pool=pool if threads > 1 else None)
+        sizes = [nbytes(e.dtype, e.shape) for e in reader.entries.values()]
+        out = np.empty(sum(sizes), dtype=np.uint8)
+        start = 0
+        for entry, size in zip(reader.entries.values(), sizes, strict=True):
+            decode_tensor(reader, entry, pool=pool if threads > 1 else None, out=out[start : start + size])
+            start += size
 
 
 def measure_model(name: str, model: Path, work: Path, rounds: int, threads: int) -> None:

@@ -23,6 +23,7 @@ from engine.compress.checkpoint import (
     decompress_checkpoint,
 )
 from engine.compress.container import CorruptWeightsError, Reader
+from engine.compress.tensors import decode_tensor
 from engine.model.errors import ModelLoadError
 from engine.model.loader import load_model
 
@@ -216,6 +217,17 @@ def test_cli_compresses_refuses_a_full_target_and_reports_corruption(
     assert "checksum mismatch" in capsys.readouterr().err
     assert engine_main(["decompress", str(bf16_model), str(tmp_path / "other")]) == 2
     assert "not a compressed model" in capsys.readouterr().err
+
+
+def test_tensors_decode_into_a_caller_buffer(mixed_dir: Path, tmp_path: Path) -> None:
+    compress_checkpoint(mixed_dir, tmp_path / "c", chunk_elements=2048)
+    buffer = np.full(100_000, 0xAA, dtype=np.uint8)
+    with Reader(tmp_path / "c" / COMPRESSED_FILE) as reader:
+        for name, tensor in mixed_tensors().items():
+            got = decode_tensor(reader, reader.entries[name], out=buffer)
+            assert got.tobytes() == tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        with pytest.raises(ValueError, match="at least"):
+            decode_tensor(reader, reader.entries["f32"], out=buffer[:10])
 
 
 def test_chunks_tile_each_tensor(mixed_dir: Path, tmp_path: Path) -> None:
