@@ -14,7 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import socket
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -80,7 +80,10 @@ class ParallelExecutor:
         # worker (seconds of CPU each). A fork server imports it once and forks clean workers from itself.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["engine.parallel.workers"])
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # A file store: no port to pick and lose to another process before the ranks bind it.
+        fd, self._rendezvous = tempfile.mkstemp(prefix="kvgate-rendezvous-")
+        os.close(fd)
+        init_method = f"file://{self._rendezvous}"
         threads = max(1, (os.cpu_count() or 1) // world)
         self.processes: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -158,7 +161,8 @@ class ParallelExecutor:
                     kind, text = message[1], message[2]
                     if starting and kind in _LOAD_ERRORS:
                         self._fail(text, _LOAD_ERRORS[kind])
-                    self._fail(f"rank {self._describe(rank)} failed: {kind}: {text}")
+                    dead = [self._death(r) for r in self._dead_peers(rank)]
+                    self._fail("; ".join([*dead, f"rank {self._describe(rank)} failed: {kind}: {text}"]))
                 replies[rank] = message[1]
             for sentinel in (item for item in ready if isinstance(item, int)):
                 rank = by_sentinel[sentinel]
@@ -188,6 +192,14 @@ class ParallelExecutor:
         self._stop_workers()
         raise error
 
+    def _dead_peers(self, rank: int, grace_s: float = 1.0) -> list[int]:
+        """Ranks other than ``rank`` that have exited, waiting ``grace_s`` for one to. A peer's death usually
+        reaches a survivor as a collective error (connection reset) a moment before the dead process can
+        be reaped: the dead rank is the news, not the survivor's error."""
+        others = {p.sentinel: r for r, p in enumerate(self.processes) if r != rank}
+        wait(list(others), timeout=grace_s)
+        return [r for r, p in enumerate(self.processes) if r != rank and not p.is_alive()]
+
     def _death(self, rank: int) -> str:
         process = self.processes[rank]
         process.join(0.1)
@@ -211,6 +223,8 @@ class ParallelExecutor:
         self._stop_workers()
         for conn in self._conns:
             conn.close()
+        with contextlib.suppress(OSError):  # the store removes it itself once every rank let go of it
+            os.unlink(self._rendezvous)
 
     def _stop_workers(self) -> None:
         with self._stop_lock:
@@ -222,9 +236,3 @@ class ParallelExecutor:
                 if process.is_alive():
                     process.kill()
                     process.join(2.0)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

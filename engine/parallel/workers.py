@@ -33,7 +33,7 @@ class WorkerSpec:
     model_dir: str
     parallel: ParallelConfig
     rank: int
-    init_method: str  # tcp://host:port of the rendezvous
+    init_method: str  # file://path of the rendezvous store (one node)
     device: str  # "cpu" or "cuda:N"
     dtype: str  # a key of _DTYPES
     num_blocks: int

@@ -193,7 +193,10 @@ async def test_an_idle_engine_turns_red_when_a_rank_dies(served: Served) -> None
     assert_failed_cleanly(*await asyncio.wait_for(served.complete(), 10))
     runner = served.server.llm.runner
     assert isinstance(runner, ParallelExecutor)
-    assert not any(p.is_alive() for p in runner.processes)  # the survivor was stopped, not left waiting
+    # The survivor is stopped (the watchdog terminates it right after raising the alarm), not left waiting.
+    for process in runner.processes:
+        await asyncio.to_thread(process.join, 5.0)
+    assert not any(p.is_alive() for p in runner.processes)
 
 
 async def test_a_rank_dying_mid_generation_fails_the_request_in_flight(served: Served) -> None:
