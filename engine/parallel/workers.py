@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -43,7 +44,9 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The process's entry point (spawned by the executor)."""
+    """The process's entry point (forked by the executor's fork server)."""
+    # Ctrl-C reaches the whole process group: the driver handles it and stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         stage = _start(spec)
     except Exception as exc:
