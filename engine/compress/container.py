@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -128,6 +129,7 @@ class Reader:
             self.size = os.fstat(self._fd).st_size
         except OSError as exc:
             raise CorruptWeightsError(f"{path}: cannot read the compressed weights file: {exc}") from None
+        self._scratch = threading.local()
         try:
             self.manifest = self._read_manifest()
         except BaseException:
@@ -162,14 +164,26 @@ class Reader:
             )
         return manifest
 
-    def payload(self, entry: TensorEntry, index: int) -> tuple[memoryview, memoryview]:
-        """(stream, rest) bytes of chunk ``index`` of ``entry``, after checking they are what was written."""
+    def payload(
+        self, entry: TensorEntry, index: int, *, scratch: bool = False
+    ) -> tuple[memoryview, memoryview]:
+        """(stream, rest) bytes of chunk ``index`` of ``entry``, after checking they are what was written.
+        With ``scratch`` they are read into this thread's reusable buffer (no fresh pages to fault in) and
+        stay valid only until the thread's next ``scratch`` read."""
         chunk = entry.chunks[index]
         where = f"{self.path}: tensor {entry.name!r} chunk {index + 1}/{len(entry.chunks)}"
         limit = self.size - _FOOTER.size
         if chunk.offset < len(MAGIC) or chunk.offset + chunk.size > limit:
             raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
-        view = memoryview(os.pread(self._fd, chunk.size, chunk.offset))
+        if scratch:
+            buffer: bytearray | None = getattr(self._scratch, "buffer", None)
+            if buffer is None or len(buffer) < chunk.size:
+                buffer = self._scratch.buffer = bytearray(max(chunk.size, 1 << 20))
+            view = memoryview(buffer)[: chunk.size]
+            if os.preadv(self._fd, [view], chunk.offset) != chunk.size:
+                raise CorruptWeightsError(f"{where}: short read: truncated file")
+        else:
+            view = memoryview(os.pread(self._fd, chunk.size, chunk.offset))
         stream, rest = view[: chunk.stream_len], view[chunk.stream_len :]
         if _checksum2(stream, rest) != chunk.checksum:
             raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")

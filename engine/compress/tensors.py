@@ -114,7 +114,7 @@ def decode_tensor(
     table = _table(reader, entry)
 
     def one(i: int) -> None:
-        stream, rest = reader.payload(entry, i)
+        stream, rest = reader.payload(entry, i, scratch=True)  # decoded before this thread reads again
         _check_lengths(reader, entry, [(stream, rest)], kind, size, first=i)
         try:
             codec.decode_into(stream, table, rest, pieces[i], kind)

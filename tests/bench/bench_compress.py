@@ -12,7 +12,7 @@ kvgate's ``small`` random Llama (88M parameters, BF16). For each, in the same ru
   - the in-memory palette form's ratio;
   - (random Llama only: the engine cannot run a BERT) decode-step time with weights kept compressed in memory
     (expanded on CPU by the torch reference, and by the native pass) against the uncompressed engine,
-    alternated, medians.
+    alternated, medians; and the same for one forward step of the model alone (no engine overhead).
 """
 
 from __future__ import annotations
@@ -220,6 +220,45 @@ def decode_step_slowdown(model: Path, rounds: int) -> None:
     print(f"  same greedy tokens: {len({tuple(t) for t in tokens.values()}) == 1}")
 
 
+def forward_slowdown(model: Path, rounds: int) -> None:
+    """The model alone (no engine around it): one decode step of 4 sequences through the paged cache,
+    uncompressed vs weights kept compressed, each expansion path; alternated, medians of 8 steps a round."""
+    from engine.attention import KVCache, SeqSlice, build_metadata
+    from engine.compress.in_memory import keep_compressed
+    from engine.model.loader import load_model
+
+    plain, _ = load_model(model)
+    held, _ = load_model(model)
+    keep_compressed(held)
+
+    def step_ms(m: torch.nn.Module) -> float:
+        cfg = m.config
+        cache = KVCache(cfg.num_hidden_layers, 32, 16, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
+        ids, times = torch.tensor([5, 6, 7, 8]), []
+        with torch.inference_mode():
+            for position in range(8):
+                meta = build_metadata([SeqSlice([i], position, 1) for i in range(4)], 16)
+                start = time.perf_counter()
+                m.compute_logits(m(ids, torch.full((4,), position), cache, meta))
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    results: dict[str, list[float]] = {"plain": [], "torch reference": [], "native": []}
+    for _ in range(rounds):
+        results["plain"].append(step_ms(plain))
+        for name, native in (("torch reference", False), ("native", True)):
+            codec.use_native(native)
+            results[name].append(step_ms(held))
+    codec.use_native(True)
+    base = statistics.median(results["plain"])
+    print("\n== the model alone, one decode step of 4 sequences (medians)")
+    print(f"  uncompressed                                 {base:8.2f} ms/step")
+    for name in ("torch reference", "native"):
+        ms = statistics.median(results[name])
+        label = f"kept compressed, {name} expansion"
+        print(f"  {label:<44} {ms:8.2f} ms/step   slowdown {ms / base:.2f}x")
+
+
 def _zipnn() -> type | None:
     try:
         from zipnn import ZipNN
@@ -237,7 +276,15 @@ def main() -> int:
         "--threads", type=int, default=os.cpu_count() or 1, help="N for the multi-thread figures"
     )
     parser.add_argument("--models", default="minilm,random", help="comma-separated: minilm, random")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's threads for the decode steps (default 1: on a shared machine, OpenMP's barriers wait "
+        "on a busy core and a single elementwise op can take 40x longer with 2 threads than with 1)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
     print(f"native decoder: {codec.native_available()}; {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -251,6 +298,7 @@ def main() -> int:
             model = random_llama(work / "random")
             measure_model("random Llama small (BF16)", model, work, args.rounds, args.threads)
             decode_step_slowdown(model, args.rounds)
+            forward_slowdown(model, args.rounds)
     return 0
 
 
