@@ -187,8 +187,12 @@ class ParallelExecutor:
     def _fail(self, why: str, kind: type[Exception] = RankFailed) -> NoReturn:
         error = kind(why)
         with self._lock:
-            if self.failure is None and isinstance(error, RankFailed):
-                self.failure = error
+            if isinstance(error, RankFailed):
+                # The watchdog may have seen the first death already and stopped the others since: the
+                # first death is the news, not a survivor it terminated.
+                if self.failure is None:
+                    self.failure = error
+                error = self.failure
         self._stop_workers()
         raise error
 

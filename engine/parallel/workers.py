@@ -1,8 +1,8 @@
 """The worker process of one rank: join the group, load this rank's shard, then run each step it is sent.
 
 The driver (``engine.parallel.executor``) talks to each worker over a pipe: it sends the pickled step plan,
-the worker answers ``("ok", logits or None)`` or ``("error", kind, message)`` and then exits. A closed pipe
-(the driver is gone) or a ``None`` plan ends the worker.
+the worker answers ``("ok", logits or None)`` or ``("error", kind, message)``, after which it computes
+nothing more and waits to be stopped. A closed pipe (the driver is gone) or a ``None`` plan ends the worker.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def _start(spec: WorkerSpec) -> PipelineStage:
 
 
 def _serve(stage: PipelineStage, conn: Connection) -> None:
+    failed = False
     while True:
         try:
             plan = pickle.loads(conn.recv_bytes())
@@ -88,11 +89,14 @@ def _serve(stage: PipelineStage, conn: Connection) -> None:
             return  # the driver is gone
         if plan is None:
             return
+        if failed:
+            continue  # the driver stops a failed engine; exiting first would only blur which rank failed
         try:
             logits = stage.run(plan)
-        except Exception as exc:  # a peer died mid-collective, or the step itself failed: report and stop
+        except Exception as exc:  # a peer died mid-collective, or the step itself failed
             _send(conn, ("error", type(exc).__name__, f"{exc}"))
-            return
+            failed = True
+            continue
         _send(conn, ("ok", None if logits is None else logits.numpy()))
 
 

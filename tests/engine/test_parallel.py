@@ -21,7 +21,8 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.errors import ModelLoadError
 from engine.model_runner import ModelRunner
 from engine.parallel.executor import ParallelExecutor, RankFailed
-from engine.sequence import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import SamplingParams, Sequence
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -124,6 +125,25 @@ def test_a_bad_checkpoint_fails_in_the_workers_as_a_model_load_error(
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         LLMEngine(config(broken, 2, 1))
+
+
+def test_a_step_that_fails_on_the_ranks_fails_the_engine_with_their_error(tiny_model_dir: Path) -> None:
+    engine = LLMEngine(config(tiny_model_dir, 2, 1))
+    runner = engine.runner
+    assert isinstance(runner, ParallelExecutor)
+    try:
+        bad = Sequence("bad", [1, 2, 3], GREEDY, 0, block_table=[10_000])  # a block no cache has
+        failed = r"rank [01] \(pipeline stage 0, tensor-parallel rank [01]\) failed: IndexError"
+        with pytest.raises(RankFailed, match=failed):
+            runner.run([ScheduledSeq(bad, 3, True)])
+        assert engine.failure is not None
+        with pytest.raises(RankFailed):  # every later step too, without reaching the ranks
+            runner.run([ScheduledSeq(bad, 3, True)])
+        for process in runner.processes:
+            process.join(5.0)
+        assert not any(p.is_alive() for p in runner.processes)
+    finally:
+        engine.close()
 
 
 # -- a rank that dies ----------------------------------------------------------------------------------------
