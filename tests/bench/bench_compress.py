@@ -211,7 +211,7 @@ def decode_step_slowdown(model: Path, rounds: int) -> None:
     codec.use_native(True)
     base = statistics.median(step_ms["plain"])
     threads = torch.get_num_threads()
-    print(f"\n== decode step, 4 sequences, CPU, {threads} torch threads (medians of {rounds})")
+    print(f"\n== decode step, 4 sequences, CPU, {threads} torch thread(s) (medians of {rounds})")
     print(f"  uncompressed engine                          {base:8.2f} ms/step")
     for name in ("torch reference", "native"):
         ms = statistics.median(step_ms[name])
