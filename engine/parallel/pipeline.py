@@ -99,8 +99,9 @@ class PipelineStage:
 
     @torch.inference_mode()
     def run(self, plan: list[MicroBatch]) -> torch.Tensor | None:
-        """Run every micro-batch through this stage. The last stage returns float32 logits [N, vocab] for
-        the sampled rows of all micro-batches (identical on each of its tensor-parallel ranks)."""
+        """Run every micro-batch through this stage. The last stage's first tensor-parallel rank returns
+        float32 logits [N, vocab] for the sampled rows of all micro-batches; every other rank None (its
+        tensor-parallel peers hold the same logits: one copy goes back to the driver)."""
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         logits: list[torch.Tensor] = []
         for mb in plan:
@@ -123,7 +124,7 @@ class PipelineStage:
                 logits.append(self.model.compute_logits(hidden[rows]))
         for work, _ in sends:
             work.wait()
-        if self.next_rank is not None:
+        if self.next_rank is not None or self.placement.tp.rank != 0:
             return None
         if not logits:
             return torch.empty(0, self.model.config.vocab_size)
