@@ -62,8 +62,7 @@ def byte_tokenizer_dir(directory: Path) -> Path:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # GPT-2's regex split, as real byte-level tokenizers do; without merges every byte is still one token.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
@@ -227,9 +226,8 @@ async def overhead(
 
 
 def block_text(block_id: int) -> str:
-    """The same 512 ASCII bytes (= 512 tokens) for the same block id, anywhere in any prompt: words and
-    spaces, as prompts are."""
-    seed = f"w{block_id:x}x "
+    """The same 512 ASCII bytes (= 512 tokens) for the same block id, anywhere in any prompt."""
+    seed = f"<{block_id:x}>"
     return (seed * (TRACE_BLOCK_TOKENS // len(seed) + 1))[:TRACE_BLOCK_TOKENS]
 
 

@@ -142,7 +142,7 @@ def test_segment_cached_encoding_equals_plain_encoding(
 
 @pytest.mark.parametrize("special", [False, True])
 def test_long_texts_encode_off_the_gil_to_the_same_ids(tiny_hf_tokenizer: HFTokenizer, special: bool) -> None:
-    # Pieces of 4 kB and more go through encode_batch (which releases the GIL): the ids must not change,
+    # Longer pieces go through encode_batch (which releases the GIL): the ids must not change,
     # with and without special tokens splitting the text into cached segments.
     body = "".join(f"word{i % 97} and some más text, {i}\n" for i in range(600))
     text = render_chat([{"role": "user", "content": body}]) if special else body
