@@ -1,9 +1,17 @@
-/* Interleaved rANS for kvgate's weight compression: 64-bit states, 32-bit words, 12-bit probabilities.
+/* Interleaved rANS for kvgate's weight compression: 32-bit states, 16-bit words, 12-bit probabilities.
  *
  * A chunk of n symbols is coded by LANES states in round robin (symbol i belongs to lane i % LANES) that share
- * one word stream, so the decoder's LANES dependency chains overlap in the CPU. The stream is LANES
- * little-endian u64 final states, then the u32 words in the order the decoder reads them. rans.py holds the
- * same algorithm in numpy and is the reference of the format: both must produce the same bytes.
+ * one word stream. The stream is LANES little-endian u32 final states, then the u16 words in the order the
+ * decoder reads them: round by round, and within a round in lane order. rans.py holds the same algorithm in
+ * numpy and is the reference of the format: both must produce the same bytes.
+ *
+ * Why 32-bit states and 16 lanes: the decoder then runs four lanes per SSE register (decode_sse41). One
+ * 4096-slot table lookup per lane is unavoidable, but the multiply, the renormalisation (branch-free: a
+ * 4-bit mask of the lanes that need a word picks a byte shuffle that routes the next words to them) and the
+ * output's assembly are shared by four lanes, and nothing mispredicts. Four registers (16 lanes) keep
+ * enough independent work in flight to hide a round's latency. Measured on one tensor in 128 Ki chunks:
+ * 1.7-2.0 GB/s of BF16 against 1.1-1.2 GB/s for the scalar 64-bit-state coder this replaced, at the same
+ * size (+74 bytes on 11.7 M symbols).
  * Encoding and decoding release the GIL, so chunks are coded in parallel threads.
  */
 #define PY_SSIZE_T_CLEAN
@@ -11,11 +19,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define HAVE_SSE41_PATH 1 /* compiled for the baseline x86-64; used only when the CPU reports SSE4.1 */
+#include <immintrin.h>
+#else
+#define HAVE_SSE41_PATH 0
+#endif
+
 #define SCALE_BITS 12
 #define SCALE (1u << SCALE_BITS)
-#define RANS_L (1ull << 31) /* states live in [RANS_L, 2^63) between symbols */
-#define LANES 8
-#define BLOCK 4096 /* symbols decoded before they are merged into the output */
+#define WORD_BITS 16
+#define RANS_L (1u << 16) /* states live in [RANS_L, 2^32) between symbols; RANS_L is a multiple of SCALE */
+#define LANES 16
+#define BLOCK 4096 /* symbols decoded before they are merged into the output (kinds other than BF16) */
 
 enum { KIND_BYTES = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_F32 = 3 };
 
@@ -54,12 +70,13 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer sym_buf, freq_buf;
     if (!PyArg_ParseTuple(args, "y*y*", &sym_buf, &freq_buf)) return NULL;
     PyObject *result = NULL;
-    uint32_t *words = NULL;
+    uint16_t *words = NULL;
     const uint8_t *sym = (const uint8_t *)sym_buf.buf;
     const uint32_t *freqs = (const uint32_t *)freq_buf.buf;
     Py_ssize_t n = sym_buf.len;
     /* Division by a symbol's frequency as a multiply by its reciprocal (ryg's rans64): x / f is
-     * mulhi(x, rcp) >> shift for every x < 2^63, and the whole update is x + bias + q * (SCALE - f). */
+     * mulhi(x, rcp) >> shift for every x < 2^63 (so for our 32-bit states too), and the whole update is
+     * x + bias + q * (SCALE - f). */
     uint64_t rcp[256];
     uint32_t shift[256], bias[256], cmpl[256];
     uint32_t acc = 0;
@@ -91,12 +108,12 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "freqs must sum to 4096");
         goto done;
     }
-    words = (uint32_t *)PyMem_RawMalloc((size_t)(n + 1) * 4); /* at most one word per symbol */
+    words = (uint16_t *)PyMem_RawMalloc((size_t)(n + 1) * 2); /* at most one word per symbol */
     if (!words) {
         PyErr_NoMemory();
         goto done;
     }
-    uint64_t x[LANES];
+    uint32_t x[LANES];
     Py_ssize_t nwords = 0;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -109,45 +126,32 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
             break;
         }
         uint64_t v = x[i % LANES];
-        if (v >= (uint64_t)f << (63 - SCALE_BITS)) {
-            words[nwords++] = (uint32_t)v;
-            v >>= 32;
+        /* Emit a word when coding s would leave [RANS_L, 2^32): then v >> 16 codes into the range. */
+        if (v >= (uint64_t)f << (32 - SCALE_BITS)) {
+            words[nwords++] = (uint16_t)v;
+            v >>= WORD_BITS;
         }
         uint32_t s = sym[i];
         uint64_t q = (uint64_t)(((unsigned __int128)v * rcp[s]) >> 64) >> shift[s];
-        x[i % LANES] = v + bias[s] + q * cmpl[s];
+        x[i % LANES] = (uint32_t)(v + bias[s] + q * cmpl[s]);
     }
     Py_END_ALLOW_THREADS
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "a symbol has frequency 0");
         goto done;
     }
-    result = PyBytes_FromStringAndSize(NULL, LANES * 8 + nwords * 4);
+    result = PyBytes_FromStringAndSize(NULL, LANES * 4 + nwords * 2);
     if (!result) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    memcpy(out, x, LANES * 8); /* little-endian hosts only: checked when the module loads */
-    uint8_t *w = out + LANES * 8;
-    for (Py_ssize_t k = 0; k < nwords; k++) memcpy(w + 4 * k, &words[nwords - 1 - k], 4);
+    memcpy(out, x, LANES * 4); /* little-endian hosts only: checked when the module loads */
+    uint8_t *w = out + LANES * 4;
+    for (Py_ssize_t k = 0; k < nwords; k++) memcpy(w + 2 * k, &words[nwords - 1 - k], 2);
 done:
     PyMem_RawFree(words);
     PyBuffer_Release(&sym_buf);
     PyBuffer_Release(&freq_buf);
     return result;
 }
-
-/* One lane's step. The renormalisation branch is taken for ~1 symbol in 12, so it predicts well enough. */
-#define STEP(l)                                                                                          \
-    do {                                                                                                 \
-        uint32_t e = table[x##l & (SCALE - 1)];                                                          \
-        syms[l] = (uint8_t)e;                                                                            \
-        x##l = (uint64_t)(e >> 20) * (x##l >> SCALE_BITS) + ((e >> 8) & (SCALE - 1));                   \
-        if (x##l < RANS_L) {                                                                             \
-            uint32_t word;                                                                               \
-            memcpy(&word, w, 4);                                                                         \
-            x##l = (x##l << 32) | word;                                                                  \
-            w += 4;                                                                                      \
-        }                                                                                                \
-    } while (0)
 
 /* Element i of the output from its symbol and its raw rest bytes (the inverse of float_split.split). */
 static inline void put(uint8_t *restrict out, const uint8_t *restrict rest, Py_ssize_t i, uint8_t s,
@@ -170,47 +174,158 @@ static inline void put(uint8_t *restrict out, const uint8_t *restrict rest, Py_s
     }
 }
 
-/* kind is a constant at each call site in decode_core, so put()'s switch folds away. Returns 0, or -1 for a
- * stream too short for n symbols, -2 for one that does not end where its encoder began. */
-static inline __attribute__((always_inline)) int decode_kind(const uint8_t *restrict stream, Py_ssize_t len,
-                                                            const uint32_t *restrict table,
-                                                            const uint8_t *restrict rest,
-                                                            uint8_t *restrict out, Py_ssize_t n, int kind) {
-    if (len < LANES * 8 || (len - LANES * 8) % 4) return -1;
-    uint64_t xs[LANES];
-    memcpy(xs, stream, LANES * 8);
-    /* Named locals rather than an array, so that the compiler keeps every state in a register. */
-    uint64_t x0 = xs[0], x1 = xs[1], x2 = xs[2], x3 = xs[3], x4 = xs[4], x5 = xs[5], x6 = xs[6], x7 = xs[7];
-    const uint8_t *w = stream + LANES * 8, *wend = stream + len;
-    uint8_t block[BLOCK];
-    Py_ssize_t i = 0;
-    /* Fast path: a block's symbols first (the lanes' chains overlap), then its output in one vectorisable
-     * pass; it runs while a whole round's words (at most LANES) certainly lie inside the stream. */
-    while (i + LANES <= n && wend - w >= 4 * LANES) {
-        Py_ssize_t b = 0;
-        for (; b < BLOCK && i + b + LANES <= n && wend - w >= 4 * LANES; b += LANES) {
-            uint8_t *syms = block + b;
-            STEP(0); STEP(1); STEP(2); STEP(3); STEP(4); STEP(5); STEP(6); STEP(7);
-        }
-        for (Py_ssize_t k = 0; k < b; k++) put(out, rest, i + k, block[k], kind);
-        i += b;
-    }
-    xs[0] = x0, xs[1] = x1, xs[2] = x2, xs[3] = x3, xs[4] = x4, xs[5] = x5, xs[6] = x6, xs[7] = x7;
-    /* Tail: the last rounds, with a bounds check on every read. */
+/* Symbols i..n-1, one at a time with a bounds check on every word read: the whole chunk on CPUs without
+ * SSE4.1 (or when the caller asks for it), else the last rounds. Returns 0, or -1 for a stream too short. */
+static int decode_scalar(uint32_t *restrict xs, const uint8_t **wp, const uint8_t *wend,
+                         const uint32_t *restrict table, const uint8_t *restrict rest, uint8_t *restrict out,
+                         Py_ssize_t i, Py_ssize_t n, int kind) {
+    const uint8_t *w = *wp;
     for (; i < n; i++) {
         int l = (int)(i % LANES);
         uint32_t e = table[xs[l] & (SCALE - 1)];
-        uint64_t v = (uint64_t)(e >> 20) * (xs[l] >> SCALE_BITS) + ((e >> 8) & (SCALE - 1));
+        /* freq * (x >> 12) + bias < freq * 2^20 <= 2^32: no overflow */
+        uint32_t v = (e >> 20) * (xs[l] >> SCALE_BITS) + ((e >> 8) & (SCALE - 1));
         if (v < RANS_L) {
-            if (wend - w < 4) return -1;
-            uint32_t word;
-            memcpy(&word, w, 4);
-            v = (v << 32) | word;
-            w += 4;
+            if (wend - w < 2) return -1;
+            uint16_t word;
+            memcpy(&word, w, 2);
+            v = (v << WORD_BITS) | word;
+            w += 2;
         }
         xs[l] = v;
         put(out, rest, i, (uint8_t)e, kind);
     }
+    *wp = w;
+    return 0;
+}
+
+#if HAVE_SSE41_PATH
+/* SHUFFLES[m], for a 4-bit mask m of the lanes (of one register) that need a word: the byte shuffle that
+ * moves the k-th next 16-bit word of the stream into the k-th needing lane, zero-extended, and zeros into
+ * the others. Filled when the module loads. */
+static uint8_t SHUFFLES[16][16] __attribute__((aligned(16)));
+static const uint8_t POPCOUNT4[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+static int have_sse41;
+
+static void fill_shuffles(void) {
+    for (int m = 0; m < 16; m++) {
+        int k = 0;
+        for (int l = 0; l < 4; l++) {
+            int need = (m >> l) & 1;
+            SHUFFLES[m][4 * l] = need ? (uint8_t)(2 * k) : 0x80;
+            SHUFFLES[m][4 * l + 1] = need ? (uint8_t)(2 * k + 1) : 0x80;
+            SHUFFLES[m][4 * l + 2] = SHUFFLES[m][4 * l + 3] = 0x80; /* 0x80: pshufb writes a zero byte */
+            k += need;
+        }
+    }
+}
+
+#define SSE41 __attribute__((target("sse4.1"), always_inline)) static inline
+
+/* The table entries of four slots: SSE4.1 has no gather, so four scalar loads. */
+SSE41 __m128i gather4(const uint32_t *table, __m128i slot) {
+    uint64_t lo = (uint64_t)_mm_cvtsi128_si64(slot), hi = (uint64_t)_mm_extract_epi64(slot, 1);
+    __m128i e = _mm_cvtsi32_si128((int)table[(uint32_t)lo]);
+    e = _mm_insert_epi32(e, (int)table[lo >> 32], 1);
+    e = _mm_insert_epi32(e, (int)table[(uint32_t)hi], 2);
+    return _mm_insert_epi32(e, (int)table[hi >> 32], 3);
+}
+
+/* One symbol for each of four lanes: returns their table entries (symbol in each low byte), updates x. */
+SSE41 __m128i step4(const uint32_t *table, __m128i *x) {
+    const __m128i mask = _mm_set1_epi32(SCALE - 1);
+    __m128i e = gather4(table, _mm_and_si128(*x, mask));
+    __m128i freq = _mm_srli_epi32(e, 20), bias = _mm_and_si128(_mm_srli_epi32(e, 8), mask);
+    *x = _mm_add_epi32(_mm_mullo_epi32(freq, _mm_srli_epi32(*x, SCALE_BITS)), bias);
+    return e;
+}
+
+/* Renormalise four lanes in lane order from the shared stream at *w, without a branch. The caller
+ * guarantees 8 readable bytes at *w. */
+SSE41 void renorm4(__m128i *x, const uint8_t **w) {
+    __m128i need = _mm_cmpeq_epi32(_mm_srli_epi32(*x, WORD_BITS), _mm_setzero_si128()); /* x < 2^16 */
+    int mask = _mm_movemask_ps(_mm_castsi128_ps(need));
+    __m128i words = _mm_loadl_epi64((const __m128i *)*w);
+    words = _mm_shuffle_epi8(words, _mm_load_si128((const __m128i *)SHUFFLES[mask]));
+    *x = _mm_blendv_epi8(*x, _mm_or_si128(_mm_slli_epi32(*x, WORD_BITS), words), need);
+    *w += 2 * POPCOUNT4[mask];
+}
+
+/* The 16 symbols of one round (lane order) as bytes; all four registers' lookups are issued before any
+ * renormalisation, whose word pointer chains the registers. */
+SSE41 __m128i round16(const uint32_t *table, __m128i x[4], const uint8_t **w) {
+    const __m128i low_bytes = _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m128i e0 = step4(table, &x[0]), e1 = step4(table, &x[1]);
+    __m128i e2 = step4(table, &x[2]), e3 = step4(table, &x[3]);
+    __m128i s01 = _mm_unpacklo_epi32(_mm_shuffle_epi8(e0, low_bytes), _mm_shuffle_epi8(e1, low_bytes));
+    __m128i s23 = _mm_unpacklo_epi32(_mm_shuffle_epi8(e2, low_bytes), _mm_shuffle_epi8(e3, low_bytes));
+    renorm4(&x[0], w);
+    renorm4(&x[1], w);
+    renorm4(&x[2], w);
+    renorm4(&x[3], w);
+    return _mm_unpacklo_epi64(s01, s23);
+}
+
+/* 16 BF16 elements from their symbols (exponents) and rest bytes (sign | 7 mantissa bits), straight into
+ * the output: low byte = exponent's bit 0 << 7 | mantissa, high byte = sign | exponent >> 1. The masks keep
+ * the 16-bit shifts from carrying bits across bytes. */
+SSE41 void store_bf16(uint8_t *out, const uint8_t *rest, __m128i sym) {
+    __m128i r = _mm_loadu_si128((const __m128i *)rest);
+    __m128i hi = _mm_or_si128(_mm_and_si128(r, _mm_set1_epi8((char)0x80)),
+                              _mm_srli_epi16(_mm_and_si128(sym, _mm_set1_epi8((char)0xfe)), 1));
+    __m128i lo = _mm_or_si128(_mm_and_si128(r, _mm_set1_epi8(0x7f)),
+                              _mm_slli_epi16(_mm_and_si128(sym, _mm_set1_epi8(1)), 7));
+    _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_unpackhi_epi8(lo, hi));
+}
+
+/* Whole rounds while every word a round may read (at most LANES, plus the last register's 8-byte load)
+ * lies inside the stream; returns how many symbols it decoded (the scalar loop finishes the chunk). Not
+ * inlined: its caller is compiled for the baseline x86-64. */
+__attribute__((target("sse4.1"), noinline)) static Py_ssize_t decode_sse41(uint32_t *xs, const uint8_t **wp, const uint8_t *wend, const uint32_t *table,
+                              const uint8_t *restrict rest, uint8_t *restrict out, Py_ssize_t n, int kind) {
+    __m128i x[4];
+    for (int g = 0; g < 4; g++) x[g] = _mm_loadu_si128((const __m128i *)(xs + 4 * g));
+    const uint8_t *w = *wp;
+    uint8_t block[BLOCK] __attribute__((aligned(16)));
+    Py_ssize_t i = 0;
+    while (i + LANES <= n && wend - w >= 2 * LANES) {
+        Py_ssize_t b = 0;
+        for (; b < BLOCK && i + b + LANES <= n && wend - w >= 2 * LANES; b += LANES) {
+            __m128i sym = round16(table, x, &w);
+            if (kind == KIND_BF16)
+                store_bf16(out + 2 * (i + b), rest + i + b, sym);
+            else
+                _mm_store_si128((__m128i *)(block + b), sym);
+        }
+        if (kind != KIND_BF16)
+            for (Py_ssize_t k = 0; k < b; k++) put(out, rest, i + k, block[k], kind);
+        i += b;
+    }
+    for (int g = 0; g < 4; g++) _mm_storeu_si128((__m128i *)(xs + 4 * g), x[g]);
+    *wp = w;
+    return i;
+}
+#endif
+
+/* Returns 0, or -1 for a stream too short for n symbols, -2 for one that does not end where its encoder
+ * began. */
+static inline __attribute__((always_inline)) int decode_kind(const uint8_t *restrict stream, Py_ssize_t len,
+                                                            const uint32_t *restrict table,
+                                                            const uint8_t *restrict rest,
+                                                            uint8_t *restrict out, Py_ssize_t n, int kind,
+                                                            int simd) {
+    if (len < LANES * 4 || (len - LANES * 4) % 2) return -1;
+    uint32_t xs[LANES];
+    memcpy(xs, stream, LANES * 4);
+    const uint8_t *w = stream + LANES * 4, *wend = stream + len;
+    Py_ssize_t i = 0;
+#if HAVE_SSE41_PATH
+    if (simd && have_sse41) i = decode_sse41(xs, &w, wend, table, rest, out, n, kind);
+#else
+    (void)simd;
+#endif
+    if (decode_scalar(xs, &w, wend, table, rest, out, i, n, kind) != 0) return -1;
     /* A sound stream ends exactly where its encoder began: every state back at RANS_L, every word read. */
     if (w != wend) return -2;
     for (int l = 0; l < LANES; l++)
@@ -219,21 +334,22 @@ static inline __attribute__((always_inline)) int decode_kind(const uint8_t *rest
 }
 
 static int decode_core(const uint8_t *stream, Py_ssize_t len, const uint32_t *table, const uint8_t *rest,
-                       uint8_t *out, Py_ssize_t n, int kind) {
+                       uint8_t *out, Py_ssize_t n, int kind, int simd) {
     switch (kind) {
-    case KIND_BF16: return decode_kind(stream, len, table, rest, out, n, KIND_BF16);
-    case KIND_F16: return decode_kind(stream, len, table, rest, out, n, KIND_F16);
-    case KIND_F32: return decode_kind(stream, len, table, rest, out, n, KIND_F32);
-    default: return decode_kind(stream, len, table, rest, out, n, KIND_BYTES);
+    case KIND_BF16: return decode_kind(stream, len, table, rest, out, n, KIND_BF16, simd);
+    case KIND_F16: return decode_kind(stream, len, table, rest, out, n, KIND_F16, simd);
+    case KIND_F32: return decode_kind(stream, len, table, rest, out, n, KIND_F32, simd);
+    default: return decode_kind(stream, len, table, rest, out, n, KIND_BYTES, simd);
     }
 }
 
-/* decode(stream, table, rest, out, n, kind): fills the writable buffer out with n elements. */
+/* decode(stream, table, rest, out, n, kind, simd=True): fills the writable buffer out with n elements;
+ * simd=False forces the scalar loop (tests hold the two to the same output). */
 static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer stream, table, rest, out;
     Py_ssize_t n;
-    int kind;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*ni", &stream, &table, &rest, &out, &n, &kind)) return NULL;
+    int kind, simd = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*ni|p", &stream, &table, &rest, &out, &n, &kind, &simd)) return NULL;
     PyObject *result = NULL;
     if (kind < 0 || kind > KIND_F32 || n < 0 || table.len != SCALE * 4 || rest.len != n * REST_WIDTH[kind] ||
         out.len != n * OUT_WIDTH[kind]) {
@@ -243,7 +359,7 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = decode_core((const uint8_t *)stream.buf, stream.len, (const uint32_t *)table.buf,
-                     (const uint8_t *)rest.buf, (uint8_t *)out.buf, n, kind);
+                     (const uint8_t *)rest.buf, (uint8_t *)out.buf, n, kind, simd);
     Py_END_ALLOW_THREADS
     if (rc == -1)
         PyErr_SetString(PyExc_ValueError, "the rANS stream is too short for its symbol count");
@@ -363,7 +479,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode(symbols, freqs) -> bytes: one chunk's rANS stream"},
-    {"decode", py_decode, METH_VARARGS, "decode(stream, table, rest, out, n, kind): fill out, GIL released"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(stream, table, rest, out, n, kind, simd=True): fill out, GIL released"},
     {"split", py_split, METH_VARARGS, "split(raw, kind) -> (symbols, rest, counts): one pass, GIL released"},
     {"expand_palette", py_expand_palette, METH_VARARGS, "expand a palette-form BF16 weight, GIL released"},
     {"decode_table", py_decode_table, METH_VARARGS, "decode_table(freqs) -> bytes: 4096 packed u32 slots"},
@@ -381,9 +498,16 @@ PyMODINIT_FUNC PyInit__rans(void) {
         PyErr_SetString(PyExc_ImportError, "_rans supports little-endian hosts only");
         return NULL;
     }
+    int simd = 0;
+#if HAVE_SSE41_PATH
+    __builtin_cpu_init();
+    have_sse41 = simd = __builtin_cpu_supports("sse4.1") != 0;
+    fill_shuffles();
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "LANES", LANES) < 0 ||
-              PyModule_AddIntConstant(m, "SCALE_BITS", SCALE_BITS) < 0)) {
+              PyModule_AddIntConstant(m, "SCALE_BITS", SCALE_BITS) < 0 ||
+              PyModule_AddIntConstant(m, "SIMD", simd) < 0)) {
         Py_CLEAR(m);
     }
     return m;

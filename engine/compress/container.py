@@ -26,7 +26,7 @@ from engine.model.errors import ModelLoadError
 
 MAGIC = b"KVGATEW1"
 FORMAT = "kvgate-weights"
-VERSION = 1
+VERSION = 2  # 2: 32-bit rANS states, 16-bit words, 16 lanes (1: 64-bit states, 32-bit words, 8 lanes)
 _FOOTER = struct.Struct("<QQ8s")
 
 

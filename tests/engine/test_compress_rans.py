@@ -121,6 +121,32 @@ def test_coded_size_is_within_a_hundredth_of_a_bit_of_the_order0_entropy() -> No
     assert entropy_bits(symbols) <= bits < entropy_bits(symbols) + 0.01
 
 
+@needs_native
+@pytest.mark.parametrize(
+    ("kind", "dtype"), [(KIND_BF16, torch.bfloat16), (KIND_F16, torch.float16), (KIND_F32, torch.float32)]
+)
+def test_native_sse_and_scalar_decoders_agree_and_refuse_damage(kind: int, dtype: torch.dtype) -> None:
+    """The SSE4.1 loop (whole rounds of 16 symbols) and the scalar loop (every symbol; the tail of a chunk
+    and CPUs without SSE4.1) decode every size to the original bytes, and both refuse a damaged stream."""
+    native = codec.native_module()
+    assert native is not None
+    for n in (15, 16, 17, 100, 4096 + 33, 20_000):
+        raw = weights(n, dtype, seed=n)
+        symbols, rest = split(raw, kind)
+        freqs = rans.normalize(np.bincount(symbols, minlength=256))
+        (stream,) = codec.encode([symbols], freqs)
+        table = codec.table_for(freqs)
+        altered = bytearray(stream)
+        altered[len(stream) - 3] ^= 0x10  # a word read by the last rounds
+        for simd in (True, False):
+            out = np.zeros_like(raw)
+            native.decode(stream, table, rest.tobytes(), out, n, kind, simd)
+            assert np.array_equal(out, raw), (n, simd)
+            for bad in (stream[:-1], stream[:-2], bytes(altered)):
+                with pytest.raises(ValueError):
+                    native.decode(bad, table, rest.tobytes(), out, n, kind, simd)
+
+
 @pytest.mark.parametrize("native_decoder", [True, False], ids=["native", "numpy"])
 def test_a_cut_or_altered_stream_is_refused(native_decoder: bool) -> None:
     if native_decoder and not codec.native_available():
@@ -131,7 +157,7 @@ def test_a_cut_or_altered_stream_is_refused(native_decoder: bool) -> None:
     table = rans.decode_table(freqs)
     altered = bytearray(stream)
     altered[len(stream) // 2] ^= 0x40
-    for bad in (stream[:-4], stream[:40], bytes(altered)):
+    for bad in (stream[:-4], stream[:-1], stream[:40], bytes(altered)):
         out = np.empty(2 * len(symbols), dtype=np.uint8)
         with pytest.raises(rans.StreamError):
             if native_decoder:
