@@ -171,23 +171,25 @@ class Reader:
         With ``scratch`` they are read into this thread's reusable buffer (no fresh pages to fault in) and
         stay valid only until the thread's next ``scratch`` read."""
         chunk = entry.chunks[index]
-        where = f"{self.path}: tensor {entry.name!r} chunk {index + 1}/{len(entry.chunks)}"
-        limit = self.size - _FOOTER.size
-        if chunk.offset < len(MAGIC) or chunk.offset + chunk.size > limit:
+        size = chunk.size
+        if chunk.offset < len(MAGIC) or chunk.offset + size > self.size - _FOOTER.size:
+            where = self.describe(entry, index)
             raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
         if scratch:
-            buffer: bytearray | None = getattr(self._scratch, "buffer", None)
-            if buffer is None or len(buffer) < chunk.size:
-                buffer = self._scratch.buffer = bytearray(max(chunk.size, 1 << 20))
-            view = memoryview(buffer)[: chunk.size]
-            if os.preadv(self._fd, [view], chunk.offset) != chunk.size:
-                raise CorruptWeightsError(f"{where}: short read: truncated file")
+            view: memoryview | None = getattr(self._scratch, "view", None)
+            if view is None or len(view) < size:
+                view = self._scratch.view = memoryview(bytearray(max(size, 1 << 20)))
+            view = view[:size]
+            if os.preadv(self._fd, [view], chunk.offset) != size:
+                raise CorruptWeightsError(f"{self.describe(entry, index)}: short read: truncated file")
         else:
-            view = memoryview(os.pread(self._fd, chunk.size, chunk.offset))
-        stream, rest = view[: chunk.stream_len], view[chunk.stream_len :]
-        if _checksum2(stream, rest) != chunk.checksum:
+            view = memoryview(os.pread(self._fd, size, chunk.offset))
+        # The stream and rest bytes lie one after the other: one call hashes both (the same digest as the
+        # writer's two updates).
+        if checksum(view) != chunk.checksum:
+            where = self.describe(entry, index)
             raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")
-        return stream, rest
+        return view[: chunk.stream_len], view[chunk.stream_len :]
 
     def describe(self, entry: TensorEntry, index: int) -> str:
         return f"{self.path}: tensor {entry.name!r} chunk {index + 1}/{len(entry.chunks)}"

@@ -89,8 +89,10 @@ def decode_tensor(
     elif out.dtype != np.uint8 or out.size < count * size:
         raise ValueError(f"out must be a uint8 array of at least {count * size} bytes")
     out = out[: count * size]
-    starts = np.cumsum([0, *(c.count for c in entry.chunks)]) * size
-    pieces = [out[starts[i] : starts[i + 1]] for i in range(len(entry.chunks))]
+    pieces, start = [], 0
+    for chunk in entry.chunks:
+        pieces.append(out[start : start + chunk.count * size])
+        start += chunk.count * size
     kind = KINDS.get(entry.dtype, 0)
     if entry.codec in ("raw", "const") or (entry.codec == "rans" and not codec.native_available()):
         payloads = _each(pool, lambda i: reader.payload(entry, i), len(entry.chunks))
