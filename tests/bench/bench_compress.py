@@ -293,7 +293,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
-    print(f"native decoder: {codec.native_available()}; {os.cpu_count()} cores")
+    native = codec.native_module()
+    simd = bool(getattr(native, "SIMD", False))  # False for builds without the SSE4.1 loop
+    print(f"native decoder: {native is not None} (SSE4.1 loop: {simd}); {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         chosen = args.models.split(",")
