@@ -100,6 +100,21 @@ def decode_into(stream: memoryview, table: np.ndarray, rest: memoryview, out: np
         raise rans.StreamError(str(exc)) from None
 
 
+def decode_chunks_into(
+    payloads: memoryview, layout: np.ndarray, table: np.ndarray, out: np.ndarray, kind: int
+) -> None:
+    """Decode consecutive chunks natively in one call: ``payloads`` holds each chunk's stream then rest
+    bytes, ``layout`` one (stream length, element count) int64 row per chunk, ``out`` (uint8) their elements.
+    Raises ``rans.StreamError`` with ``chunk`` set to the first chunk that is not what the encoder wrote."""
+    assert _native is not None
+    bad = _native.decode_chunks(payloads, layout, table, out, kind)
+    if bad is not None:
+        index, why = bad
+        error = rans.StreamError(why)
+        error.chunk = index
+        raise error
+
+
 def decode_numpy_into(
     streams: Sequence[memoryview],
     rests: Sequence[memoryview],

@@ -191,6 +191,28 @@ class Reader:
             raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")
         return view[: chunk.stream_len], view[chunk.stream_len :]
 
+    def window(self, entry: TensorEntry, first: int, last: int) -> memoryview:
+        """The payloads of chunks ``first`` to ``last - 1`` of ``entry``, consecutive in the file, in one read
+        into this thread's scratch buffer (valid until its next scratch read), each checked against its
+        checksum."""
+        chunks = entry.chunks[first:last]
+        start, end = chunks[0].offset, chunks[-1].offset + chunks[-1].size
+        if start < len(MAGIC) or end > self.size - _FOOTER.size:
+            where = self.describe(entry, first)
+            raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
+        view: memoryview | None = getattr(self._scratch, "view", None)
+        if view is None or len(view) < end - start:
+            view = self._scratch.view = memoryview(bytearray(max(end - start, 1 << 20)))
+        view = view[: end - start]
+        if os.preadv(self._fd, [view], start) != end - start:
+            raise CorruptWeightsError(f"{self.describe(entry, first)}: short read: truncated file")
+        for index, chunk in enumerate(chunks, start=first):
+            lo = chunk.offset - start  # a chunk not where the run says ends up short: a mismatch too
+            if checksum(view[lo : lo + chunk.size]) != chunk.checksum:
+                where = self.describe(entry, index)
+                raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")
+        return view
+
     def describe(self, entry: TensorEntry, index: int) -> str:
         return f"{self.path}: tensor {entry.name!r} chunk {index + 1}/{len(entry.chunks)}"
 

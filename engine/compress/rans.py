@@ -23,7 +23,10 @@ _WORD_MASK = np.uint64((1 << WORD_BITS) - 1)
 
 
 class StreamError(ValueError):
-    """A stream that cannot be what the encoder wrote (too short, or not ending in the initial state)."""
+    """A stream that cannot be what the encoder wrote (too short, or not ending in the initial state);
+    ``chunk`` is its index when many chunks were decoded in one call."""
+
+    chunk: int = 0
 
 
 def normalize(counts: np.ndarray) -> np.ndarray:

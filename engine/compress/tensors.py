@@ -89,12 +89,12 @@ def decode_tensor(
     elif out.dtype != np.uint8 or out.size < count * size:
         raise ValueError(f"out must be a uint8 array of at least {count * size} bytes")
     out = out[: count * size]
-    pieces, start = [], 0
-    for chunk in entry.chunks:
-        pieces.append(out[start : start + chunk.count * size])
-        start += chunk.count * size
     kind = KINDS.get(entry.dtype, 0)
     if entry.codec in ("raw", "const") or (entry.codec == "rans" and not codec.native_available()):
+        pieces, start = [], 0
+        for chunk in entry.chunks:
+            pieces.append(out[start : start + chunk.count * size])
+            start += chunk.count * size
         payloads = _each(pool, lambda i: reader.payload(entry, i), len(entry.chunks))
         _check_lengths(reader, entry, payloads, kind, size)
         if entry.codec == "raw":
@@ -114,17 +114,47 @@ def decode_tensor(
         return out
 
     table = _table(reader, entry)
+    width = REST_WIDTH[kind]
+    for i, chunk in enumerate(entry.chunks):  # the manifest's lengths first: the layout below relies on them
+        if chunk.rest_len != chunk.count * width:
+            where, expected = reader.describe(entry, i), chunk.count * width
+            raise CorruptWeightsError(f"{where}: {chunk.rest_len} raw bytes, not {expected}")
+    layout = np.array([(c.stream_len, c.count) for c in entry.chunks], dtype=np.int64).reshape(-1, 2)
+    bounds = [0]
+    for chunk in entry.chunks:
+        bounds.append(bounds[-1] + chunk.count * size)
 
-    def one(i: int) -> None:
-        stream, rest = reader.payload(entry, i, scratch=True)  # decoded before this thread reads again
-        _check_lengths(reader, entry, [(stream, rest)], kind, size, first=i)
+    def window(span: tuple[int, int]) -> None:
+        first, last = span
+        payloads = reader.window(entry, first, last)  # decoded before this thread reads again
         try:
-            codec.decode_into(stream, table, rest, pieces[i], kind)
+            codec.decode_chunks_into(
+                payloads, layout[first:last], table, out[bounds[first] : bounds[last]], kind
+            )
         except rans.StreamError as exc:
-            raise CorruptWeightsError(f"{reader.describe(entry, i)}: {exc}") from None
+            raise CorruptWeightsError(f"{reader.describe(entry, first + exc.chunk)}: {exc}") from None
 
-    _each(pool, one, len(entry.chunks))
+    spans = _windows(entry)
+    _each(pool, lambda k: window(spans[k]), len(spans))
     return out
+
+
+WINDOW_BYTES = 1 << 20  # chunks read, checked and decoded together: one read, one native call
+
+
+def _windows(entry: TensorEntry) -> list[tuple[int, int]]:
+    """Runs of chunks consecutive in the file, each at most ``WINDOW_BYTES`` (or one chunk): small enough to
+    stay in the cache between the read, the checksums and the decoding, and many per tensor for threads."""
+    chunks, spans, first = entry.chunks, [], 0
+    for i in range(1, len(chunks) + 1):
+        if (
+            i == len(chunks)
+            or chunks[i].offset != chunks[i - 1].offset + chunks[i - 1].size
+            or chunks[i].offset + chunks[i].size - chunks[first].offset > WINDOW_BYTES
+        ):
+            spans.append((first, i))
+            first = i
+    return spans
 
 
 def _table(reader: Reader, entry: TensorEntry) -> np.ndarray:

@@ -147,6 +147,39 @@ def test_native_sse_and_scalar_decoders_agree_and_refuse_damage(kind: int, dtype
                     native.decode(bad, table, rest.tobytes(), out, n, kind, simd)
 
 
+@needs_native
+def test_many_chunks_in_one_native_call_name_the_bad_one() -> None:
+    """decode_chunks over consecutive payloads gives what chunk-by-chunk decoding gives; a damaged stream
+    is reported with its chunk's index, and a layout that does not add up is refused before decoding."""
+    raw = weights(3 * 5000 + 123, torch.bfloat16, seed=9)
+    symbols, rest = split(raw, KIND_BF16)
+    bounds = [(0, 5000), (5000, 10000), (10000, 15000), (15000, len(symbols))]
+    freqs = rans.normalize(np.bincount(symbols, minlength=256))
+    streams = codec.encode([symbols[lo:hi] for lo, hi in bounds], freqs)
+    table = codec.table_for(freqs)
+    layout = np.array([(len(s), hi - lo) for s, (lo, hi) in zip(streams, bounds, strict=True)], np.int64)
+
+    def payloads(damaged: int = -1) -> memoryview:
+        parts = []
+        for k, (stream, (lo, hi)) in enumerate(zip(streams, bounds, strict=True)):
+            body = bytearray(stream)
+            if k == damaged:
+                body[len(body) // 2] ^= 0x20
+            parts.append(bytes(body) + rest[lo:hi].tobytes())
+        return memoryview(b"".join(parts))
+
+    out = np.zeros_like(raw)
+    codec.decode_chunks_into(payloads(), layout, table, out, KIND_BF16)
+    assert np.array_equal(out, raw)
+    with pytest.raises(rans.StreamError) as caught:
+        codec.decode_chunks_into(payloads(damaged=2), layout, table, out, KIND_BF16)
+    assert caught.value.chunk == 2
+    short = layout.copy()
+    short[1, 1] -= 1  # one element fewer than the payloads and out hold
+    with pytest.raises(ValueError, match="layout"):
+        codec.decode_chunks_into(payloads(), short, table, out, KIND_BF16)
+
+
 @pytest.mark.parametrize("native_decoder", [True, False], ids=["native", "numpy"])
 def test_a_cut_or_altered_stream_is_refused(native_decoder: bool) -> None:
     if native_decoder and not codec.native_available():
