@@ -164,48 +164,33 @@ class Reader:
             )
         return manifest
 
-    def payload(
-        self, entry: TensorEntry, index: int, *, scratch: bool = False
-    ) -> tuple[memoryview, memoryview]:
-        """(stream, rest) bytes of chunk ``index`` of ``entry``, after checking they are what was written.
-        With ``scratch`` they are read into this thread's reusable buffer (no fresh pages to fault in) and
-        stay valid only until the thread's next ``scratch`` read."""
-        chunk = entry.chunks[index]
-        size = chunk.size
-        if chunk.offset < len(MAGIC) or chunk.offset + size > self.size - _FOOTER.size:
-            where = self.describe(entry, index)
-            raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
-        if scratch:
-            view: memoryview | None = getattr(self._scratch, "view", None)
-            if view is None or len(view) < size:
-                view = self._scratch.view = memoryview(bytearray(max(size, 1 << 20)))
-            view = view[:size]
-            if os.preadv(self._fd, [view], chunk.offset) != size:
-                raise CorruptWeightsError(f"{self.describe(entry, index)}: short read: truncated file")
-        else:
-            view = memoryview(os.pread(self._fd, size, chunk.offset))
-        # The stream and rest bytes lie one after the other: one call hashes both (the same digest as the
-        # writer's two updates).
-        if checksum(view) != chunk.checksum:
-            where = self.describe(entry, index)
-            raise CorruptWeightsError(f"{where}: checksum mismatch: the file is corrupt")
-        return view[: chunk.stream_len], view[chunk.stream_len :]
+    def payload(self, entry: TensorEntry, index: int) -> tuple[memoryview, memoryview]:
+        """(stream, rest) bytes of chunk ``index`` of ``entry``, in a buffer of their own, after checking
+        they are what was written."""
+        view = self.window(entry, index, index + 1, scratch=False)
+        stream_len = entry.chunks[index].stream_len
+        return view[:stream_len], view[stream_len:]
 
-    def window(self, entry: TensorEntry, first: int, last: int) -> memoryview:
-        """The payloads of chunks ``first`` to ``last - 1`` of ``entry``, consecutive in the file, in one read
-        into this thread's scratch buffer (valid until its next scratch read), each checked against its
-        checksum."""
+    def window(self, entry: TensorEntry, first: int, last: int, *, scratch: bool = True) -> memoryview:
+        """The payloads (each: stream, then rest bytes) of chunks ``first`` to ``last - 1`` of ``entry``,
+        consecutive in the file, in one read, each checked against its checksum. With ``scratch`` they are
+        read into this thread's reusable buffer (no fresh pages to fault in) and stay valid only until the
+        thread's next scratch read."""
         chunks = entry.chunks[first:last]
         start, end = chunks[0].offset, chunks[-1].offset + chunks[-1].size
         if start < len(MAGIC) or end > self.size - _FOOTER.size:
             where = self.describe(entry, first)
             raise CorruptWeightsError(f"{where} lies outside the file's data: truncated or damaged file")
-        view: memoryview | None = getattr(self._scratch, "view", None)
-        if view is None or len(view) < end - start:
-            view = self._scratch.view = memoryview(bytearray(max(end - start, 1 << 20)))
-        view = view[: end - start]
+        if scratch:
+            view: memoryview | None = getattr(self._scratch, "view", None)
+            if view is None or len(view) < end - start:
+                view = self._scratch.view = memoryview(bytearray(max(end - start, 1 << 20)))
+            view = view[: end - start]
+        else:
+            view = memoryview(bytearray(end - start))
         if os.preadv(self._fd, [view], start) != end - start:
             raise CorruptWeightsError(f"{self.describe(entry, first)}: short read: truncated file")
+        # Hashing a chunk's contiguous stream and rest bytes in one call gives the writer's two-update digest.
         for index, chunk in enumerate(chunks, start=first):
             lo = chunk.offset - start  # a chunk not where the run says ends up short: a mismatch too
             if checksum(view[lo : lo + chunk.size]) != chunk.checksum:
