@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_SSE41_PATH 1 /* compiled for the baseline x86-64; used only when the CPU reports SSE4.1 */
 #include <immintrin.h>
 #else
