@@ -115,8 +115,7 @@ class LLMEngine:
 
                 keep_compressed(self.model)
             mc = self.model_config
-            bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, self._element_size)
-            num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+            num_blocks = self._num_kv_blocks(mc)
             self.kv_cache = KVCache(
                 mc.num_hidden_layers,
                 num_blocks,
@@ -151,8 +150,7 @@ class LLMEngine:
         self.model_config = mc = ModelConfig.from_dir(config.model_dir)
         check_parallel(mc, config.parallel)
         self.dtype = dtype or getattr(torch, mc.torch_dtype)
-        bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, self._element_size)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+        num_blocks = self._num_kv_blocks(mc)
         self.runner = ParallelExecutor(
             config.model_dir,
             config.parallel,
@@ -164,9 +162,14 @@ class LLMEngine:
         )
         return num_blocks
 
-    @property
-    def _element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    def _num_kv_blocks(self, mc: ModelConfig) -> int:
+        """KV blocks per rank: as configured, or as many as ``kv_memory_gib`` holds on the busiest rank."""
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, element_size)
+        return max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
 
     @property
     def failure(self) -> BaseException | None:
