@@ -76,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
     sim.add_argument("--decode-s-per-token", type=float, default=0.03)
     sim.add_argument(
+        "--kv-pull-tokens-per-s",
+        type=float,
+        default=85_000.0,
+        help="K/V pulled from a peer in the same region (0: engines never pull; default 85000)",
+    )
+    sim.add_argument(
         "--max-remote-share", type=float, default=0.2, help="cap on a region's traffic sent away"
     )
     sim.add_argument("--limit", type=int, default=None, help="replay only the first N requests")

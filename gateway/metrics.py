@@ -100,6 +100,18 @@ class GatewayMetrics:
             ["outcome", "estimated"],
             registry=r,
         )
+        self.kv_pulls = Counter(
+            "kvgate_kv_pulls",
+            "Requests sent to an engine told to pull their cached prefix from a peer of its region.",
+            ["region"],
+            registry=r,
+        )
+        self.kv_pull_tokens = Counter(
+            "kvgate_kv_pull_tokens",
+            "Prompt tokens engines were told to pull from a peer (what the residency view expected).",
+            ["region"],
+            registry=r,
+        )
         self.pd_requests = Counter(
             "kvgate_disaggregated_requests",
             "Requests to disaggregated engines, by prefill path (remote: K/V transferred; local: decode "
@@ -165,6 +177,10 @@ class GatewayMetrics:
 
     def usage_recorded(self, outcome: str, estimated: bool) -> None:
         self._child(self.usage_records, outcome, "true" if estimated else "false").inc()
+
+    def kv_pulled(self, region: str, tokens: int) -> None:
+        self._child(self.kv_pulls, region).inc()
+        self._child(self.kv_pull_tokens, region).inc(tokens)
 
     def disaggregated(self, region: str, path: str, prefill_engine: str, decode_engine: str) -> None:
         self._child(self.pd_requests, region, path, prefill_engine, decode_engine).inc()

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,7 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
 from gateway.relay import error_fields, relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
-from gateway.routing.base import route_key
+from gateway.routing.base import route_key, with_peers
 from gateway.routing.disaggregation import choose_prefill
 from gateway.routing.regional import RemoteShareLimiter
 from gateway.shared_state import SharedState
@@ -146,7 +147,8 @@ class Gateway:
                     queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
                 )
             )
-        return out
+        pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
+        return with_peers(out, pulling) if pulling else out
 
     async def _serve(self, request: web.Request, received: float, p: Prepared) -> web.StreamResponse:
         binding = await self.state.lookup_session(p.tenant, p.session_id) if p.session_id else None
@@ -239,10 +241,15 @@ class Gateway:
 
     # -- dispatch --------------------------------------------------------------------------------------
 
-    def _upstream_body(self, p: Prepared, engine: EngineState, prefill: EngineState | None) -> bytes:
+    def _upstream_body(
+        self, p: Prepared, engine: EngineState, prefill: EngineState | None, pull: _Pull | None
+    ) -> bytes:
         body = dict(p.body)
         if prefill is not None:
             body["kv_transfer_params"] = {"prefill_url": prefill.url, "prefill_engine": prefill.id}
+        elif pull is not None:
+            body["kv_transfer_params"] = {"pull_url": pull.source.url, "pull_engine": pull.source.id,
+                                          "pull_tokens": pull.tokens}  # fmt: skip
         if p.cache_salt:  # vLLM's name too: engines keep each salt's prefix cache apart
             body["cache_salt"] = p.cache_salt
         if engine.config.accepts_token_ids:
@@ -265,10 +272,16 @@ class Gateway:
         prefill: EngineState | None = None,
     ) -> web.StreamResponse:
         block_size = self.settings.block_size
-        predicted = min(decision.cached_blocks * block_size, len(p.token_ids))
+        pull = None
+        if prefill is None and decision.kv_source is not None:
+            tokens = min(decision.pulled_blocks * block_size, len(p.token_ids) - 1)
+            pull = _Pull(self.fleet.engines[decision.kv_source], tokens)
+        held_blocks = max(decision.cached_blocks, decision.pulled_blocks if pull else 0)
+        predicted = min(held_blocks * block_size, len(p.token_ids))
         # The prefill work lands where the prompt is computed: the prefill engine, or the engine itself.
         computing = prefill or engine
-        computing_cached = min(cached.get(computing.id, 0) * block_size, len(p.token_ids))
+        held = predicted if pull else cached.get(computing.id, 0) * block_size
+        computing_cached = min(held, len(p.token_ids))
         pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
         engine.inflight += 1
         engine.breaker.on_dispatch()
@@ -278,7 +291,7 @@ class Gateway:
                 upstream = await self.clients.pool(engine.url).request(
                     "POST",
                     p.path,
-                    self._upstream_body(p, engine, prefill),
+                    self._upstream_body(p, engine, prefill, pull),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
                     header_timeout=self._header_timeout_s(p),
                 )
@@ -303,6 +316,9 @@ class Gateway:
                 "x-kvgate-predicted-cached-tokens": str(predicted),
                 "x-kvgate-home-region": p.home_region,
             }
+            if pull is not None:
+                headers["x-kvgate-kv-pull-from"] = pull.source.id
+                self.metrics.kv_pulled(engine.region, pull.tokens)
             if prefill is not None or engine.role is not Role.BOTH:
                 path = "remote" if prefill is not None else "local"
                 headers["x-kvgate-prefill"] = path
@@ -395,6 +411,14 @@ class Gateway:
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pull:
+    """The prefix an engine is told to pull from a peer of its region (``kv_transfer_params.pull_url``)."""
+
+    source: EngineState
+    tokens: int  # leading prompt tokens the peer holds, as the residency view knows it
 
 
 class _PendingPrefill:

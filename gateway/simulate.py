@@ -18,7 +18,7 @@ from typing import Any
 from cache.residency_memory import MemoryResidencyIndex
 from cache.sessions import MemorySessionStore, SessionBinding
 from gateway.routing import POLICIES, Candidate, RouteRequest, RoutingPolicy
-from gateway.routing.base import RoutingSettings, route_key
+from gateway.routing.base import RoutingSettings, route_key, with_peers
 from gateway.routing.regional import RemoteShareLimiter
 from region_map.simulator import CostModel, SimEngine, SimResult, simulate
 from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
@@ -55,7 +55,9 @@ class SimRouter:
         if evicted:
             self.index.remove_now(engine_id, evicted)
 
-    def route(self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]) -> SimEngine:
+    def route(
+        self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]
+    ) -> tuple[SimEngine, SimEngine | None]:
         self.seq += 1
         cached = self.index.lookup(request.blocks)
         session_id = str(request.conversation) if self.uses_sessions else None
@@ -73,6 +75,7 @@ class SimRouter:
             )
             for e in engines
         ]
+        candidates = with_peers(candidates)
         usable = self.limiter.eligible(home, candidates) if self.limiter else candidates
         decision = self.policy.pick(
             RouteRequest(
@@ -86,12 +89,13 @@ class SimRouter:
         )
         if decision is None:
             raise RuntimeError("the policy found no engine (every simulated engine is healthy)")
-        engine = next(e for e in engines if e.id == decision.engine)
+        by_id = {e.id: e for e in engines}
+        engine = by_id[decision.engine]
         if session_id is not None and (binding is None or binding.engine != engine.id):
             self.sessions.bind_now(TENANT, session_id, SessionBinding(engine.region, engine.id))
         if self.limiter is not None:
             self.limiter.record(home, engine.region)
-        return engine
+        return engine, by_id[decision.kv_source] if decision.kv_source else None
 
 
 def run_simulation(
@@ -111,7 +115,12 @@ def run_simulation(
     if name not in POLICIES:
         raise ValueError(f"unknown policy {policy!r} (one of {', '.join([*POLICIES, *POLICY_ALIASES])})")
     # The estimate's prefill cost is the simulated engines' own, as an operator would configure it.
-    settings = settings or RoutingSettings(prefill_s_per_token=1.0 / cost.prefill_tokens_per_s)
+    pulls = cost.kv_pull_tokens_per_s > 0
+    settings = settings or RoutingSettings(
+        prefill_s_per_token=1.0 / cost.prefill_tokens_per_s,
+        kv_pull=pulls,
+        kv_pull_s_per_token=1.0 / cost.kv_pull_tokens_per_s if pulls else 0.0,
+    )
     router = SimRouter(
         POLICIES[name](settings),
         rtt_s=cost.rtt_s,
@@ -139,6 +148,7 @@ def main(args: Any) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_s_per_token=args.decode_s_per_token,
         rtt_s=args.rtt_ms / 1000,
+        kv_pull_tokens_per_s=args.kv_pull_tokens_per_s,
     )
     with tqdm(
         total=len(trace), unit="req", file=sys.stderr, disable=None, desc=f"simulate {args.policy}"

@@ -62,6 +62,10 @@ class EngineConfig(_Strict):
     accepts_token_ids: bool = Field(
         default=True, description="send prompt_token_ids (kvgate engines); False for stock OpenAI servers"
     )
+    kv_pull: bool | None = Field(
+        default=None,
+        description="whether it pulls cached K/V from its region's peers and serves them; None: from /health",
+    )
 
     @field_validator("url")
     @classmethod

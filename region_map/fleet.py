@@ -37,6 +37,7 @@ class EngineState:
     reported_block_size: int | None = None
     reported_role: Role | None = None
     publishes_events: bool | None = None
+    reported_kv_pull: bool = False
     simulated: bool = False
     load: EngineLoad = field(default_factory=EngineLoad)
     last_ok: float | None = None
@@ -74,6 +75,13 @@ class EngineState:
             return self.config.kv_events
         return bool(self.publishes_events)
 
+    @property
+    def kv_pull(self) -> bool:
+        """Whether it can pull a prefix from a peer and serve its own to one (``/v1/kv/cached``)."""
+        if self.config.kv_pull is not None:
+            return self.config.kv_pull
+        return self.reported_kv_pull and self.config.accepts_token_ids
+
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""
         total = max(self.load.running + self.load.waiting, self.inflight)
@@ -99,6 +107,7 @@ class EngineState:
         if isinstance(payload.get("kv_events"), bool):
             self.publishes_events = payload["kv_events"]
         self.simulated = payload.get("simulated") is True
+        self.reported_kv_pull = payload.get("kv_pull") is True
         load = payload.get("load")
         if isinstance(load, dict):
             self.load = EngineLoad(
@@ -129,6 +138,7 @@ class EngineState:
             "healthy": self.healthy,
             "breaker": self.breaker.state.value,
             "kv_events": self.kv_events,
+            "kv_pull": self.kv_pull,
             "simulated": self.simulated,
             "load": {"requests": total, "waiting": waiting, "inflight_here": self.inflight},
             "last_error": self.last_error,

@@ -3,7 +3,11 @@
 Each simulated engine has an LRU prefix cache of ``capacity_blocks`` trace blocks, a FIFO prefill server
 (``prefill_tokens_per_s`` for uncached prompt tokens) and decodes at ``decode_s_per_token``. Time to first
 token = the round trip from the client's home region to the engine's + waiting for the prefill server + the
-uncached prefill. Routing is not modelled here: a ``Router`` decides (the gateway wires in its real policy
+uncached prefill. A router may have an engine pull a prefix a peer holds instead of computing it: the pull
+runs over the peer's outbound link (``kv_pull_tokens_per_s``, one pull at a time per sender) and the
+request's prefill starts when both the pull and the prefill server are done.
+
+Routing is not modelled here: a ``Router`` decides (the gateway wires in its real policy
 objects), and hears every block an engine stores or evicts, as the gateway hears KV events.
 
 The same replay also runs the references: an unlimited cache (the oracle: no router can do better) and one
@@ -29,6 +33,9 @@ class CostModel:
     decode_s_per_token: float = 0.03
     rtt_s: float = 0.040  # between two different regions; zero within one
     block_tokens: int = TRACE_BLOCK_TOKENS
+    # K/V pulled from a peer in the same region: 512 tokens of a 70B model (320 KiB a token) in ~6 ms over
+    # a 25 GB/s fabric. Each engine sends one pull at a time.
+    kv_pull_tokens_per_s: float = 85_000.0
 
 
 class LRUBlocks:
@@ -48,6 +55,12 @@ class LRUBlocks:
                 break
             n += 1
         return n
+
+    def demote(self, blocks: Sequence[int]) -> None:
+        """Make ``blocks`` the next to be evicted (the last of them first)."""
+        for b in blocks:
+            if b in self._blocks:
+                self._blocks.move_to_end(b, last=False)
 
     def insert(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
         """Touch or add ``blocks`` (in order); returns (newly stored, evicted)."""
@@ -79,6 +92,7 @@ class SimEngine:
         self.cache = LRUBlocks(capacity_blocks)
         self._on_change = on_change
         self._prefill_free_at = 0.0
+        self._send_free_at = 0.0  # when this engine's outbound K/V link is next free (pulls from it queue)
         self._prefills: deque[tuple[float, float, int]] = deque()  # (start, end, uncached tokens), FIFO
         self._finishing: list[float] = []  # heap of times at which admitted requests finish decoding
         self.requests = 0
@@ -105,13 +119,31 @@ class SimEngine:
             total += tokens if start >= now else round(tokens * (end - now) / (end - start))
         return total
 
-    def serve(self, now: float, request: TraceRequest) -> tuple[float, int]:
-        """Admit ``request``: returns (time of its first token, prompt blocks found in the cache)."""
+    def pull(self, now: float, blocks: Sequence[int]) -> float:
+        """Send ``blocks`` of this engine's cache to a peer; returns when the last one has arrived. The sent
+        blocks become the next to be evicted here: the peer's copy is the one in use now, so a pull moves the
+        prefix rather than duplicating it (the real engine demotes them the same way)."""
+        start = max(now, self._send_free_at)
+        self._send_free_at = start + len(blocks) * self.cost.block_tokens / self.cost.kv_pull_tokens_per_s
+        self.cache.demote(blocks)
+        return self._send_free_at
+
+    def serve(self, now: float, request: TraceRequest, source: SimEngine | None = None) -> tuple[float, int]:
+        """Admit ``request``, first pulling from ``source`` the leading blocks it holds beyond this engine's
+        own (the last prompt token is always computed here): returns (time of its first token, prompt blocks
+        not computed here, local and pulled)."""
         self._advance(now)
         self.requests += 1
         hit = self.cache.prefix(request.blocks)
+        ready = now
+        if source is not None and self.cost.kv_pull_tokens_per_s > 0:
+            whole = (request.input_tokens - 1) // self.cost.block_tokens  # blocks before the last token
+            held = min(source.cache.prefix(request.blocks), whole)
+            if held > hit:
+                ready = source.pull(now, request.blocks[hit:held])
+                hit = held
         uncached = max(0, request.input_tokens - hit * self.cost.block_tokens)
-        start = max(now, self._prefill_free_at)
+        start = max(ready, self._prefill_free_at)
         end = start + uncached / self.cost.prefill_tokens_per_s
         self._prefill_free_at = end
         self._prefills.append((start, end, uncached))
@@ -124,8 +156,11 @@ class SimEngine:
 
 
 class Router(Protocol):
-    def route(self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]) -> SimEngine:
-        """The engine that serves ``request`` (arriving at ``now`` from region ``home``)."""
+    def route(
+        self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]
+    ) -> tuple[SimEngine, SimEngine | None]:
+        """The engine that serves ``request`` (arriving at ``now`` from region ``home``), and the peer it
+        pulls the prompt's cached prefix from (None: it computes what it does not hold)."""
         ...
 
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
@@ -144,11 +179,12 @@ class SimResult:
     ttft_p99_s: float
     load_max_over_mean: float
     cross_region_share: float
+    pull_share: float = 0.0  # requests that pulled K/V from a peer
     per_engine_requests: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         keys = ("hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean",
-                "cross_region_share", "pooled_hit_rate", "requests")  # fmt: skip
+                "cross_region_share", "pooled_hit_rate", "pull_share", "requests")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
@@ -181,13 +217,15 @@ def simulate(
     ]
     pooled = LRUBlocks(capacity_blocks * len(engines))
     seen: set[int] = set()
-    hits = oracle_hits = pooled_hits = total_blocks = cross = 0
+    hits = oracle_hits = pooled_hits = total_blocks = cross = pulls = 0
     ttfts: list[float] = []
     for n, request in enumerate(trace, 1):
         now = request.arrival_s
         home = home_region(request, regions)
-        engine = router.route(request, home, now, engines)
-        first_token, hit = engine.serve(now, request)
+        engine, source = router.route(request, home, now, engines)
+        if source is not None:
+            pulls += 1
+        first_token, hit = engine.serve(now, request, source)
         rtt = 0.0 if engine.region == home else cost.rtt_s
         ttfts.append(rtt + first_token - now)
         cross += engine.region != home
@@ -216,5 +254,6 @@ def simulate(
         ttft_p99_s=percentile(ttfts, 0.99),
         load_max_over_mean=max(counts.values()) / mean if mean else 0.0,
         cross_region_share=cross / len(trace) if trace else 0.0,
+        pull_share=pulls / len(trace) if trace else 0.0,
         per_engine_requests=counts,
     )

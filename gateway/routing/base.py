@@ -7,8 +7,8 @@ lets the trace simulator run the very same objects.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import xxhash
@@ -39,15 +39,29 @@ class RoutingSettings(BaseModel):
         description="... or this close relative to the best: then home, load and hashing decide",
     )
     session_slack_s: float = Field(
-        default=0.1, ge=0, description="a session moves only if another engine is this much faster (seconds)"
+        default=0.05, ge=0, description="a session moves only if another engine is this much faster (seconds)"
     )
     session_slack_frac: float = Field(
-        default=4.0,
+        default=1.0,
         ge=0,
         description="... and faster by this many times the prefill its cached prefix would cost elsewhere",
     )
     max_remote_share: float = Field(
         default=0.2, ge=0, le=1, description="the most of a home region's recent traffic served elsewhere"
+    )
+    kv_pull: bool = Field(
+        default=True,
+        description="default policy: an engine may pull a prefix its region's peer holds, not recompute it",
+    )
+    kv_pull_s_per_token: float = Field(
+        default=1.2e-5,
+        ge=0,
+        description="estimated cost of pulling one token's K/V from a peer engine in the same region",
+    )
+    kv_pull_min_tokens: int = Field(
+        default=512,
+        ge=0,
+        description="a peer's prefix is pulled only when it holds at least this many more tokens",
     )
     local_prefill_max_tokens: int = Field(
         default=256,
@@ -68,6 +82,8 @@ class Candidate:
     cached_blocks: int  # leading blocks of this prompt it holds (0 when block sizes differ)
     rtt_s: float  # round trip from this gateway's region
     queued_prefill_tokens: int = 0  # prompt tokens waiting there for prefill (reported, or sent by us)
+    peer: str | None = None  # the same-region engine holding the longest prefix of this prompt, if not this
+    peer_blocks: int = 0  # leading blocks of this prompt ``peer`` holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +101,8 @@ class RouteDecision:
     engine: str
     reason: str  # session | prefix | miss | moved | least_load | round_robin
     cached_blocks: int = 0
+    kv_source: str | None = None  # engine to pull the prompt's K/V from before prefilling the rest
+    pulled_blocks: int = 0  # leading blocks to pull from ``kv_source`` (they include ``cached_blocks``)
 
 
 class RoutingPolicy(Protocol):
@@ -111,6 +129,30 @@ def route_key(tenant: str, session_id: str | None, hashes: Sequence[int], fallba
 def rendezvous(route_key: int, engine: str) -> int:
     """Highest-random-weight score: stable per (key, engine), so ties spread yet repeat for a key."""
     return xxhash.xxh3_64_intdigest(engine.encode(), seed=route_key)
+
+
+def with_peers(candidates: Sequence[Candidate], able: Container[str] | None = None) -> list[Candidate]:
+    """``candidates`` with ``peer``/``peer_blocks`` filled in: for each, the healthy engine of its own region
+    (not itself) holding the longest prefix of the prompt. Only engines in ``able`` (all when None) pull or
+    are pulled from. Two passes over the candidates, whatever the number of cached prefixes: each region's
+    best and second-best holder is all a peer lookup needs."""
+    best: dict[str, tuple[Candidate | None, Candidate | None]] = {}
+    for c in candidates:
+        if not c.healthy or c.cached_blocks == 0 or (able is not None and c.engine not in able):
+            continue
+        first, second = best.get(c.region, (None, None))
+        if first is None or c.cached_blocks > first.cached_blocks:
+            best[c.region] = (c, first)
+        elif second is None or c.cached_blocks > second.cached_blocks:
+            best[c.region] = (first, c)
+    out = []
+    for c in candidates:
+        first, second = best.get(c.region, (None, None))
+        peer = second if first is not None and first.engine == c.engine else first
+        if peer is not None and peer.cached_blocks > c.cached_blocks and (able is None or c.engine in able):
+            c = replace(c, peer=peer.engine, peer_blocks=peer.cached_blocks)
+        out.append(c)
+    return out
 
 
 def healthy(candidates: Sequence[Candidate]) -> list[Candidate]:

@@ -24,19 +24,42 @@ from gateway.routing.base import Candidate, RouteDecision, RouteRequest, Routing
 class CacheAwarePolicy:
     name = "cache_aware"
 
-    def __init__(self, settings: RoutingSettings) -> None:
+    def __init__(self, settings: RoutingSettings, *, kv_pull: bool = False) -> None:
         self.settings = settings
+        self.kv_pull = kv_pull
+
+    def pulled_tokens(self, request: RouteRequest, candidate: Candidate) -> int:
+        """Prompt tokens ``candidate`` would pull from its peer rather than compute (0: no pull)."""
+        if not self.kv_pull or candidate.peer is None:
+            return 0
+        s = self.settings
+        held = min(candidate.cached_blocks * request.block_size, request.prompt_tokens)
+        # The last prompt token is always computed (its logits start the decode), so a pull stops before it.
+        available = min(candidate.peer_blocks * request.block_size, request.prompt_tokens - 1) - held
+        if available < max(1, s.kv_pull_min_tokens) or s.kv_pull_s_per_token >= s.prefill_s_per_token:
+            return 0
+        return available
 
     def estimate_ttft_s(self, request: RouteRequest, candidate: Candidate) -> float:
         s = self.settings
         cached_tokens = min(candidate.cached_blocks * request.block_size, request.prompt_tokens)
-        uncached = request.prompt_tokens - cached_tokens
+        pulled = self.pulled_tokens(request, candidate)
+        uncached = request.prompt_tokens - cached_tokens - pulled
         return (
             candidate.rtt_s
             + candidate.queued_prefill_tokens * s.prefill_s_per_token
             + candidate.load * s.load_penalty_s
+            + pulled * s.kv_pull_s_per_token
             + uncached * s.prefill_s_per_token
         )
+
+    def decision(self, request: RouteRequest, candidate: Candidate, reason: str) -> RouteDecision:
+        """``reason`` for ``candidate``, with the pull the estimate counted on."""
+        if self.pulled_tokens(request, candidate):
+            return RouteDecision(
+                candidate.engine, reason, candidate.cached_blocks, candidate.peer, candidate.peer_blocks
+            )
+        return RouteDecision(candidate.engine, reason, candidate.cached_blocks)
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
         usable = healthy(candidates)
@@ -47,6 +70,5 @@ class CacheAwarePolicy:
         s = self.settings
         tied = [c for t, c in scored if t <= best + max(s.tie_tolerance_s, s.tie_tolerance_frac * best)]
         chosen = min(tied, key=lambda c: (c.rtt_s > 0, c.load, -rendezvous(request.route_key, c.engine)))
-        return RouteDecision(
-            chosen.engine, "prefix" if chosen.cached_blocks else "miss", chosen.cached_blocks
-        )
+        pulls = self.pulled_tokens(request, chosen) > 0
+        return self.decision(request, chosen, "prefix" if chosen.cached_blocks or pulls else "miss")

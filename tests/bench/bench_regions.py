@@ -6,7 +6,9 @@ on simulated regions (``kvgate simulate``), against the pooled LRU of the same t
 Configurations: 1 region x 8 engines x 2,000 blocks and 4 regions x 2 engines x 2,000 blocks (40 ms between
 regions). Policies: round_robin, session only, prefix only (cache_aware), and default. The target: the
 default policy reaches >= 98 % of the pooled LRU's hit rate with max/mean load <= 1.10 and the lowest TTFT
-p90 of all policies.
+p90 of all policies. Engines can pull a prefix from a peer in their region
+(``CostModel.kv_pull_tokens_per_s``); only the default policy asks for pulls, and the row "default, no
+pull" shows it without them (an ablation, left out of the verdict). "pulls": the requests that pulled.
 
 The replay is chaotic: one routing decision changes every later cache state, so a 1 % change of capacity
 moves a policy's p90 by about as much as the policies differ. ``--spread N`` repeats every run at N
@@ -32,6 +34,8 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_convers
 CONFIGS = [(1, 8), (4, 2)]
 POLICIES = [("round_robin", "round_robin"), ("session only", "session"), ("prefix only", "cache_aware"),
             ("default", "default")]  # fmt: skip
+# What the pulls contribute: the default policy with engines that cannot pull (not part of the verdict).
+ABLATIONS = [("default, no pull", "default")]
 
 
 def main() -> int:
@@ -49,9 +53,12 @@ def main() -> int:
     capacities = [round(args.capacity_blocks * step) for step in steps]
     trace = load_trace(args.trace, limit=args.limit)
     cost = CostModel(rtt_s=0.040)
+    no_pull = CostModel(rtt_s=0.040, kv_pull_tokens_per_s=0.0)
     rows = []
     runs = [
-        (regions, per_region, label, policy) for regions, per_region in CONFIGS for label, policy in POLICIES
+        (regions, per_region, label, policy)
+        for regions, per_region in CONFIGS
+        for label, policy in POLICIES + ABLATIONS
     ]
     bar = tqdm(total=len(runs) * len(capacities), desc="simulations", file=sys.stderr)
     for regions, per_region, label, policy in runs:
@@ -64,7 +71,7 @@ def main() -> int:
                 regions=regions,
                 engines_per_region=per_region,
                 capacity_blocks=capacity,
-                cost=cost,
+                cost=cost if (label, policy) not in ABLATIONS else no_pull,
             )
             results.append(r.as_json())
             bar.update()
@@ -74,18 +81,19 @@ def main() -> int:
     bar.close()
     blocks = f"{args.capacity_blocks}" if n == 1 else f"mean over {capacities}"
     print(f"{len(trace)} requests; {blocks} blocks per engine; hit = prompt blocks from cache")
-    header = f"{'config':7s} {'policy':14s} {'hit':>7s} {'vs pooled':>9s} {'load':>6s} {'TTFT p50':>9s} " \
-             f"{'p90':>8s} {'p99':>8s} {'cross':>6s}"  # fmt: skip
+    header = f"{'config':7s} {'policy':16s} {'hit':>7s} {'vs pooled':>9s} {'load':>6s} {'TTFT p50':>9s} " \
+             f"{'p90':>8s} {'p99':>8s} {'cross':>6s} {'pulls':>6s}"  # fmt: skip
     print(header)
     for row in rows:
         share = row["hit_rate"] / row["pooled_hit_rate"]
         print(
-            f"{row['config']:7s} {row['policy']:14s} {row['hit_rate']:7.1%} {share:9.1%} "
+            f"{row['config']:7s} {row['policy']:16s} {row['hit_rate']:7.1%} {share:9.1%} "
             f"{row['load_max_over_mean']:6.2f} {row['ttft_p50_s']:8.3f}s {row['ttft_p90_s']:7.3f}s "
-            f"{row['ttft_p99_s']:7.3f}s {row['cross_region_share']:6.1%}"
+            f"{row['ttft_p99_s']:7.3f}s {row['cross_region_share']:6.1%} {row['pull_share']:6.1%}"
         )
-    for config in {row["config"] for row in rows}:
-        group = [r for r in rows if r["config"] == config]
+    for config in dict.fromkeys(row["config"] for row in rows):
+        ablations = {label for label, _ in ABLATIONS}
+        group = [r for r in rows if r["config"] == config and r["policy"] not in ablations]
         pooled, oracle = group[0]["pooled_hit_rate"], group[0]["oracle_hit_rate"]
         default = next(r for r in group if r["policy"] == "default")
         best_p90 = min(r["ttft_p90_s"] for r in group)

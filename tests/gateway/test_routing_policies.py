@@ -17,7 +17,7 @@ from gateway.routing import (
     RouteRequest,
     SessionPolicy,
 )
-from gateway.routing.base import RoutingSettings
+from gateway.routing.base import RoutingSettings, with_peers
 
 S = RoutingSettings(prefill_s_per_token=1e-4, load_penalty_s=0.002, max_waiting=4, tie_tolerance_s=0.001)
 
@@ -94,16 +94,72 @@ def test_the_session_policy_stays_even_without_cache_there() -> None:
 
 def test_the_default_policy_moves_a_session_only_for_a_real_gain() -> None:
     policy = DefaultPolicy(S)
-    # b would save 32 ms of prefill: below the 100 ms slack, the session stays.
+    # b would save 38 ms of prefill: below the 50 ms slack, the session stays.
     decision = policy.pick(req(session="a"), [cand("a", load=3, cached=20), cand("b", cached=40)])
     assert decision.engine == "a" and decision.reason == "session"
-    # b would save ~100 ms more than the 0.1 s slack and a holds nothing worth keeping: it moves.
+    # b would save ~100 ms, more than the slack, and a holds nothing worth keeping: it moves.
     decision = policy.pick(req(session="a"), [cand("a", load=3), cand("b", cached=60)])
     assert decision.engine == "b" and decision.reason == "moved"
-    # a's long cached prefix would cost 4 x its recompute to give up: it stays despite a queue.
-    busy = replace(cand("a", cached=50, load=4), queued_prefill_tokens=2000)
+    # a's cached prefix (80 ms to recompute) is worth more than the 30 ms its queue costs: it stays.
+    busy = replace(cand("a", cached=50, load=4), queued_prefill_tokens=1000)
     decision = policy.pick(req(tokens=1024, session="a"), [busy, cand("b")])
     assert decision.engine == "a" and decision.reason == "session"
+    # With a queue twice that long, moving saves more than the prefix would cost: it moves.
+    busier = replace(busy, queued_prefill_tokens=2000)
+    assert policy.pick(req(tokens=1024, session="a"), [busier, cand("b")]).reason == "moved"  # type: ignore[union-attr]
+
+
+def peered(*candidates: Candidate, able: set[str] | None = None) -> list[Candidate]:
+    return with_peers(candidates, able)
+
+
+def test_peers_are_the_longest_holder_of_the_same_region() -> None:
+    a, b, c = cand("a", cached=30), cand("b", cached=10), cand("c")
+    far = replace(cand("far", cached=60), region="elsewhere")
+    sick = cand("sick", cached=90, healthy=False)
+    out = {x.engine: x for x in peered(a, b, c, far, sick)}
+    assert (out["b"].peer, out["b"].peer_blocks) == ("a", 30)
+    assert (out["c"].peer, out["c"].peer_blocks) == ("a", 30)
+    assert out["a"].peer is None  # its best peer, b, holds less than a itself
+    assert out["far"].peer is None  # alone in its region: a peer never crosses regions
+    # Only engines able to pull take part, as puller or as source.
+    out = {x.engine: x for x in peered(a, b, c, able={"b", "c"})}
+    assert out["c"].peer == "b" and out["b"].peer is None
+
+
+def test_cache_aware_with_pulls_starts_on_an_idle_engine_with_a_busy_peers_prefix() -> None:
+    settings = S.model_copy(update={"kv_pull_s_per_token": 2e-5, "kv_pull_min_tokens": 64})
+    busy = replace(cand("a", cached=60, load=4), queued_prefill_tokens=3000)
+    candidates = peered(busy, cand("b"))
+    # Without pulls the idle engine would recompute 1,024 tokens; with them it pulls a's 960.
+    plain = CacheAwarePolicy(settings).pick(req(), candidates)
+    assert plain is not None and plain.kv_source is None
+    decision = CacheAwarePolicy(settings, kv_pull=True).pick(req(), candidates)
+    assert decision is not None and decision.engine == "b" and decision.reason == "prefix"
+    assert (decision.kv_source, decision.pulled_blocks, decision.cached_blocks) == ("a", 60, 0)
+    # A pull that costs as much as computing, or that is shorter than the minimum, is not worth asking for.
+    for update in ({"kv_pull_s_per_token": 1e-4}, {"kv_pull_min_tokens": 2048}):
+        costly = CacheAwarePolicy(settings.model_copy(update=update), kv_pull=True).pick(req(), candidates)
+        assert costly is not None and costly.kv_source is None
+
+
+def test_the_default_policy_takes_a_sessions_cache_along_when_it_moves() -> None:
+    busy = replace(cand("a", cached=60, load=4), queued_prefill_tokens=1000)
+    candidates = peered(busy, cand("b"))
+    # Without pulls a's prefix is worth its queue (see above) and the session stays queued.
+    stays = DefaultPolicy(S.model_copy(update={"kv_pull": False})).pick(req(session="a"), candidates)
+    assert stays is not None and stays.engine == "a" and stays.kv_source is None
+    # With them, moving costs only the pull: the session moves to the idle engine and pulls its prefix.
+    moved = DefaultPolicy(S).pick(req(session="a"), candidates)
+    assert moved is not None and (moved.engine, moved.reason, moved.kv_source) == ("b", "moved", "a")
+    assert moved.pulled_blocks == 60
+
+
+def test_a_session_that_stays_pulls_what_a_peer_holds_beyond_its_own() -> None:
+    candidates = peered(cand("a", cached=10), cand("b", cached=60, load=9, waiting=3))
+    decision = DefaultPolicy(S).pick(req(session="a"), candidates)
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+    assert (decision.kv_source, decision.pulled_blocks, decision.cached_blocks) == ("b", 60, 10)
 
 
 @pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])

@@ -14,6 +14,7 @@ import pytest
 from gateway.routing import POLICIES
 from gateway.routing.base import RoutingSettings
 from gateway.simulate import SimRouter, run_simulation
+from region_map.simulator import CostModel
 from region_map.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
@@ -50,6 +51,19 @@ def test_session_aware_policies_keep_conversations_together(tmp_path: Path) -> N
     assert default.hit_rate >= 0.98 * default.oracle_hit_rate  # turns find their history (a few move away)
     assert spread.hit_rate < default.hit_rate
     assert default.load_max_over_mean <= 1.2
+
+
+def test_only_the_default_policy_asks_engines_to_pull() -> None:
+    trace = load_trace(TRACE, limit=3000)
+    runs = {
+        (policy, rate): run_simulation(trace, policy=policy, regions=1, engines_per_region=4,
+                                       capacity_blocks=1000, cost=CostModel(kv_pull_tokens_per_s=rate))
+        for policy, rate in (("default", 85_000.0), ("default", 0.0), ("cache_aware", 85_000.0))
+    }  # fmt: skip
+    assert runs["default", 85_000.0].pull_share > 0
+    assert runs["default", 0.0].pull_share == runs["cache_aware", 85_000.0].pull_share == 0
+    # Pulled blocks are blocks nobody computed: they count as hits, and the pulls find more of them.
+    assert runs["default", 85_000.0].hit_rate > runs["default", 0.0].hit_rate
 
 
 def test_the_router_follows_kv_events_into_the_real_residency_view() -> None:

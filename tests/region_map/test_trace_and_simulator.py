@@ -64,12 +64,40 @@ def test_an_engine_queues_prefills_and_finds_its_cache() -> None:
     assert engine.queued_prefill_tokens(0.25) == 100 + 250  # the rest of the first, all of the second
 
 
+def test_a_pull_moves_a_peers_prefix_instead_of_computing_it() -> None:
+    cost = CostModel(prefill_tokens_per_s=1000, block_tokens=100, kv_pull_tokens_per_s=10_000)
+    source = SimEngine("r/e0", "r", 10, cost, lambda *a: None)
+    target = SimEngine("r/e1", "r", 10, cost, lambda *a: None)
+    source.serve(0.0, TraceRequest(0.0, 400, 1, (1, 2, 3, 4), 1))
+    source.cache.insert([9])  # something used after the conversation
+    # 601 tokens: blocks 1-4 come from the peer (40 ms over the link), blocks 5-7 are computed here.
+    done, hit = target.serve(1.0, TraceRequest(1.0, 601, 1, (1, 2, 3, 4, 5, 6, 7), 1), source)
+    assert hit == 4 and done == pytest.approx(1.0 + 0.04 + 0.201)
+    # The source's copy is now the first to go: the prefix moved rather than doubled.
+    assert source.cache.insert(range(20, 30))[1] == [4, 3, 2, 1, 9]
+    # The last prompt token is always computed where the request runs: a 400-token prompt pulls 3 blocks.
+    again = SimEngine("r/e2", "r", 10, cost, lambda *a: None)
+    assert again.serve(2.0, TraceRequest(2.0, 400, 1, (1, 2, 3, 4), 1), target)[1] == 3
+
+
+def test_pulls_from_one_engine_share_its_link() -> None:
+    cost = CostModel(prefill_tokens_per_s=1e9, block_tokens=100, kv_pull_tokens_per_s=10_000)
+    source = SimEngine("r/e0", "r", 10, cost, lambda *a: None)
+    source.cache.insert([1, 2, 3])
+    first, second = (SimEngine(f"r/e{i}", "r", 10, cost, lambda *a: None) for i in (1, 2))
+    request = TraceRequest(0.0, 350, 1, (1, 2, 3, 4), 1)
+    assert first.serve(0.0, request, source)[0] == pytest.approx(0.03, abs=1e-6)
+    assert second.serve(0.0, request, source)[0] == pytest.approx(0.06, abs=1e-6)  # waited for the first
+
+
 class FirstEngine:
     def __init__(self) -> None:
         self.events: list[tuple[str, list[int], list[int]]] = []
 
-    def route(self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]) -> SimEngine:
-        return engines[0]
+    def route(
+        self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]
+    ) -> tuple[SimEngine, SimEngine | None]:
+        return engines[0], None
 
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
         self.events.append((engine_id, stored, evicted))
