@@ -8,6 +8,10 @@ request fails cleanly and ``/health`` turns red.
 Disaggregation: a request with a ``prefill_url`` is admitted holding blocks for its prompt, then its K/V is
 pulled from that prefill engine on the event loop (``kv_fetcher``) while other sequences keep stepping;
 ``export`` is the prefill engine's side, yielding K/V frames as the layers of its prefill finish.
+
+KV pull: a request with a ``pull_url`` is admitted the same way, but the positions it lacks come from that
+peer's prefix cache (``export_cached`` is the peer's side, served between two steps without queueing), as
+many as the peer still holds; a pull that fails costs the request nothing but the time: it computes them.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from cache.events import KvEvent
 from engine.kv_export import ExportSink
@@ -28,8 +32,17 @@ from engine.sequence import CacheNamespace, SamplingParams
 
 log = logging.getLogger("kvgate.engine")
 
-# fetch(ticket, prefill_url, namespace) -> the prefill engine's cached tokens; raises KvTransferError
-KvFetcher = Callable[[ImportTicket, str, CacheNamespace], Awaitable[int]]
+
+class KvFetcher(Protocol):
+    """Fetches a ticket's K/V into its blocks (``engine.kv_import.KvImporter``); raises KvTransferError."""
+
+    async def __call__(self, ticket: ImportTicket, source_url: str, namespace: CacheNamespace) -> int:
+        """From a prefill engine; returns the tokens it found in its own cache."""
+        ...
+
+    async def pull(self, ticket: ImportTicket, source_url: str, namespace: CacheNamespace) -> int:
+        """From a peer's prefix cache; returns the end of the positions stored (``ticket.start`` on)."""
+        ...
 
 
 class EngineDead(RuntimeError):
@@ -53,7 +66,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._import_sources: dict[str, tuple[str, CacheNamespace]] = {}  # request id -> (prefill url, ...)
+        self._import_sources: dict[str, tuple[str, CacheNamespace]] = {}  # request id -> (source url, ...)
         self._imports: dict[str, asyncio.Task[None]] = {}
         self.error: BaseException | None = None
         self.steps = 0
@@ -92,10 +105,14 @@ class AsyncEngine:
         namespace: CacheNamespace | None = None,
         *,
         prefill_url: str | None = None,
+        pull_url: str | None = None,
+        pull_tokens: int = 0,
     ) -> AsyncIterator[StepOutput]:
         """Outputs of one request as they are produced. Closing the iterator early aborts the request.
         With ``prefill_url`` the prompt's K/V is pulled from that prefill engine instead of computed here;
-        a failed transfer raises KvTransferError before any output."""
+        a failed transfer raises KvTransferError before any output. With ``pull_url`` the K/V of up to
+        ``pull_tokens`` leading prompt tokens that its own cache lacks is pulled from that peer's prefix
+        cache; whatever the pull does not bring (it failed, the peer evicted some) is computed here."""
         if self.error is not None:
             raise EngineDead(f"the engine failed: {self.error}")
         self.engine.check_request(prompt_token_ids, params)  # RequestRejected, before anything is queued
@@ -104,9 +121,13 @@ class AsyncEngine:
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         namespace = namespace or CacheNamespace()
-        if prefill_url is not None:
-            self._import_sources[request_id] = (prefill_url, namespace)
-        self._submit(("add", request_id, list(prompt_token_ids), params, namespace, prefill_url is not None))
+        source = prefill_url or pull_url
+        if source is not None:
+            self._import_sources[request_id] = (source, namespace)
+        pull = pull_tokens if pull_url is not None else None
+        self._submit(
+            ("add", request_id, list(prompt_token_ids), params, namespace, prefill_url is not None, pull)
+        )
         finished = False
         try:
             while True:
@@ -126,15 +147,38 @@ class AsyncEngine:
             if not finished:
                 self._submit(("abort", request_id))
 
-    async def export(
+    def export(
         self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Prefill a prompt here and yield its K/V frames (positions ``from_position`` on) as its layers
         finish, then the closing frame. Closing the iterator early aborts the prefill."""
         if self.error is not None:
             raise EngineDead(f"the engine failed: {self.error}")
         prompt = list(prompt_token_ids)
         self.engine.check_request(prompt, SamplingParams(max_tokens=0))
+        return self._frames(
+            request_id, lambda sink: ("export", request_id, prompt, namespace, from_position, sink)
+        )
+
+    def export_cached(
+        self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
+    ) -> AsyncGenerator[bytes, None]:
+        """Serve a peer's KV pull: yield the frames of the positions ``from_position`` on that this engine's
+        prefix cache holds, then the closing frame (``LLMEngine.export_cached``). It goes through the
+        command queue only, never the scheduler's: it is served before the next step, however many
+        requests wait there."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        prompt = list(prompt_token_ids)
+        return self._frames(
+            request_id, lambda sink: ("export_cached", request_id, prompt, namespace, from_position, sink)
+        )
+
+    async def _frames(
+        self, request_id: str, command: Callable[[ExportSink], tuple[Any, ...]]
+    ) -> AsyncGenerator[bytes, None]:
+        """Submit ``command(sink)`` and yield the frames its sink sends from the engine thread, up to and
+        including the closing one. Closing the iterator early aborts the request."""
         queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         post = self._post
 
@@ -146,7 +190,7 @@ class AsyncEngine:
             post(queue.put_nowait, None)
 
         self._queues[request_id] = queue  # an engine failure reaches it like any other request
-        self._submit(("export", request_id, prompt, namespace, from_position, ExportSink(send, close)))
+        self._submit(command(ExportSink(send, close)))
         finished = False
         try:
             while True:
@@ -204,12 +248,18 @@ class AsyncEngine:
     def _execute(self, command: tuple[Any, ...]) -> None:
         engine, kind = self.engine, command[0]
         if kind == "add":
-            _, request_id, prompt, params, namespace, import_kv = command
-            engine.add_request(request_id, prompt, params, namespace, import_kv=import_kv)
+            _, request_id, prompt, params, namespace, import_kv, pull_tokens = command
+            engine.add_request(
+                request_id, prompt, params, namespace, import_kv=import_kv, pull_tokens=pull_tokens
+            )
         elif kind == "export":
             engine.add_export(*command[1:])
+        elif kind == "export_cached":
+            engine.export_cached(*command[2:])  # served now, between two steps: it computes nothing
         elif kind == "imported":
             engine.finish_import(command[1], command[2])
+        elif kind == "pulled":
+            engine.finish_pull(command[1], command[2])
         elif kind == "import_failed":
             engine.abort(command[1])  # frees the blocks it reserved
             self._post(self._fail_one, command[1], KvTransferError(command[2]))
@@ -234,15 +284,13 @@ class AsyncEngine:
             source = self._import_sources.pop(ticket.request_id, None)
             if source is None:  # its client already left; the abort is on its way
                 continue
-            self._imports[ticket.request_id] = asyncio.create_task(self._import(ticket, *source))
+            fetch = self._pull if ticket.pull else self._import
+            self._imports[ticket.request_id] = asyncio.create_task(fetch(ticket, *source))
 
     async def _import(self, ticket: ImportTicket, prefill_url: str, namespace: CacheNamespace) -> None:
         assert self._kv_fetcher is not None
         try:
-            if ticket.start >= ticket.end:  # its own cache held everything: nothing to fetch
-                cached = ticket.start
-            else:
-                cached = await self._kv_fetcher(ticket, prefill_url, namespace)
+            cached = await self._kv_fetcher(ticket, prefill_url, namespace)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -252,6 +300,22 @@ class AsyncEngine:
             self._submit(("imported", ticket.request_id, cached))
         finally:
             self._imports.pop(ticket.request_id, None)
+
+    async def _pull(self, ticket: ImportTicket, pull_url: str, namespace: CacheNamespace) -> None:
+        pulled_to: int | None = None  # a failed pull: the request computes those positions itself
+        try:
+            if self._kv_fetcher is None:
+                raise KvTransferError("this engine cannot receive KV transfers")
+            pulled_to = await self._kv_fetcher.pull(ticket, pull_url, namespace)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "KV pull for %s from %s failed, computing it here: %s", ticket.request_id, pull_url, exc
+            )
+        finally:
+            self._imports.pop(ticket.request_id, None)
+        self._submit(("pulled", ticket.request_id, pulled_to))
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:
         queue = self._queues.get(request_id)

@@ -130,6 +130,15 @@ class BlockManager:
         seq.num_computed = 0
         seq.num_registered = 0
 
+    def demote(self, block_ids: list[int]) -> None:
+        """Move the unreferenced blocks of a cached run (``block_ids`` in prefix order) to the front of the
+        eviction order, the run's last block first: a peer engine pulled their K/V and now holds it, so this
+        copy is the one to give up first (a pull migrates a prefix instead of duplicating it). Blocks a
+        sequence still references are left alone. Nothing leaves the cache, so no KV event is emitted."""
+        for block_id in block_ids:  # each goes to the very front: the last one ends up first of all
+            if block_id in self._evictable:
+                self._evictable.move_to_end(block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that nobody uses (referenced blocks stay, but are no longer shared)."""
         for block in self.blocks:

@@ -3,6 +3,7 @@
 During a step the model runner calls ``on_layer(i)`` after layer ``i`` stored its K/V; every exporting
 sequence in the batch then sends that layer for the positions this step computed (and, on its first step,
 the positions its own prefix cache already held). Sinks are called on the engine thread and must not block.
+A KV pull from a peer sends cached positions only, with ``send_positions``, between two steps.
 """
 
 from __future__ import annotations
@@ -67,8 +68,16 @@ def send_cached(seq: Sequence, kv_cache: KVCache) -> None:
     start, end = max(seq.export_from, seq.export.sent_positions), seq.num_computed
     if end <= start:
         return
-    slots = position_slots(seq.block_table, kv_cache.block_size, start, end)
+    send_positions(seq.export.send, kv_cache, seq.block_table, start, end)
+    seq.export.sent_positions = end
+
+
+def send_positions(
+    send: Callable[[list[Any]], None], kv_cache: KVCache, block_table: list[int], start: int, end: int
+) -> None:
+    """Every layer of positions ``start .. end`` of the blocks ``block_table``, one frame per layer. Indexing
+    copies the K/V out now, on the engine thread: the blocks may be reused as soon as the engine steps on."""
+    slots = position_slots(block_table, kv_cache.block_size, start, end)
     for i in range(len(kv_cache.k)):
         k_cache, v_cache = kv_cache.layer(i)
-        seq.export.send(kv_frame(i, start, k_cache[slots].cpu(), v_cache[slots].cpu()))
-    seq.export.sent_positions = end
+        send(kv_frame(i, start, k_cache[slots].cpu(), v_cache[slots].cpu()))

@@ -4,10 +4,15 @@ The decode engine pulls: it has already matched its own prefix cache, so it asks
 lacks (``from_position`` onwards). The prefill engine answers with a stream of frames while it computes:
 each layer's K/V leaves as soon as that layer is done, so the transfer overlaps the prefill.
 
+A KV pull uses the same frames: a peer engine asks ``/v1/kv/cached`` for positions its own cache lacks, and
+the source sends, between two of its steps, those its prefix cache holds (a run of full blocks), which may
+stop short of what was asked: the done frame says how far it got.
+
 Frame: ``[u32 little-endian header length][msgpack header][payload]``. Headers:
 - ``{"t": "kv", "layer", "start", "count", "dtype", "heads", "dim"}``: the payload is K then V for positions
   ``start .. start + count`` of one layer, raw tensor bytes ``[count, heads, dim]`` (no per-element Python);
-- ``{"t": "done", "tokens", "cached_tokens"}``: every position was sent; the prefill engine's cache hit;
+- ``{"t": "done", "tokens", "cached_tokens"}``: every position up to ``tokens`` was sent; the source's cache
+  hit (a pull: the same as ``tokens``);
 - ``{"t": "error", "message"}``.
 """
 

@@ -15,7 +15,7 @@ from cache.tokens import Tokenizer, load_tokenizer
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_export import send_cached
+from engine.kv_export import send_cached, send_positions
 from engine.metrics import EngineCounters
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
@@ -73,18 +73,20 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    kv_transferred_tokens: int = 0  # prompt positions whose K/V came from a prefill engine
+    kv_transferred_tokens: int = 0  # prompt positions whose K/V came from a prefill engine or a peer's cache
 
 
 @dataclass(frozen=True, slots=True)
 class ImportTicket:
-    """A decode-side sequence that now holds blocks and waits for positions ``start .. end`` of its K/V."""
+    """A decode-side sequence that now holds blocks and waits for positions ``start .. end`` of its K/V.
+    With ``pull`` they come from a peer's prefix cache, which may hold fewer (``LLMEngine.finish_pull``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     start: int
     end: int
     block_table: list[int]
+    pull: bool = False
 
 
 class RequestRejected(ValueError):
@@ -224,15 +226,23 @@ class LLMEngine:
         namespace: CacheNamespace | None = None,
         *,
         import_kv: bool = False,
+        pull_tokens: int | None = None,
     ) -> None:
         """Queue a request. With ``import_kv`` its prompt's K/V (all but the last token) will come from a
-        prefill engine: see ``take_import_tickets`` and ``finish_import``."""
+        prefill engine: see ``take_import_tickets`` and ``finish_import``. With ``pull_tokens`` the K/V of
+        up to that many leading prompt tokens (all but the last at most) beyond its own cached prefix will
+        be pulled from a peer's prefix cache, which may hold fewer: see ``finish_pull``."""
         if request_id in self._seqs:
             raise RequestRejected(f"request id {request_id!r} is already running")
+        if import_kv and pull_tokens is not None:
+            raise RequestRejected("a request imports its K/V from a prefill engine or pulls it, not both")
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, params)
         seq = self._sequence(request_id, prompt, params, namespace or CacheNamespace())
-        seq.awaiting_kv = import_kv
+        seq.awaiting_kv = import_kv or pull_tokens is not None
+        seq.kv_pull = pull_tokens is not None
+        # The last prompt token is always computed here: its step yields the first token's logits.
+        seq.import_end = len(prompt) - 1 if pull_tokens is None else min(pull_tokens, len(prompt) - 1)
         self._seqs[request_id] = seq
         self._generators[request_id] = make_generator(params.seed)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -264,14 +274,19 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def take_import_tickets(self) -> list[ImportTicket]:
-        """Sequences admitted since the last call that wait for their K/V (the rest of their prompt)."""
+        """Sequences admitted since the last call that wait for their K/V (the rest of their prompt). One
+        whose own prefix cache already covers what it would import gets no ticket: it computes the rest."""
         tickets = []
         for seq in self.scheduler.admitted_importers:
-            if seq.status is SeqStatus.RUNNING and seq.awaiting_kv:
-                tickets.append(
-                    ImportTicket(seq.request_id, list(seq.token_ids), seq.num_computed, seq.num_tokens - 1,
-                                 list(seq.block_table))
-                )  # fmt: skip
+            if seq.status is not SeqStatus.RUNNING or not seq.awaiting_kv:
+                continue
+            if seq.num_computed >= seq.import_end:
+                self._imported(seq, seq.num_computed, seq.num_computed)  # nothing to fetch
+                continue
+            tickets.append(
+                ImportTicket(seq.request_id, list(seq.token_ids), seq.num_computed, seq.import_end,
+                             list(seq.block_table), pull=seq.kv_pull)
+            )  # fmt: skip
         self.scheduler.admitted_importers.clear()
         return tickets
 
@@ -279,14 +294,62 @@ class LLMEngine:
         """The K/V of every prompt position but the last has arrived: the sequence computes its last prompt
         token itself (so sampling starts from the very generator state a colocated run would have)."""
         seq = self._seqs.get(request_id)
-        if seq is None or not seq.awaiting_kv:
+        if seq is None or not seq.awaiting_kv or seq.kv_pull:
             return
-        self._transferred[request_id] = seq.num_tokens - 1 - seq.num_computed
-        seq.num_computed = seq.num_tokens - 1
-        seq.awaiting_kv = False
         # Tokens nobody computed for this request: those the prefill engine found in its own cache.
-        seq.num_cached_prompt_tokens = min(prefill_cached_tokens, seq.num_prompt_tokens)
+        self._imported(seq, seq.import_end, prefill_cached_tokens)
+
+    def finish_pull(self, request_id: str, pulled_to: int | None) -> None:
+        """A pull from a peer's prefix cache ended. Positions up to ``pulled_to`` hold the peer's K/V (fewer
+        than asked when the peer had evicted some); ``None``: the pull failed, and the sequence computes
+        everything past its own cached prefix, overwriting whatever the pull had written. Either way the
+        request goes on: a pull only ever saves work."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.awaiting_kv or not seq.kv_pull:
+            return
+        start = seq.num_computed
+        end = start if pulled_to is None else max(start, min(pulled_to, seq.import_end))
+        outcome = "failed" if pulled_to is None else "ok" if end == seq.import_end else "partial"
+        self.counters.pulled(outcome, end - start)
+        # Nobody computed the pulled positions for this request: they count as cached, like its own hits.
+        self._imported(seq, end, end)
+
+    def _imported(self, seq: Sequence, computed_to: int, cached_tokens: int) -> None:
+        """Positions up to ``computed_to`` now hold K/V: the sequence computes the rest of its prompt."""
+        self._transferred[seq.request_id] = computed_to - seq.num_computed
+        seq.num_computed = computed_to
+        seq.awaiting_kv = False
+        seq.num_cached_prompt_tokens = min(cached_tokens, seq.num_prompt_tokens)
         self.blocks.register_full_blocks(seq)
+
+    def export_cached(
+        self, prompt_token_ids: Seq[int], namespace: CacheNamespace, from_position: int, sink: ExportSink
+    ) -> int:
+        """Serve a peer's pull: the K/V of positions ``from_position .. k`` of the prompt, where ``k`` ends
+        the longest run of its full blocks in the prefix cache, then the done frame (``tokens`` = ``k``, or
+        ``from_position`` when the cache holds no more). Computes nothing and queues nothing, so it never
+        waits behind requests; it runs between two steps and copies the K/V out at once, so no later step
+        can evict a block before it is sent. The sent blocks nobody uses are then demoted to be evicted
+        first: the peer holds them now, so the pull migrates them rather than duplicating them. Returns the
+        positions sent."""
+        if self.kv_cache is None:
+            raise RequestRejected("KV pull is not supported with tensor or pipeline parallelism")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not 0 <= from_position < len(prompt):
+            raise RequestRejected(
+                f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
+            )
+        probe = self._sequence("kv-pull", prompt, SamplingParams(max_tokens=0), namespace)
+        probe.export = sink  # an exporting sequence matches every full block (it has nothing to sample)
+        run = self.blocks.match_prefix(probe)
+        block_size = self.config.block_size
+        end = max(len(run) * block_size, from_position)
+        if end > from_position:
+            send_positions(sink.send, self.kv_cache, run, from_position, end)
+        sink.close({"t": "done", "tokens": end, "cached_tokens": end})
+        self.blocks.demote(run[from_position // block_size :])
+        self.counters.pull_served(end - from_position)
+        return end - from_position
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 STAGES = ("prefill", "decode")
+PULL_OUTCOMES = ("ok", "partial", "failed")  # every position asked for / fewer (the peer evicted some) / none
 
 
 class BusyClock:
@@ -64,12 +65,25 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
+    # KV pulls: this engine fetching a cached prefix from a peer, and serving one to a peer
+    kv_pulls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PULL_OUTCOMES, 0))
+    kv_pulled_tokens: int = 0
+    kv_pull_served: int = 0
+    kv_pull_served_tokens: int = 0
 
     def finished(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.cached_prompt_tokens += cached_tokens
         self.generated_tokens += generated_tokens
+
+    def pulled(self, outcome: str, tokens: int) -> None:
+        self.kv_pulls[outcome] += 1
+        self.kv_pulled_tokens += tokens
+
+    def pull_served(self, tokens: int) -> None:
+        self.kv_pull_served += 1
+        self.kv_pull_served_tokens += tokens
 
 
 @dataclass(frozen=True)
@@ -115,10 +129,24 @@ class _Collector(Collector):
             ("kvgate_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
              c.cached_prompt_tokens),
             ("kvgate_engine_generation_tokens", "Tokens generated.", c.generated_tokens),
+            ("kvgate_engine_kv_pulled_tokens", "Prompt positions whose K/V was pulled from a peer's cache.",
+             c.kv_pulled_tokens),
+            ("kvgate_engine_kv_pull_served", "KV pulls served to peers from the prefix cache.",
+             c.kv_pull_served),
+            ("kvgate_engine_kv_pull_served_tokens", "Positions whose K/V was sent to pulling peers.",
+             c.kv_pull_served_tokens),
         ):  # fmt: skip
             counter = CounterMetricFamily(name, doc, labels=["engine"])
             counter.add_metric(engine, value)
             yield counter
+        pulls = CounterMetricFamily(
+            "kvgate_engine_kv_pulls",
+            "KV pulls from a peer's prefix cache, by outcome (a failed one is computed here instead).",
+            labels=["engine", "outcome"],
+        )
+        for outcome, count in c.kv_pulls.items():
+            pulls.add_metric([*engine, outcome], count)
+        yield pulls
         if g.gpu_utilization is not None:
             gpu = GaugeMetricFamily(
                 "kvgate_engine_gpu_utilization_ratio", "GPU utilisation (0..1).", labels=["engine"]

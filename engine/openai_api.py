@@ -67,6 +67,16 @@ class OpenAIError(Exception):
         return json_response(self.body(), status=self.status, headers=headers)
 
 
+@dataclass(frozen=True, slots=True)
+class KvPull:
+    """``kv_transfer_params`` of a KV pull: the peer engine at ``url`` holds (the gateway believes) the K/V
+    of the prompt's first ``tokens`` tokens in its prefix cache; ``engine`` is its id, for logs only."""
+
+    url: str
+    tokens: int
+    engine: str | None = None
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One validated generation request, independent of which endpoint it came through."""
@@ -86,6 +96,7 @@ class GenerationRequest:
     top_k: int = 0  # 0: disabled
     cache_salt: str = ""
     prefill_url: str | None = None  # disaggregated: pull the prompt's K/V from this prefill engine
+    kv_pull: KvPull | None = None  # pull the K/V of a cached prefix from a peer engine
     cache_shared_blocks: int = 0  # leading blocks of an operator-declared public prefix (shared by tenants)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -189,7 +200,7 @@ def parse_request(
         raise OpenAIError("cache_salt must be a string", param="cache_salt")
     top_k_raw = data.get("top_k")
     top_k = 0 if top_k_raw is None else _int(top_k_raw, "top_k", lo=-1)
-    prefill_url = _prefill_url(data.get("kv_transfer_params"))
+    prefill_url, kv_pull = _kv_transfer_params(data.get("kv_transfer_params"))
     shared_raw = data.get("cache_shared_blocks")
     shared_blocks = 0 if shared_raw is None else _int(shared_raw, "cache_shared_blocks", lo=0)
 
@@ -209,21 +220,43 @@ def parse_request(
         top_k=max(top_k, 0),
         cache_salt=cache_salt or "",
         prefill_url=prefill_url,
+        kv_pull=kv_pull,
         cache_shared_blocks=shared_blocks,
     )
 
 
-def _prefill_url(params: Any) -> str | None:
-    """``kv_transfer_params.prefill_url``: the engine to pull this prompt's K/V from (disaggregation)."""
+def _kv_transfer_params(params: Any) -> tuple[str | None, KvPull | None]:
+    """``kv_transfer_params``: either ``prefill_url``, the engine to pull this prompt's K/V from
+    (disaggregation), or ``pull_url`` + ``pull_tokens`` (+ ``pull_engine``), a peer engine holding the
+    K/V of a prefix of it in its cache (a KV pull)."""
     if params is None:
-        return None
+        return None, None
     if not isinstance(params, dict):
         raise OpenAIError("kv_transfer_params must be an object", param="kv_transfer_params")
-    url = params.get("prefill_url")
+    prefill_url = _url(params, "prefill_url")
+    pull_url = _url(params, "pull_url")
+    if pull_url is None:
+        return prefill_url, None
+    if prefill_url is not None:
+        raise OpenAIError(
+            "kv_transfer_params takes prefill_url or pull_url, not both", param="kv_transfer_params"
+        )
+    tokens, engine = params.get("pull_tokens"), params.get("pull_engine")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise OpenAIError(
+            "kv_transfer_params.pull_tokens must be a non-negative integer", param="kv_transfer_params"
+        )
+    if engine is not None and not isinstance(engine, str):
+        raise OpenAIError("kv_transfer_params.pull_engine must be a string", param="kv_transfer_params")
+    return None, KvPull(pull_url, tokens, engine)
+
+
+def _url(params: dict[str, Any], key: str) -> str | None:
+    url = params.get(key)
     if url is None:
         return None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise OpenAIError("kv_transfer_params.prefill_url must be an http(s) URL", param="kv_transfer_params")
+        raise OpenAIError(f"kv_transfer_params.{key} must be an http(s) URL", param="kv_transfer_params")
     return url.rstrip("/")
 
 

@@ -62,6 +62,8 @@ class Sequence:
     # Disaggregation. A decode-side sequence waits (holding its blocks) while its prompt's K/V arrives; a
     # prefill-side sequence computes its tokens and streams their K/V from ``export_from`` on, never sampling.
     awaiting_kv: bool = False
+    import_end: int = 0  # the import covers positions num_computed .. import_end
+    kv_pull: bool = False  # the import is a pull from a peer's cache: it may bring fewer, or fail harmlessly
     export: ExportSink | None = None
     export_from: int = 0
     _hashes: list[int] = field(default_factory=list)

@@ -7,7 +7,7 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,9 @@ from engine.openai_api import (
 from engine.sequence import CacheNamespace, SamplingParams
 
 REQUEST_ID_HEADER = "x-request-id"
-TRANSFER_HEADER = "x-kvgate-kv-transfer"  # remote: the prompt's K/V came from a prefill engine; else local
-TRANSFERRED_HEADER = "x-kvgate-kv-transferred-tokens"
+# remote: the prompt's K/V came from a prefill engine; pull: a pull from a peer's cache was asked for; local
+TRANSFER_HEADER = "x-kvgate-kv-transfer"
+TRANSFERRED_HEADER = "x-kvgate-kv-transferred-tokens"  # positions whose K/V arrived (0 after a failed pull)
 ROLES = ("prefill", "decode", "both")
 MAX_BODY_BYTES = 64 * 2**20  # the token ids of a long prompt outgrow aiohttp's 1 MiB default
 
@@ -85,6 +86,21 @@ class EngineServer:
 
     async def kv_prefill(self, request: web.Request) -> web.StreamResponse:
         """The prefill side of disaggregation: compute a prompt and stream its K/V, layer by layer."""
+        return await self._kv_source(request, self.engine.export)
+
+    async def kv_cached(self, request: web.Request) -> web.StreamResponse:
+        """A peer's KV pull: stream the K/V that this engine's prefix cache holds of a prompt's positions
+        ``from_position`` on, computing nothing and waiting behind no request; the done frame says how far
+        it got. The blocks sent are evicted first from now on: the peer holds them."""
+        return await self._kv_source(request, self.engine.export_cached)
+
+    async def _kv_source(
+        self,
+        request: web.Request,
+        open_frames: Callable[[str, list[int], CacheNamespace, int], AsyncGenerator[bytes, None]],
+    ) -> web.StreamResponse:
+        """Check a KV transfer request (the body ``KvImporter`` sends), then stream the frames
+        ``open_frames(request id, prompt token ids, namespace, from_position)`` yields."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         try:
             body = orjson.loads(await request.read())
@@ -107,7 +123,7 @@ class EngineServer:
             if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
                 raise OpenAIError("cache_shared_blocks must be a non-negative integer")
             namespace = CacheNamespace(salt, shared)
-            frames = self.engine.export(f"kv-{request_id}-{new_request_id()}", ids, namespace, start)
+            frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, start)
             first = await anext(frames)
         except orjson.JSONDecodeError:
             return OpenAIError("the body is not valid JSON").to_response()
@@ -119,7 +135,7 @@ class EngineServer:
             return _engine_failed(exc).to_response()
         response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
         response.content_type = KV_CONTENT_TYPE
-        async with contextlib.aclosing(frames):  # the decode engine hanging up aborts the prefill
+        async with contextlib.aclosing(frames):  # the receiving engine hanging up aborts the prefill
             try:
                 await response.prepare(request)
                 await response.write(first)
@@ -156,6 +172,7 @@ class EngineServer:
             "model": self.model,
             "block_size": self.llm.config.block_size,
             "kv_events": True,
+            "kv_pull": self.importer is not None,  # pulls from and serves to peers (needs the cache here)
             "simulated": False,
             "device": str(self.llm.device),
             "dtype": str(self.llm.dtype).removeprefix("torch."),
@@ -199,6 +216,8 @@ class EngineServer:
                 params,
                 CacheNamespace(req.cache_salt, req.cache_shared_blocks),
                 prefill_url=req.prefill_url,
+                pull_url=req.kv_pull.url if req.kv_pull else None,
+                pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
             )
             first = await anext(outputs)  # errors before the first token still become an HTTP error
         except OpenAIError as exc:
@@ -211,7 +230,7 @@ class EngineServer:
             # Nothing reached the client yet: the gateway may retry with another prefill engine.
             error = OpenAIError(str(exc), status=502, error_type="server_error", code="kv_transfer_failed")
             return error.to_response(headers)
-        headers[TRANSFER_HEADER] = "remote" if req.prefill_url else "local"
+        headers[TRANSFER_HEADER] = "remote" if req.prefill_url else "pull" if req.kv_pull else "local"
         headers[TRANSFERRED_HEADER] = str(first.kv_transferred_tokens)
         async with contextlib.aclosing(outputs):  # closing early (client gone) aborts the request
             if req.stream:
@@ -286,6 +305,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_post("/v1/kv/prefill", server.kv_prefill)
+    app.router.add_post("/v1/kv/cached", server.kv_cached)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, server.gauges))

@@ -82,6 +82,29 @@ def test_unreferenced_blocks_stay_cached_and_go_least_recently_used_first() -> N
     assert bm.allocate(b2) == 2 * BS  # b survived
 
 
+def test_demoted_blocks_are_evicted_first_tail_first_and_silently() -> None:
+    bm = BlockManager(7, BS)
+    a, b = seq(list(range(8)), "a"), seq(list(range(100, 112)), "b")
+    for s in (a, b):  # a is the least recently used: it would go first
+        bm.allocate(s)
+        compute_all(bm, s)
+        bm.free(s)
+    bm.drain_events()
+    pinned = seq([*range(100, 104), 7], "pinned")
+    bm.allocate(pinned)  # a running sequence shares b's first block: demoting must not touch it
+    b_blocks = [bm._by_hash[h] for h in block_hashes(b.token_ids, BS, SEED)]
+    bm.demote(b_blocks)  # a peer pulled all of b
+    assert bm.drain_events() == []  # still cached: nothing to tell the gateway
+    assert list(bm._evictable)[:2] == [b_blocks[2], b_blocks[1]]
+    c = seq([*range(200, 208), 1], "c")  # 3 blocks: the free one, then b's tail before its middle
+    bm.allocate(c)
+    hb = block_hashes(b.token_ids, BS, SEED)
+    assert bm.drain_events() == [BlockRemoved((hb[2],)), BlockRemoved((hb[1],))]
+    again = seq([*range(8), 1], "again")
+    assert len(bm.match_prefix(again)) == 2  # a, older but never pulled, survived
+    assert bm.blocks[b_blocks[0]].hash == hb[0]  # the shared block was never evictable
+
+
 def test_referenced_blocks_are_never_evicted() -> None:
     bm = BlockManager(3, BS)
     a = seq(list(range(8)))

@@ -3,7 +3,6 @@ engine, the same K/V bytes on both sides, only missing blocks on the wire, and c
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,26 +13,8 @@ import torch
 from aiohttp import web
 
 from engine.kv_transfer import frame, kv_frame
-from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
-from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
-
-BS = 4
-
-
-class Node:
-    def __init__(self, server: EngineServer, url: str, runner: web.AppRunner) -> None:
-        self.server, self.url, self.runner = server, url, runner
-
-
-async def start_node(model_dir: Path, role: str, name: str) -> Node:
-    engine = LLMEngine(EngineConfig(str(model_dir), block_size=BS, num_kv_blocks=256, device="cpu"))
-    app = build_app(engine, ServerConfig(engine_id=name, role=role))
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return Node(app[ENGINE_SERVER], f"http://127.0.0.1:{runner.addresses[0][1]}", runner)
+from tests.engine.kv_nodes import BS, Node, assert_all_free, colocated, complete, prompt, start_node
 
 
 @pytest.fixture
@@ -44,32 +25,6 @@ async def pd(tiny_model_dir: Path) -> AsyncIterator[tuple[Node, Node, aiohttp.Cl
         yield prefill, decode, session
     for node in (prefill, decode):
         await node.runner.cleanup()
-
-
-def prompt(n: int, offset: int = 0) -> list[int]:
-    return [(11 * j + 5 + offset) % 500 + 3 for j in range(n)]
-
-
-async def complete(
-    session: aiohttp.ClientSession, node: Node, ids: list[int], prefill: Node | None = None, **extra: Any
-) -> tuple[int, dict[str, Any], Any]:
-    body: dict[str, Any] = {
-        "model": node.server.model,
-        "prompt": "x",
-        "prompt_token_ids": ids,
-        "max_tokens": 16,
-    }
-    body.update(extra)
-    if prefill is not None:
-        body["kv_transfer_params"] = {"prefill_url": prefill.url}
-    async with session.post(node.url + "/v1/completions", json=body) as r:
-        return r.status, await r.json(content_type=None), r.headers
-
-
-def colocated(model_dir: Path, ids: list[int], params: SamplingParams) -> list[int]:
-    return LLMEngine(EngineConfig(str(model_dir), block_size=BS, num_kv_blocks=256, device="cpu")).generate(
-        [ids], params
-    )[0]
 
 
 async def test_greedy_tokens_equal_a_colocated_engine(pd: Any, tiny_model_dir: Path) -> None:
@@ -136,7 +91,7 @@ async def test_a_dead_prefill_engine_fails_cleanly_and_frees_the_blocks(pd: Any)
     await prefill.runner.cleanup()
     status, body, _ = await complete(session, decode, prompt(30), prefill)
     assert status == 502 and body["error"]["code"] == "kv_transfer_failed"
-    await _assert_all_free(decode)
+    await assert_all_free(decode)
 
 
 async def test_a_transfer_cut_short_frees_the_blocks(pd: Any, tiny_model_dir: Path) -> None:
@@ -157,19 +112,9 @@ async def test_a_transfer_cut_short_frees_the_blocks(pd: Any, tiny_model_dir: Pa
     fake = Node(decode.server, f"http://127.0.0.1:{runner.addresses[0][1]}", runner)
     status, body, _ = await complete(session, decode, prompt(30), fake)
     assert status == 502 and "transfer" in body["error"]["message"]
-    await _assert_all_free(decode)
+    await assert_all_free(decode)
     await runner.cleanup()
     assert frame({"t": "done"})  # the framing helper itself stays importable for fakes
-
-
-async def _assert_all_free(node: Node) -> None:
-    llm = node.server.llm
-    for _ in range(100):
-        if not llm.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
-    assert not llm.scheduler.has_work()
-    assert all(b.ref_count == 0 for b in llm.blocks.blocks)
 
 
 async def test_the_prefill_endpoint_checks_its_input(pd: Any) -> None:
