@@ -51,6 +51,4 @@ async def test_a_session_bound_elsewhere_pulls_the_prefix_its_peer_computed(
 
 
 def _counter(gateway: Any, name: str) -> float:
-    return sum(
-        s.value for m in gateway.metrics.registry.collect() for s in m.samples if s.name == name
-    )
+    return sum(s.value for m in gateway.metrics.registry.collect() for s in m.samples if s.name == name)
