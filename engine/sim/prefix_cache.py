@@ -99,6 +99,14 @@ class PrefixCache:
             if not count:
                 lru[h] = None
 
+    def demote(self, hashes: Sequence[int]) -> None:
+        """Make the unpinned blocks of a chain the next to be evicted, its last block first (a peer pulled
+        them and holds them now, so this copy is the one to give up). Nothing leaves: no events."""
+        lru = self._lru
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h, last=False)
+
     def store(self, hashes: Sequence[int], parent: int | None = None) -> int:
         """Cache the chain ``hashes`` (``parent``: the hash before ``hashes[0]``, None for a prompt's start).
 

@@ -33,6 +33,8 @@ from aiohttp import web
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
+from engine.kv_wire import CONTENT_TYPE as KV_CONTENT_TYPE
+from engine.kv_wire import pack
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import (
     FinishReason,
@@ -48,6 +50,7 @@ from engine.openai_api import (
     sse_response,
     usage,
 )
+from engine.sim.kv_pull import PeerPuller
 from engine.sim.prefix_cache import PrefixCache
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -70,6 +73,7 @@ class SimEngineConfig:
     port: int = 0  # 0: any free port
     max_model_len: int = 131072  # prompt + max_tokens; bounds the work one request can ask for
     kv_heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    kv_pull_s_per_token: float = 1.2e-5  # sending cached K/V to a peer that pulls it (engine/sim/kv_pull.py)
     tokenizer: str | None = None  # a Hugging Face tokenizer directory; None: the byte-level tokenizer
 
     def __post_init__(self) -> None:
@@ -79,7 +83,7 @@ class SimEngineConfig:
             raise ValueError("block_size and max_running must be >= 1, max_model_len >= 2")
         if self.capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
-        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0:
+        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0 or self.kv_pull_s_per_token < 0:
             raise ValueError("costs must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must lie in [0, 65535]")
@@ -174,6 +178,8 @@ class SimEngine:
         self._waiters: deque[_Waiter] = deque()
         self.counters = EngineCounters()
         self._public_seed = _namespace_seed(config.model, "")  # of operator-declared shared prefixes
+        self.puller = PeerPuller()
+        self._sending = asyncio.Lock()  # this engine's outbound K/V link: one pull served at a time
 
     def gauges(self) -> EngineGauges:
         return EngineGauges(self.running, len(self._waiters), self.cache.used, self.cache.free)
@@ -271,6 +277,7 @@ class SimEngine:
             "model": cfg.model,
             "block_size": cfg.block_size,
             "kv_events": True,
+            "kv_pull": True,
             "simulated": True,
             "load": {
                 "running": self.running,
@@ -313,6 +320,8 @@ class SimEngine:
                 ids, bs, ns_seed, public_seed=self._public_seed, shared_blocks=req.cache_shared_blocks
             )
             n_cached = self.cache.match(hashes)
+            if req.kv_pull is not None:
+                n_cached = max(n_cached, await self._pull(req, n_cached, hashes))
             cached_tokens = n_cached * bs
             if not self._zero_cost:
                 # With every cost at zero nothing below awaits before _store_answer() stores the prompt
@@ -345,6 +354,75 @@ class SimEngine:
             if pinned:
                 self.cache.release(pinned)
             self._release_slot()
+
+    async def _pull(self, req: GenerationRequest, n_cached: int, hashes: list[int]) -> int:
+        """Pull what a peer holds of the prompt beyond our ``n_cached`` blocks (up to the gateway's
+        ``pull_tokens``, never the last prompt token): returns the leading blocks now held, ours or pulled.
+        A failed pull returns 0 (everything is computed as usual)."""
+        assert req.kv_pull is not None
+        bs = self.config.block_size
+        end = min(req.kv_pull.tokens, req.prompt_tokens - 1)
+        start = n_cached * bs
+        if end <= start:
+            return 0
+        body = {"model": self.config.model, "prompt_token_ids": req.prompt_token_ids[:end].tolist(),
+                "cache_salt": req.cache_salt, "cache_shared_blocks": req.cache_shared_blocks,
+                "from_position": start, "block_size": bs, "request_id": req.request_id}  # fmt: skip
+        got = await self.puller.pull(req.kv_pull, body)
+        sent = 0 if got is None else max(0, min(got, end) - start)
+        outcome = "failed" if got is None else "ok" if start + sent == end else "partial"
+        self.counters.pulled(outcome, sent)
+        return min((start + sent) // bs, len(hashes))
+
+    async def handle_kv_cached(self, request: web.Request) -> web.StreamResponse:
+        """A peer's pull: the done frame for the positions of the prompt this cache holds from
+        ``from_position`` on, after the time sending their K/V would take; those blocks are evicted first
+        from now on, since the peer holds them."""
+        cfg = self.config
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise OpenAIError("the body must be a JSON object")
+            if body.get("model") != cfg.model:
+                raise OpenAIError(f"the model '{body.get('model')}' does not exist", status=404,
+                                  param="model", code="model_not_found")  # fmt: skip
+            if body.get("block_size") != cfg.block_size:
+                raise OpenAIError(f"this engine's block size is {cfg.block_size}", param="block_size")
+            ids = body.get("prompt_token_ids")
+            start = body.get("from_position")
+            salt = body.get("cache_salt", "")
+            shared = body.get("cache_shared_blocks", 0)
+            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+                raise OpenAIError(
+                    "prompt_token_ids must be a non-empty list of token ids", param="prompt_token_ids"
+                )
+            if type(start) is not int or not 0 <= start < len(ids):
+                raise OpenAIError(f"from_position must lie in [0, {len(ids)})", param="from_position")
+            if not isinstance(salt, str) or type(shared) is not int or shared < 0:
+                raise OpenAIError(
+                    "cache_salt must be a string and cache_shared_blocks a non-negative integer"
+                )
+        except orjson.JSONDecodeError:
+            return OpenAIError("the body is not valid JSON").to_response({})
+        except OpenAIError as exc:
+            return exc.to_response({})
+        hashes = namespaced_block_hashes(
+            np.asarray(ids, dtype=np.uint32), cfg.block_size, _namespace_seed(cfg.model, salt),
+            public_seed=self._public_seed, shared_blocks=shared,
+        )  # fmt: skip
+        run = hashes[: self.cache.match(hashes)]
+        end = max(len(run) * cfg.block_size, start)
+        pinned = self.cache.acquire(run)  # held while "sending": a concurrent request must not evict them
+        try:
+            async with self._sending:
+                if end > start and cfg.kv_pull_s_per_token > 0:
+                    await asyncio.sleep((end - start) * cfg.kv_pull_s_per_token)
+        finally:
+            self.cache.release(pinned)
+        self.cache.demote(run[start // cfg.block_size :])
+        self.counters.pull_served(end - start)
+        done = b"".join(pack({"t": "done", "tokens": end, "cached_tokens": end}))
+        return web.Response(body=done, content_type=KV_CONTENT_TYPE)
 
     async def _stream(
         self,
@@ -428,8 +506,14 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app.router.add_get("/model_info", engine.handle_model_info)
     app.router.add_get("/server_info", engine.handle_model_info)
     app.router.add_post("/tokenize", engine.handle_tokenize)
+    app.router.add_post("/v1/kv/cached", engine.handle_kv_cached)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, engine.gauges))
     engine.publisher.add_routes(app)
+
+    async def close_puller(app: web.Application) -> None:
+        await engine.puller.close()
+
+    app.on_cleanup.append(close_puller)
     return app
 
 

@@ -1,0 +1,57 @@
+"""The frames of a KV transfer on the wire, without torch (the simulated engine speaks them too).
+
+Frame: ``[u32 little-endian header length][msgpack header][payload]``; ``engine.kv_transfer`` says what the
+headers mean and turns a ``kv`` frame's payload into tensors.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Protocol
+
+import msgpack
+
+CONTENT_TYPE = "application/x-kvgate-kv"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the element types a kv frame may carry
+_LEN = struct.Struct("<I")
+_MAX_HEADER = 1 << 16
+
+
+class KvTransferError(RuntimeError):
+    """A transfer that broke, lied about its shapes, or ended early."""
+
+
+class ByteSource(Protocol):
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+def pack(header: dict[str, Any], *payload: Any) -> list[Any]:
+    """A frame as buffers for a single vectored write (``payload``: bytes-like buffers, sent as they are)."""
+    head = msgpack.packb(header)
+    return [_LEN.pack(len(head)), head, *payload]
+
+
+async def read_header(source: ByteSource) -> dict[str, Any]:
+    """The next frame's header, checked: a ``kv`` header has integer fields and a known dtype, so that
+    ``payload_bytes`` can be trusted to size the read that follows."""
+    (length,) = _LEN.unpack(await source.readexactly(_LEN.size))
+    if not 0 < length <= _MAX_HEADER:
+        raise KvTransferError(f"frame header of {length} bytes")
+    try:
+        header = msgpack.unpackb(await source.readexactly(length))
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise KvTransferError(f"frame header is not msgpack: {exc}") from None
+    if not isinstance(header, dict) or header.get("t") not in ("kv", "done", "error"):
+        raise KvTransferError(f"unknown frame {header!r}")
+    if header["t"] == "kv":
+        fields = ("layer", "start", "count", "heads", "dim")
+        if header.get("dtype") not in DTYPE_BYTES or not all(
+            type(header.get(f)) is int and header[f] >= 0 for f in fields
+        ):
+            raise KvTransferError(f"malformed kv frame header {header!r}")
+    return header
+
+
+def payload_bytes(header: dict[str, Any]) -> int:
+    """Bytes of a checked ``kv`` frame's payload: K then V, ``[count, heads, dim]`` each."""
+    return 2 * header["count"] * header["heads"] * header["dim"] * DTYPE_BYTES[header["dtype"]]
