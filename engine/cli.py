@@ -87,6 +87,12 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulated decode cost per output token, seconds (default: %(default)s)",
     )
     parser.add_argument(
+        "--kv-pull-s-per-token",
+        type=_seconds,
+        default=1.2e-5,
+        help="simulated cost of sending a cached token's K/V to a peer that pulls it (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-running",
         type=_positive_int,
         default=64,
@@ -124,6 +130,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         capacity_blocks=args.capacity_blocks,
         prefill_s_per_token=args.prefill_s_per_token,
         decode_s_per_token=args.decode_s_per_token,
+        kv_pull_s_per_token=args.kv_pull_s_per_token,
         max_running=args.max_running,
         host=args.host,
         port=port,
