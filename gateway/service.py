@@ -147,6 +147,8 @@ class Gateway:
                     queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
                 )
             )
+        if not self.policy.pulls_kv:
+            return out
         pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
         return with_peers(out, pulling) if pulling else out
 

@@ -75,7 +75,8 @@ class SimRouter:
             )
             for e in engines
         ]
-        candidates = with_peers(candidates)
+        if self.policy.pulls_kv:
+            candidates = with_peers(candidates)
         usable = self.limiter.eligible(home, candidates) if self.limiter else candidates
         decision = self.policy.pick(
             RouteRequest(

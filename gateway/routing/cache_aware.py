@@ -26,11 +26,11 @@ class CacheAwarePolicy:
 
     def __init__(self, settings: RoutingSettings, *, kv_pull: bool = False) -> None:
         self.settings = settings
-        self.kv_pull = kv_pull
+        self.pulls_kv = kv_pull
 
     def pulled_tokens(self, request: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens ``candidate`` would pull from its peer rather than compute (0: no pull)."""
-        if not self.kv_pull or candidate.peer is None:
+        if not self.pulls_kv or candidate.peer is None:
             return 0
         s = self.settings
         held = min(candidate.cached_blocks * request.block_size, request.prompt_tokens)

@@ -32,6 +32,7 @@ class DefaultPolicy:
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings
         self._cache_aware = CacheAwarePolicy(settings, kv_pull=settings.kv_pull)
+        self.pulls_kv = settings.kv_pull
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
         kept, eligible = affinity_pick(request, candidates, self.settings)

@@ -10,6 +10,7 @@ from gateway.routing.base import Candidate, RouteDecision, RouteRequest, Routing
 
 class LeastLoadPolicy:
     name = "least_load"
+    pulls_kv = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings

@@ -9,6 +9,7 @@ from gateway.routing.base import Candidate, RouteDecision, RouteRequest, Routing
 
 class RoundRobinPolicy:
     name = "round_robin"
+    pulls_kv = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings

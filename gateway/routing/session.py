@@ -45,6 +45,7 @@ def affinity_pick(
 
 class SessionPolicy:
     name = "session"
+    pulls_kv = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings
