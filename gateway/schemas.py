@@ -95,9 +95,17 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
+# What the gateway alone tells an engine: where to fetch K/V from (an engine would connect to any URL a client
+# named) and which leading blocks are hashed in the shared, salt-less namespace (another tenant's cache).
+GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks")
+
+
 def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    for field in GATEWAY_FIELDS:
+        if field in body:
+            raise InvalidRequest(f"{field} is set by the gateway, not by clients", param=field)
     try:
         return adapter.validate_python(body)
     except ValidationError as exc:
