@@ -103,8 +103,27 @@ class HFTokenizer:
         if len(piece) < _MIN_CACHED_CHARS:
             return self._encode_uncached(piece)
         if self._chunker is not None and len(piece) >= 2 * CHUNK_CHARS:
-            return np.concatenate([self._encode_cached(chunk) for chunk in self._chunker(piece)])
+            return self._encode_chunks(self._chunker(piece))
         return self._encode_cached(piece)
+
+    def _encode_chunks(self, chunks: list[str]) -> np.ndarray:
+        """A long text's chunks, from the cache where they are; the others in one ``encode_batch`` call,
+        which encodes them on all cores and without the GIL (0.69x the time of one call each for new
+        48k-character texts on two cores: tests/bench/bench_tokenizer.py)."""
+        with self._lock:
+            found = [self._cache.get(chunk) for chunk in chunks]
+            for chunk, ids in zip(chunks, found, strict=True):
+                if ids is not None:
+                    self._cache.move_to_end(chunk)
+        missing = list(dict.fromkeys(c for c, ids in zip(chunks, found, strict=True) if ids is None))
+        new: dict[str, np.ndarray] = {}
+        if missing:
+            encoded = self._tok.encode_batch(missing, add_special_tokens=False)
+            new = {chunk: _uint32(e.ids) for chunk, e in zip(missing, encoded, strict=True)}
+            with self._lock:
+                for chunk, ids in new.items():
+                    self._remember(chunk, ids)
+        return np.concatenate([new[c] if ids is None else ids for c, ids in zip(chunks, found, strict=True)])
 
     def _encode_cached(self, piece: str) -> np.ndarray:
         with self._lock:
@@ -114,13 +133,17 @@ class HFTokenizer:
                 return hit
         ids = self._encode_uncached(piece)
         with self._lock:
-            if piece not in self._cache:
-                self._cache[piece] = ids
-                self._cached_chars += len(piece)
-            while self._cached_chars > _CACHE_CHARS:
-                old, _ = self._cache.popitem(last=False)
-                self._cached_chars -= len(old)
+            self._remember(piece, ids)
         return ids
+
+    def _remember(self, piece: str, ids: np.ndarray) -> None:
+        """Cache ``piece``'s ids, evicting the least recently used beyond the budget (hold the lock)."""
+        if piece not in self._cache:
+            self._cache[piece] = ids
+            self._cached_chars += len(piece)
+        while self._cached_chars > _CACHE_CHARS:
+            old, _ = self._cache.popitem(last=False)
+            self._cached_chars -= len(old)
 
     def _encode_uncached(self, text: str) -> np.ndarray:
         if len(text) < _GIL_FREE_CHARS:

@@ -1,0 +1,82 @@
+"""The gateway's tokenizer on long new texts: chunks encoded in one batch against one by one.
+
+    python tests/bench/bench_tokenizer.py [--chars 48000] [--texts 6]
+
+A GPT-2-style byte-level BPE (regex pre-tokenizer, trained here on random words) encodes texts it has never
+seen, so every chunk misses the chunk cache. ``HFTokenizer.encode`` cuts them at word gaps and encodes the
+missing chunks in one ``encode_batch`` call (all cores, no GIL); the baseline, measured in the same run,
+encodes the same chunks one ``encode_batch`` call each, as the gateway did before. Both must give the
+tokenizer's own ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from cache.token_chunks import split_chunks
+from cache.tokens import HFTokenizer
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "token",
+         "prefix", "model", "gateway", "engine", "12345", "3.14", "(see)", "don't", "naïve"]  # fmt: skip
+
+
+def text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    while sum(map(len, words)) + len(words) < chars:
+        words.append(rng.choice(WORDS) + rng.choice(["", "", "s", "ed", "ing", str(rng.randrange(100))]))
+    return " ".join(words)
+
+
+def one(raw: Tokenizer, chunk: str) -> list[int]:
+    """One chunk as the gateway encoded it before: its own ``encode_batch`` call (the GIL-free one)."""
+    return list(raw.encode_batch([chunk], add_special_tokens=False)[0].ids)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--chars", type=int, default=48_000)
+    parser.add_argument("--texts", type=int, default=6)
+    args = parser.parse_args()
+    rng = random.Random(7)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Tokenizer(models.BPE())
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        corpus = [text(rng, 400) for _ in range(300)]
+        raw.train_from_iterator(
+            corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|im_end|>"], show_progress=False)
+        )
+        raw.save(str(Path(tmp) / "tokenizer.json"))
+        path = Path(tmp) / "tokenizer.json"
+        texts = [text(rng, args.chars) for _ in range(3 * args.texts)]
+        batched_s, one_by_one_s = [], []
+        for i in range(3):  # fresh texts and a fresh tokenizer (empty cache) every round, alternating
+            tok = HFTokenizer(path)
+            chunk = texts[i * args.texts : (i + 1) * args.texts]
+            start = time.perf_counter()
+            ids = [tok.encode(t).tolist() for t in chunk]
+            batched_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            base = [
+                [i for c in split_chunks(t) for i in raw.encode(c, add_special_tokens=False).ids]
+                for t in chunk
+            ]
+            one_by_one_s.append(time.perf_counter() - start)
+            assert ids == base == [raw.encode(t, add_special_tokens=False).ids for t in chunk]
+    b, o = min(batched_s) / args.texts, min(one_by_one_s) / args.texts
+    print(f"{args.chars}-character new texts on {len(os.sched_getaffinity(0))} CPUs, best of 3 rounds:")
+    print(f"  chunks in one batch {b * 1e3:.2f} ms, one by one {o * 1e3:.2f} ms -> ratio {b / o:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
