@@ -52,3 +52,33 @@ async def test_a_session_bound_elsewhere_pulls_the_prefix_its_peer_computed(
 
 def _counter(gateway: Any, name: str) -> float:
     return sum(s.value for m in gateway.metrics.registry.collect() for s in m.samples if s.name == name)
+
+
+async def test_a_decode_engine_that_pulls_its_prefix_prefills_only_the_rest_itself(
+    make_cluster: ClusterFactory, tiny_model_dir: Path
+) -> None:
+    roles = {"eu-west/e0": "prefill", "eu-west/e1": "decode", "eu-west/e2": "decode"}
+    cluster = await make_cluster({"eu-west": 3}, real_model=tiny_model_dir, roles=roles,
+                                 tokenizer=str(tiny_model_dir))  # fmt: skip
+    gateway = cluster.gateway
+    await cluster.wait_for(lambda: all(e.kv_pull for e in gateway.fleet))
+    prompt = ids(600, offset=3)
+    body, headers = completion(cluster.model, prompt, "first")
+    status, answer, first = await cluster.post("/v1/completions", body, headers=headers)
+    assert status == 200 and first["x-kvgate-prefill"] == "remote", answer  # 600 new tokens: prefilled
+    holder = first["x-kvgate-decode-engine"]
+    other = "eu-west/e2" if holder == "eu-west/e1" else "eu-west/e1"
+    hashes = gateway.prepare.block_hashes(prompt, cluster.model)
+    await cluster.wait_for(lambda: gateway.state.lookup(hashes).get(holder, 0) == len(hashes))
+    # The other decode engine holds nothing, but it can pull 592 tokens from its peer: the 11 left are
+    # fewer than local_prefill_max_tokens, so no prefill engine is involved.
+    gateway.state.bind_session("default", "second", SessionBinding("eu-west", other))
+    longer = [*prompt, 17, 18, 19]
+    body, headers = completion(cluster.model, longer, "second")
+    status, answer, second = await cluster.post("/v1/completions", body, headers=headers)
+    assert status == 200, answer
+    assert second["x-kvgate-engine"] == other and second["x-kvgate-prefill"] == "local"
+    assert second["x-kvgate-kv-pull-from"] == holder
+    assert (
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * gateway.settings.block_size
+    )
