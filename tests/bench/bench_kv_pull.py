@@ -23,7 +23,6 @@ import asyncio
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from bench_pd import (
     Stream,
     make_prompt,
     progress,
+    small_model,
     start_engine,
     stop_engines,
     stream_completion,
@@ -122,14 +122,7 @@ def main() -> int:
     if shutil.which("taskset") is None:
         parser.error("needs the taskset command")
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-pull-") as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "small-llama")
-            progress("writing the 'small' random model")
-            subprocess.run(
-                [sys.executable, "-m", "engine", "make-model", model, "--preset", "small"], check=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+        model = args.model or small_model(Path(tmp))
         r = asyncio.run(run(model, args.prompt, args.rounds, Path(tmp)))
     print(
         f"{r['prompt_tokens']}-token prompt, {r['pulled_tokens']} tokens pulled, median of {r['rounds']}:\n"

@@ -81,6 +81,17 @@ def make_prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(length)]
 
 
+def small_model(directory: Path) -> str:
+    """Write the 'small' random model (88M parameters) under ``directory``; returns its path."""
+    model = str(directory / "small-llama")
+    progress("writing the 'small' random model")
+    subprocess.run(
+        [sys.executable, "-m", "engine", "make-model", model, "--preset", "small"], check=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    return model
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -646,14 +657,7 @@ def main() -> int:
     # Ctrl-C raises KeyboardInterrupt even when a shell started us with SIGINT ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-pd-") as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "small-llama")
-            progress("writing the 'small' random model")
-            subprocess.run(
-                [sys.executable, "-m", "engine", "make-model", model, "--preset", "small"], check=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+        model = args.model or small_model(Path(tmp))
         try:
             result = asyncio.run(run(args, model, Path(tmp)))
         except KeyboardInterrupt:
