@@ -3,9 +3,13 @@
     ttft(c) = rtt(c)                                        network from this region
             + queued_prefill_tokens(c) · prefill_cost       prefill work already queued there
             + load(c) · load_penalty                        requests already running there
-            + (prompt_tokens − cached_tokens(c)) · prefill_cost   this request's own uncached prefill
+            + pulled_tokens(c) · kv_pull_cost               with pulls: what its region's peer holds beyond
+            + (prompt_tokens − cached_tokens(c) − pulled_tokens(c)) · prefill_cost   the rest, computed
 
-``cached_tokens`` comes from the residency index (longest cached prefix). Estimates within
+``cached_tokens`` comes from the residency index (longest cached prefix). ``pulled_tokens`` is zero unless
+the policy pulls (``kv_pull=True``, as the default policy's is): then it is the part of the prompt that the
+candidate's best same-region peer (``Candidate.peer``) holds beyond the candidate's own prefix, when that is
+at least ``kv_pull_min_tokens`` and pulling is cheaper than computing. Estimates within
 ``tie_tolerance_s`` or ``tie_tolerance_frac`` of the best are ties; among them a candidate in the client's
 home region wins, then the least loaded, then rendezvous hashing of the route key. The relative tolerance
 matters: a popular shared prefix (everyone's system prompt) is worth a few percent of a long prompt, and
