@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 from cache.events import KvEvent
@@ -107,7 +107,7 @@ class AsyncEngine:
         prefill_url: str | None = None,
         pull_url: str | None = None,
         pull_tokens: int = 0,
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Outputs of one request as they are produced. Closing the iterator early aborts the request.
         With ``prefill_url`` the prompt's K/V is pulled from that prefill engine instead of computed here;
         a failed transfer raises KvTransferError before any output. With ``pull_url`` the K/V of up to

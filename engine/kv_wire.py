@@ -54,4 +54,4 @@ async def read_header(source: ByteSource) -> dict[str, Any]:
 
 def payload_bytes(header: dict[str, Any]) -> int:
     """Bytes of a checked ``kv`` frame's payload: K then V, ``[count, heads, dim]`` each."""
-    return 2 * header["count"] * header["heads"] * header["dim"] * DTYPE_BYTES[header["dtype"]]
+    return int(2 * header["count"] * header["heads"] * header["dim"] * DTYPE_BYTES[header["dtype"]])

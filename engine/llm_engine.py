@@ -442,7 +442,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         for table in (self._seqs, self._generators, self._detok, self._sent_tokens, self._transferred):
-            table.pop(request_id, None)  # type: ignore[attr-defined]
+            table.pop(request_id, None)
 
     # -- offline use --------------------------------------------------------------------------------------
 

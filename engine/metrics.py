@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -157,7 +157,7 @@ class _Collector(Collector):
 
 def metrics_handler(
     engine_id: str, counters: EngineCounters, gauges: Callable[[], EngineGauges]
-) -> Callable[[web.Request], object]:
+) -> Callable[[web.Request], Awaitable[web.Response]]:
     """A ``GET /metrics`` handler over a registry of its own (several engines may share a process)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(engine_id, counters, gauges))

@@ -62,7 +62,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, -1))
+        return projected
 
 
 class MLP(nn.Module):
@@ -74,7 +75,8 @@ class MLP(nn.Module):
         self.down_proj = row_linear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        down: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -95,7 +97,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         h, x = self.post_attention_layernorm.add_and_norm(attended, x)  # x + attended, and its norm
-        return x + self.mlp(h)
+        mlp: torch.Tensor = self.mlp(h)
+        return x + mlp
 
 
 class MissingLayer(nn.Module):
@@ -131,7 +134,7 @@ class Model(nn.Module):
     ) -> torch.Tensor:
         if hidden is None:
             assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
-            x = self.embed_tokens(input_ids)  # [T, hidden]
+            x: torch.Tensor = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             x = hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # computed once per step, shared by every layer
@@ -139,7 +142,10 @@ class Model(nn.Module):
         for i in self.stage_layers:
             x = self.layers[i](x, cos, sin, kv_cache.layer(i - first), meta)
             kv_cache.layer_stored(i - first)
-        return x if self.norm is None else self.norm(x)
+        if self.norm is None:
+            return x
+        normed: torch.Tensor = self.norm(x)
+        return normed
 
 
 class CausalLM(nn.Module):
@@ -168,9 +174,11 @@ class CausalLM(nn.Module):
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous pipeline stage
     ) -> torch.Tensor:  # [T, hidden], after the final norm (before it on all but the last stage)
         """Run one flattened step: store its K/V in ``kv_cache`` and return every token's hidden state."""
-        return self.model(input_ids, positions, kv_cache, meta, hidden)
+        out: torch.Tensor = self.model(input_ids, positions, kv_cache, meta, hidden)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; the caller picks the rows it samples from."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
