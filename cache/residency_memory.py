@@ -6,32 +6,31 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, repeat
-from operator import is_not
+from itertools import islice, takewhile
 
 from cache.events import KvEventBatch
 from cache.residency import EngineHoldings, batch_ops
 
 _SLOT_S = 0.25
+_NONE: frozenset[int] = frozenset()
 
 
 class MemoryResidencyIndex:
-    """Residency in dicts. ``lookup`` is the synchronous read the gateway routes with.
+    """Residency in sets and dicts. ``lookup`` is the synchronous read the gateway routes with.
 
-    Exact and approximate entries live apart: the common case of a lookup (every engine still matching
-    holds the next block exactly) is then one dict probe and one C-level set comparison per block, and
-    the cost never depends on how many prefixes are cached in total.
+    Exact entries are one set of block hashes per engine: KV events store and evict a prefill's hundreds of
+    blocks at a time, and a set takes them in one C-level ``update`` / ``difference_update`` (a dict from
+    block to holders cost four times as much per event, tests/bench/bench_residency.py). A lookup follows
+    each engine holding the prompt's first block down the prompt with a C-level membership scan (~30 ns a
+    block), so it costs the sum of the matches' lengths, never the number of prefixes cached. Approximate
+    entries (a gateway's own records, with a TTL) live apart and are consulted only where a scan stops.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        # hash -> engines holding it (from KV events). The sets are immutable and a block held by one
-        # engine shares that engine's one singleton, so storing a prefill's hundreds of new blocks is a
-        # few C-level dict and set operations rather than a set built per block.
-        self._exact: dict[int, frozenset[str]] = {}
-        self._singletons: dict[str, frozenset[str]] = {}
+        self._exact: dict[str, set[int]] = {}  # engine -> the blocks its KV events say it holds
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
-        self._by_engine: dict[str, set[int]] = {}
+        self._approx_of: dict[str, set[int]] = {}  # engine -> its approximate blocks (never also exact)
         self._seq: dict[str, int] = {}
         # Approximate entries grouped by the time slot (_SLOT_S) in which they expire, so a sweep costs
         # O(expired), not O(index). A refreshed entry also sits in its older slot; the sweep skips it there.
@@ -40,73 +39,55 @@ class MemoryResidencyIndex:
 
     # -- synchronous core ------------------------------------------------------------------------------
 
-    def _holders(self, h: int, now: float) -> set[str]:
-        exact = self._exact.get(h)
-        approx = self._approx.get(h)
-        if approx is None:
-            return set(exact) if exact else set()
-        live = {e for e, expiry in approx.items() if expiry > now}
-        return live | exact if exact else live
-
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
         now = self._clock()
-        alive = self._holders(hashes[0], now)
-        if not alive:
-            return {}
-        exact = self._exact
-        matched: dict[str, int] = {}
-        for depth in range(1, len(hashes)):
-            h = hashes[depth]
-            held = exact.get(h)
-            if held is not None and alive <= held:
-                continue  # the common case: every engine still matching holds this block exactly
-            holders = self._holders(h, now)
-            if alive <= holders:
-                continue
-            for e in alive - holders:
-                matched[e] = depth
-            alive &= holders
-            if not alive:
-                return matched
-        for e in alive:
-            matched[e] = len(hashes)
-        return matched
+        first = hashes[0]
+        starters = [e for e, held in self._exact.items() if first in held]
+        guesses = self._approx.get(first)
+        if guesses:
+            starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
+        return {e: self._depth(e, hashes, now) for e in starters}
+
+    def _depth(self, engine: str, hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``hashes`` ``engine`` holds (exactly, or approximately and alive)."""
+        held = self._exact.get(engine, _NONE)
+        approx = self._approx
+        depth, n = 0, len(hashes)
+        while depth < n:
+            # The common case, at C speed: a run of blocks this engine holds exactly.
+            depth += len(list(takewhile(held.__contains__, islice(hashes, depth, None))))
+            if depth == n or not approx:
+                break
+            guesses = approx.get(hashes[depth])
+            if guesses is None or guesses.get(engine, 0.0) <= now:
+                break
+            depth += 1  # an approximate entry continues the match
+        return depth
 
     def add_now(self, engine: str, hashes: Sequence[int], ttl_s: float | None = None) -> None:
         if not hashes:
             return
-        owned = self._by_engine.setdefault(engine, set())
-        exact, approx = self._exact, self._approx
+        exact = self._exact.setdefault(engine, set())
         if ttl_s is None:
-            single = self._singletons.get(engine)
-            if single is None:
-                single = self._singletons[engine] = frozenset((engine,))
-            shared = {h: exact[h] for h in exact.keys() & hashes}  # blocks other engines hold too
-            exact.update(dict.fromkeys(hashes, single))
-            for h, others in shared.items():
-                exact[h] = others if engine in others else others | single
-            if approx:
-                for h in approx.keys() & hashes:
-                    if approx[h].pop(engine, None) is not None and not approx[h]:
-                        del approx[h]
-            owned.update(hashes)
+            exact.update(hashes)
+            self._forget_approx(engine, hashes)  # an exact entry replaces this engine's approximate one
             return
+        approx = self._approx
         expiry = self._clock() + ttl_s
         added = []
         for h in hashes:
-            holders = exact.get(h)
-            if holders is not None and engine in holders:
+            if h in exact:
                 continue  # an approximate add never downgrades an exact entry
-            guesses = approx.get(h)
-            if guesses is None:
+            holders = approx.get(h)
+            if holders is None:
                 approx[h] = {engine: expiry}
-            elif guesses.get(engine, 0.0) < expiry:
-                guesses[engine] = expiry
+            elif holders.get(engine, 0.0) < expiry:
+                holders[engine] = expiry
             added.append(h)
         if added:
-            owned.update(added)
+            self._approx_of.setdefault(engine, set()).update(added)
             self._file_expiry(engine, expiry, added)
 
     def _file_expiry(self, engine: str, expiry: float, hashes: Iterable[int]) -> None:
@@ -118,30 +99,28 @@ class MemoryResidencyIndex:
         bucket.setdefault(engine, set()).update(hashes)
 
     def remove_now(self, engine: str, hashes: Iterable[int]) -> None:
-        exact, approx = self._exact, self._approx
         hashes = hashes if isinstance(hashes, (set, frozenset, list, tuple)) else list(hashes)
-        # Evictions come by the hundred and nearly all were held by this engine alone: pop every entry in
-        # C-level loops, then put back, without this engine, the few that other engines hold too.
-        known = list(exact.keys() & hashes)
-        popped = list(map(exact.pop, known))
-        alone = self._singletons.get(engine, frozenset((engine,)))
-        shared = list(map(is_not, popped, repeat(alone)))  # not this engine's singleton
-        for h, held in zip(compress(known, shared), compress(popped, shared), strict=True):
-            rest = held - alone
-            if rest:
-                exact[h] = rest
-        if approx:
-            for h in approx.keys() & hashes:
-                guesses = approx[h]
-                if guesses.pop(engine, None) is not None and not guesses:
-                    del approx[h]
-        owned = self._by_engine.get(engine)
-        if owned is not None:
-            owned.difference_update(hashes)
+        exact = self._exact.get(engine)
+        if exact is not None:
+            exact.difference_update(hashes)
+        self._forget_approx(engine, hashes)
 
     def clear_now(self, engine: str) -> None:
-        owned = self._by_engine.pop(engine, set())
-        self.remove_now(engine, owned)
+        self._exact.pop(engine, None)
+        self._forget_approx(engine, list(self._approx_of.get(engine, ())))
+
+    def _forget_approx(self, engine: str, hashes: Iterable[int]) -> None:
+        """Drop ``engine``'s approximate entries for ``hashes`` (nearly always it has none: one check)."""
+        approx_of = self._approx_of.get(engine)
+        if not approx_of:
+            return
+        approx = self._approx
+        for h in approx_of.intersection(hashes):
+            holders = approx[h]
+            del holders[engine]
+            if not holders:
+                del approx[h]
+        approx_of.difference_update(hashes)
 
     def apply_now(self, engine: str, batch: KvEventBatch) -> bool:
         last = self._seq.get(engine)
@@ -166,7 +145,7 @@ class MemoryResidencyIndex:
         return self._seq.get(engine)
 
     def holds_exactly(self, engine: str, block_hash: int) -> bool:
-        return engine in self._exact.get(block_hash, ())
+        return block_hash in self._exact.get(engine, _NONE)
 
     def sweep_now(self) -> int:
         now = self._clock()
@@ -190,8 +169,7 @@ class MemoryResidencyIndex:
                     del guesses[engine]
                     if not guesses:
                         del self._approx[h]
-                    if not self.holds_exactly(engine, h):
-                        self._by_engine.get(engine, set()).discard(h)
+                    self._approx_of.get(engine, set()).discard(h)
                 dropped += len(expired)
         for engine, expiry, h in refile:
             self._file_expiry(engine, expiry, (h,))
@@ -199,7 +177,7 @@ class MemoryResidencyIndex:
 
     def __len__(self) -> int:
         """Number of (block, engine) entries."""
-        return sum(len(owned) for owned in self._by_engine.values())
+        return sum(map(len, self._exact.values())) + sum(map(len, self._approx_of.values()))
 
     # -- the ResidencyIndex protocol ---------------------------------------------------------------------
 
@@ -223,22 +201,19 @@ class MemoryResidencyIndex:
 
     async def holdings(self, engine: str) -> EngineHoldings:
         now = self._clock()
-        exact: set[int] = set()
         approximate: dict[int, float] = {}
-        for h in self._by_engine.get(engine, ()):
-            if self.holds_exactly(engine, h):
-                exact.add(h)
-                continue
-            expiry = self._approx.get(h, {}).get(engine, 0.0)
+        for h in self._approx_of.get(engine, ()):
+            expiry = self._approx[h][engine]
             if expiry > now:
                 approximate[h] = expiry - now
-        return EngineHoldings(self._seq.get(engine), frozenset(exact), approximate)
+        return EngineHoldings(self._seq.get(engine), frozenset(self._exact.get(engine, ())), approximate)
 
     async def engines(self) -> list[str]:
         return self.engines_now()
 
     def engines_now(self) -> list[str]:
-        return sorted(set(self._seq) | {e for e, owned in self._by_engine.items() if owned})
+        exact = [e for e, held in self._exact.items() if held]
+        return sorted(set(self._seq).union(exact, (e for e, held in self._approx_of.items() if held)))
 
     async def sweep(self) -> int:
         return self.sweep_now()
