@@ -6,6 +6,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import islice, takewhile
 
 from cache.events import KvEventBatch
@@ -48,13 +49,29 @@ class MemoryResidencyIndex:
         guesses = self._approx.get(first)
         if guesses:
             starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
-        return {e: self._depth(e, hashes, now) for e in starters}
+        matched: dict[str, int] = {}
+        # The longest exact match so far, as a set: an engine that holds all of it (many engines share a
+        # long system prompt or document) is checked with one C-level subset test instead of a scan, and
+        # one that does not usually fails that test at its first element.
+        known: set[int] = set()  # hashes[:known_depth]
+        known_depth = 0
+        for engine in starters:
+            held = self._exact.get(engine, _NONE)
+            start = known_depth if known_depth and known <= held else 0
+            depth = self._depth(engine, held, hashes, start, now)
+            if depth > known_depth:
+                known.update(islice(hashes, known_depth, depth))
+                known_depth = depth
+            matched[engine] = depth
+        return matched
 
-    def _depth(self, engine: str, hashes: Sequence[int], now: float) -> int:
-        """How many leading blocks of ``hashes`` ``engine`` holds (exactly, or approximately and alive)."""
-        held = self._exact.get(engine, _NONE)
+    def _depth(
+        self, engine: str, held: AbstractSet[int], hashes: Sequence[int], depth: int, now: float
+    ) -> int:
+        """How many leading blocks of ``hashes`` ``engine`` holds (exactly, or approximately and alive),
+        knowing that it holds the first ``depth`` exactly."""
         approx = self._approx
-        depth, n = 0, len(hashes)
+        n = len(hashes)
         while depth < n:
             # The common case, at C speed: a run of blocks this engine holds exactly.
             depth += len(list(takewhile(held.__contains__, islice(hashes, depth, None))))
