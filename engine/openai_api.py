@@ -260,6 +260,44 @@ def _url(params: dict[str, Any], key: str) -> str | None:
     return url.rstrip("/")
 
 
+@dataclass(frozen=True, slots=True)
+class KvSourceRequest:
+    """What an engine that sends K/V is asked for: ``KvImporter``'s body to ``/v1/kv/prefill`` (compute and
+    send) and ``/v1/kv/cached`` (send what the prefix cache holds), in the kvgate and the simulated engine."""
+
+    prompt_token_ids: np.ndarray  # uint32
+    from_position: int  # the first position to send: the receiver holds the ones before
+    cache_salt: str
+    cache_shared_blocks: int
+
+
+def parse_kv_source_request(raw: bytes, *, served_model: str, block_size: int) -> KvSourceRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise OpenAIError("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("the body must be a JSON object")
+    if body.get("model") != served_model:
+        raise OpenAIError(
+            f"the model '{body.get('model')}' does not exist; this engine serves '{served_model}'",
+            status=404, param="model", code="model_not_found",
+        )  # fmt: skip
+    if body.get("block_size") != block_size:
+        raise OpenAIError(f"block_size must be {block_size}", param="block_size")
+    ids = _token_ids(body.get("prompt_token_ids"), "prompt_token_ids")
+    if not len(ids):
+        raise OpenAIError("prompt_token_ids must not be empty", param="prompt_token_ids")
+    start = _int(body.get("from_position"), "from_position", lo=0)
+    if start >= len(ids):
+        raise OpenAIError(f"from_position must lie in [0, {len(ids)})", param="from_position")
+    salt = body.get("cache_salt") or ""
+    if not isinstance(salt, str):
+        raise OpenAIError("cache_salt must be a string", param="cache_salt")
+    shared = _int(body.get("cache_shared_blocks") or 0, "cache_shared_blocks", lo=0)
+    return KvSourceRequest(ids, start, salt, shared)
+
+
 def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
     n = data.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):

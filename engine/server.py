@@ -29,6 +29,7 @@ from engine.openai_api import (
     json_response,
     models_body,
     new_request_id,
+    parse_kv_source_request,
     parse_request,
     response_body,
     sse_response,
@@ -103,30 +104,13 @@ class EngineServer:
         ``open_frames(request id, prompt token ids, namespace, from_position)`` yields."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise OpenAIError("the body must be a JSON object")
-            if body.get("model") != self.model:
-                raise OpenAIError(f"this engine serves {self.model!r}", status=404, code="model_not_found")
-            if body.get("block_size") != self.llm.config.block_size:
-                raise OpenAIError(f"block_size must be {self.llm.config.block_size}", param="block_size")
-            ids, salt, start = (
-                body.get("prompt_token_ids"),
-                body.get("cache_salt") or "",
-                body.get("from_position"),
+            req = parse_kv_source_request(
+                await request.read(), served_model=self.model, block_size=self.llm.config.block_size
             )
-            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise OpenAIError("prompt_token_ids must be an array of token ids", param="prompt_token_ids")
-            shared = body.get("cache_shared_blocks") or 0
-            if not isinstance(start, int) or isinstance(start, bool) or not isinstance(salt, str):
-                raise OpenAIError("from_position must be an integer and cache_salt a string")
-            if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-                raise OpenAIError("cache_shared_blocks must be a non-negative integer")
-            namespace = CacheNamespace(salt, shared)
-            frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, start)
+            namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
+            ids = req.prompt_token_ids.tolist()
+            frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, req.from_position)
             first = await anext(frames)
-        except orjson.JSONDecodeError:
-            return OpenAIError("the body is not valid JSON").to_response()
         except OpenAIError as exc:
             return exc.to_response()
         except RequestRejected as exc:

@@ -45,6 +45,7 @@ from engine.openai_api import (
     json_response,
     models_body,
     new_request_id,
+    parse_kv_source_request,
     parse_request,
     response_body,
     sse_response,
@@ -380,35 +381,15 @@ class SimEngine:
         from now on, since the peer holds them."""
         cfg = self.config
         try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise OpenAIError("the body must be a JSON object")
-            if body.get("model") != cfg.model:
-                raise OpenAIError(f"the model '{body.get('model')}' does not exist", status=404,
-                                  param="model", code="model_not_found")  # fmt: skip
-            if body.get("block_size") != cfg.block_size:
-                raise OpenAIError(f"this engine's block size is {cfg.block_size}", param="block_size")
-            ids = body.get("prompt_token_ids")
-            start = body.get("from_position")
-            salt = body.get("cache_salt", "")
-            shared = body.get("cache_shared_blocks", 0)
-            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-                raise OpenAIError(
-                    "prompt_token_ids must be a non-empty list of token ids", param="prompt_token_ids"
-                )
-            if type(start) is not int or not 0 <= start < len(ids):
-                raise OpenAIError(f"from_position must lie in [0, {len(ids)})", param="from_position")
-            if not isinstance(salt, str) or type(shared) is not int or shared < 0:
-                raise OpenAIError(
-                    "cache_salt must be a string and cache_shared_blocks a non-negative integer"
-                )
-        except orjson.JSONDecodeError:
-            return OpenAIError("the body is not valid JSON").to_response({})
+            req = parse_kv_source_request(
+                await request.read(), served_model=cfg.model, block_size=cfg.block_size
+            )
         except OpenAIError as exc:
             return exc.to_response({})
+        start = req.from_position
         hashes = namespaced_block_hashes(
-            np.asarray(ids, dtype=np.uint32), cfg.block_size, _namespace_seed(cfg.model, salt),
-            public_seed=self._public_seed, shared_blocks=shared,
+            req.prompt_token_ids, cfg.block_size, _namespace_seed(cfg.model, req.cache_salt),
+            public_seed=self._public_seed, shared_blocks=req.cache_shared_blocks,
         )  # fmt: skip
         run = hashes[: self.cache.match(hashes)]
         end = max(len(run) * cfg.block_size, start)
