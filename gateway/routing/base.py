@@ -107,7 +107,11 @@ class RouteDecision:
 
 class RoutingPolicy(Protocol):
     name: str
-    pulls_kv: bool  # whether it reads ``Candidate.peer`` (the caller fills peers in only then)
+
+    @property
+    def pulls_kv(self) -> bool:
+        """Whether it reads ``Candidate.peer`` (the caller fills peers in only then)."""
+        ...
 
     def __init__(self, settings: RoutingSettings) -> None: ...
 

@@ -57,12 +57,20 @@ class CacheAwarePolicy:
             + uncached * s.prefill_s_per_token
         )
 
-    def decision(self, request: RouteRequest, candidate: Candidate, reason: str) -> RouteDecision:
-        """``reason`` for ``candidate``, with the pull the estimate counted on."""
+    def decision(
+        self, request: RouteRequest, candidate: Candidate, reason: str | None = None
+    ) -> RouteDecision:
+        """Route to ``candidate`` with the pull the estimate counted on; ``reason`` by default says whether
+        the prompt finds a prefix there (cached or pulled) or misses."""
         if self.pulled_tokens(request, candidate):
             return RouteDecision(
-                candidate.engine, reason, candidate.cached_blocks, candidate.peer, candidate.peer_blocks
+                candidate.engine,
+                reason or "prefix",
+                candidate.cached_blocks,
+                candidate.peer,
+                candidate.peer_blocks,
             )
+        reason = reason or ("prefix" if candidate.cached_blocks else "miss")
         return RouteDecision(candidate.engine, reason, candidate.cached_blocks)
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
@@ -74,5 +82,4 @@ class CacheAwarePolicy:
         s = self.settings
         tied = [c for t, c in scored if t <= best + max(s.tie_tolerance_s, s.tie_tolerance_frac * best)]
         chosen = min(tied, key=lambda c: (c.rtt_s > 0, c.load, -rendezvous(request.route_key, c.engine)))
-        pulls = self.pulled_tokens(request, chosen) > 0
-        return self.decision(request, chosen, "prefix" if chosen.cached_blocks or pulls else "miss")
+        return self.decision(request, chosen)

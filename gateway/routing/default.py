@@ -32,23 +32,26 @@ class DefaultPolicy:
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings
         self._cache_aware = CacheAwarePolicy(settings, kv_pull=settings.kv_pull)
-        self.pulls_kv = settings.kv_pull
+
+    @property
+    def pulls_kv(self) -> bool:
+        return self._cache_aware.pulls_kv
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
         kept, eligible = affinity_pick(request, candidates, self.settings)
-        if kept is not None and self._worth_staying(request, candidates, kept):
+        if kept is not None:
             bound = next(c for c in candidates if c.engine == kept.engine)
-            return self._cache_aware.decision(request, bound, kept.reason)
+            if self._worth_staying(request, candidates, bound):
+                return self._cache_aware.decision(request, bound, kept.reason)
         decision = self._cache_aware.pick(request, eligible)
         if decision is not None and request.session_engine is not None:
             return dataclasses.replace(decision, reason="moved")
         return decision
 
     def _worth_staying(
-        self, request: RouteRequest, candidates: Sequence[Candidate], kept: RouteDecision
+        self, request: RouteRequest, candidates: Sequence[Candidate], bound: Candidate
     ) -> bool:
         estimate = self._cache_aware.estimate_ttft_s
-        bound = next(c for c in candidates if c.engine == kept.engine)
         others = [c for c in candidates if c.healthy and c.engine != bound.engine]
         if not others:
             return True
