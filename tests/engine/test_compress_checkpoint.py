@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,15 +59,6 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny-bf16", "tiny", seed=1, dtype="bfloat16")
-
-
-@pytest.fixture
-def numpy_path() -> Iterator[None]:
-    codec.use_native(False)
-    try:
-        yield
-    finally:
-        codec.use_native(True)
 
 
 def same_files(a: Path, b: Path) -> None:

@@ -3,8 +3,6 @@ round trips for every float kind, near-entropy sizes, and streams that cannot be
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -15,15 +13,6 @@ from engine.compress.float_split import KIND_BF16, KIND_F16, KIND_F32, REST_WIDT
 needs_native = pytest.mark.skipif(
     not codec.native_available(), reason="the _rans extension is not built (pip install -e . builds it)"
 )
-
-
-@pytest.fixture
-def numpy_path() -> Iterator[None]:
-    codec.use_native(False)
-    try:
-        yield
-    finally:
-        codec.use_native(True)
 
 
 def weights(n: int, dtype: torch.dtype, seed: int = 0) -> np.ndarray:
