@@ -1,8 +1,9 @@
-"""Real tiny engines over HTTP for the KV transfer tests (disaggregation, KV pull): start one, ask it."""
+"""Real tiny engines over HTTP for the engine tests (KV transfers, metrics): start one, ask it."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,19 @@ async def complete(
         body["kv_transfer_params"] = {"prefill_url": prefill.url}
     async with session.post(node.url + "/v1/completions", json=body) as r:
         return r.status, await r.json(content_type=None), r.headers
+
+
+async def engine_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """An engine's ``/metrics`` samples by name and labels, its ``engine`` label left out."""
+    async with session.get(url + "/metrics") as r:
+        assert r.status == 200 and r.content_type == "text/plain"
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvgate_engine_"):
+            name, value = line.rsplit(" ", 1)
+            out[re.sub(r'engine="[^"]*",?', "", name).replace("{}", "")] = float(value)
+    return out
 
 
 def colocated(model_dir: Path, ids: list[int], params: SamplingParams) -> list[int]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-import aiohttp
-
 from engine.metrics import BusyClock
+from tests.engine.kv_nodes import engine_metrics
 from tests.harness import ClusterFactory
 
 
@@ -27,28 +25,13 @@ def test_busy_clock_counts_overlapping_work_once() -> None:
     assert clock.seconds == 3.5
 
 
-def values(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvgate_engine_"):
-            name, value = line.rsplit(" ", 1)
-            out[re.sub(r'engine="[^"]*",?', "", name).replace("{}", "")] = float(value)
-    return out
-
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with session.get(url + "/metrics") as r:
-        assert r.status == 200 and r.content_type == "text/plain"
-        return values(await r.text())
-
-
 async def _exercise(
     cluster_factory: ClusterFactory, **kwargs: object
 ) -> tuple[dict[str, float], dict[str, float]]:
     cluster = await cluster_factory({"eu-west": 1}, **kwargs)
     assert cluster.session is not None
     url = next(iter(cluster.engines.values()))[1]
-    before = await scrape(cluster.session, url)
+    before = await engine_metrics(cluster.session, url)
     messages = [{"role": "user", "content": "a question long enough to fill a few blocks " * 4}]
     for _ in range(2):
         status, body, _ = await cluster.post(
@@ -56,7 +39,7 @@ async def _exercise(
             {"model": cluster.model, "messages": messages, "max_tokens": 4, "temperature": 0},
         )
         assert status == 200, body
-    return before, await scrape(cluster.session, url)
+    return before, await engine_metrics(cluster.session, url)
 
 
 async def test_the_simulator_exports_engine_metrics(make_cluster: ClusterFactory) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,7 +22,16 @@ from engine.kv_transfer import CONTENT_TYPE, KvChunk, frame, kv_frame, read_fram
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.scheduler import ScheduledSeq
 from engine.sequence import CacheNamespace, SamplingParams
-from tests.engine.kv_nodes import BS, Node, assert_all_free, colocated, complete, prompt, start_node
+from tests.engine.kv_nodes import (
+    BS,
+    Node,
+    assert_all_free,
+    colocated,
+    complete,
+    engine_metrics,
+    prompt,
+    start_node,
+)
 
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 
@@ -67,17 +75,6 @@ def block_ids(llm: LLMEngine, ids: list[int], namespace: CacheNamespace | None =
     return [llm.blocks._by_hash[h] for h in seq.block_hashes(BS) if h in llm.blocks._by_hash]
 
 
-async def metrics(session: aiohttp.ClientSession, node: Node) -> dict[str, float]:
-    async with session.get(node.url + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvgate_engine_kv_pull"):
-            name, value = line.rsplit(" ", 1)
-            out[re.sub(r'engine="[^"]*",?', "", name).replace("{}", "")] = float(value)
-    return out
-
-
 def expected_text(model_dir: Path, node: Node, ids: list[int], **sampling: Any) -> str:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **sampling)
     return node.server.llm.tokenizer.decode(colocated(model_dir, ids, params))
@@ -111,7 +108,8 @@ async def test_a_pull_gives_the_same_tokens_computes_only_the_rest_and_migrates_
     # ...the pull: the source gives its copy up first, tail block first, though it is the newer one.
     assert list(s_llm.blocks._evictable)[:8] == s_blocks[::-1]
 
-    target_metrics, source_metrics = await metrics(session, target), await metrics(session, source)
+    target_metrics = await engine_metrics(session, target.url)
+    source_metrics = await engine_metrics(session, source.url)
     assert target_metrics['kvgate_engine_kv_pulls_total{outcome="ok"}'] == 1
     assert target_metrics['kvgate_engine_kv_pulls_total{outcome="failed"}'] == 0
     assert target_metrics["kvgate_engine_kv_pulled_tokens_total"] == 32
@@ -156,7 +154,7 @@ async def test_a_peer_holding_less_than_announced_sends_what_it_has(pair: Pair, 
     assert body["choices"][0]["text"] == expected
     assert headers["x-kvgate-kv-transferred-tokens"] == "16" and sum(computed) == 33 - 16
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
-    m = await metrics(session, target)
+    m = await engine_metrics(session, target.url)
     assert m['kvgate_engine_kv_pulls_total{outcome="partial"}'] == 1
     assert m["kvgate_engine_kv_pulled_tokens_total"] == 16
 
@@ -248,7 +246,7 @@ async def test_a_failed_pull_is_computed_here_and_the_request_succeeds(
     assert body["choices"][0]["text"] == expected_text(tiny_model_dir, target, ids)
     assert headers["x-kvgate-kv-transfer"] == "pull" and headers["x-kvgate-kv-transferred-tokens"] == "0"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    m = await metrics(session, target)
+    m = await engine_metrics(session, target.url)
     assert m['kvgate_engine_kv_pulls_total{outcome="failed"}'] == 1
     assert m["kvgate_engine_kv_pulled_tokens_total"] == 0
     await assert_all_free(target)
