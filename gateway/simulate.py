@@ -90,13 +90,12 @@ class SimRouter:
         )
         if decision is None:
             raise RuntimeError("the policy found no engine (every simulated engine is healthy)")
-        by_id = {e.id: e for e in engines}
-        engine = by_id[decision.engine]
+        engine = next(e for e in engines if e.id == decision.engine)
         if session_id is not None and (binding is None or binding.engine != engine.id):
             self.sessions.bind_now(TENANT, session_id, SessionBinding(engine.region, engine.id))
         if self.limiter is not None:
             self.limiter.record(home, engine.region)
-        return engine, by_id[decision.kv_source] if decision.kv_source else None
+        return engine, next((e for e in engines if e.id == decision.kv_source), None)
 
 
 def run_simulation(

@@ -179,7 +179,7 @@ class SimResult:
     ttft_p99_s: float
     load_max_over_mean: float
     cross_region_share: float
-    pull_share: float = 0.0  # requests that pulled K/V from a peer
+    pull_share: float = 0.0  # requests the router told to pull K/V from a peer
     per_engine_requests: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:

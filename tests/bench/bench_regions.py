@@ -8,7 +8,7 @@ regions). Policies: round_robin, session only, prefix only (cache_aware), and de
 default policy reaches >= 98 % of the pooled LRU's hit rate with max/mean load <= 1.10 and the lowest TTFT
 p90 of all policies. Engines can pull a prefix from a peer in their region
 (``CostModel.kv_pull_tokens_per_s``); only the default policy asks for pulls, and the row "default, no
-pull" shows it without them (an ablation, left out of the verdict). "pulls": the requests that pulled.
+pull" shows it without them (an ablation, left out of the verdict). "pulls": the requests told to pull.
 
 The replay is chaotic: one routing decision changes every later cache state, so a 1 % change of capacity
 moves a policy's p90 by about as much as the policies differ. ``--spread N`` repeats every run at N
