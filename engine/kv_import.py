@@ -20,6 +20,7 @@ import aiohttp
 from engine.attention import KVCache
 from engine.kv_transfer import KvChunk, KvTransferError, position_slots, read_frame
 from engine.llm_engine import ImportTicket
+from engine.openai_api import kv_source_body
 from engine.sequence import CacheNamespace
 
 
@@ -60,15 +61,15 @@ class KvImporter:
     ) -> dict[str, int]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        body = {
-            "model": self.model_name,
-            "prompt_token_ids": ticket.prompt_token_ids[: ticket.end],
-            "cache_salt": namespace.salt,
-            "cache_shared_blocks": namespace.shared_blocks,
-            "from_position": ticket.start,
-            "block_size": self.kv_cache.block_size,
-            "request_id": ticket.request_id,
-        }
+        body = kv_source_body(
+            model=self.model_name,
+            block_size=self.kv_cache.block_size,
+            request_id=ticket.request_id,
+            prompt_token_ids=ticket.prompt_token_ids[: ticket.end],
+            from_position=ticket.start,
+            cache_salt=namespace.salt,
+            cache_shared_blocks=namespace.shared_blocks,
+        )
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         try:
             async with self._session.post(url, json=body, timeout=timeout) as resp:

@@ -271,6 +271,23 @@ class KvSourceRequest:
     cache_shared_blocks: int
 
 
+def kv_source_body(
+    *,
+    model: str,
+    block_size: int,
+    request_id: str,
+    prompt_token_ids: list[int],
+    from_position: int,
+    cache_salt: str,
+    cache_shared_blocks: int,
+) -> dict[str, Any]:
+    """The body ``parse_kv_source_request`` reads: what a receiving engine (kvgate's, or a simulated one
+    pulling) sends to ``/v1/kv/prefill`` or ``/v1/kv/cached``."""
+    return {"model": model, "prompt_token_ids": prompt_token_ids, "cache_salt": cache_salt,
+            "cache_shared_blocks": cache_shared_blocks, "from_position": from_position,
+            "block_size": block_size, "request_id": request_id}  # fmt: skip
+
+
 def parse_kv_source_request(raw: bytes, *, served_model: str, block_size: int) -> KvSourceRequest:
     try:
         body = orjson.loads(raw)

@@ -43,6 +43,7 @@ from engine.openai_api import (
     RequestKind,
     SseFormatter,
     json_response,
+    kv_source_body,
     models_body,
     new_request_id,
     parse_kv_source_request,
@@ -366,9 +367,15 @@ class SimEngine:
         start = n_cached * bs
         if end <= start:
             return 0
-        body = {"model": self.config.model, "prompt_token_ids": req.prompt_token_ids[:end].tolist(),
-                "cache_salt": req.cache_salt, "cache_shared_blocks": req.cache_shared_blocks,
-                "from_position": start, "block_size": bs, "request_id": req.request_id}  # fmt: skip
+        body = kv_source_body(
+            model=self.config.model,
+            block_size=bs,
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids[:end].tolist(),
+            from_position=start,
+            cache_salt=req.cache_salt,
+            cache_shared_blocks=req.cache_shared_blocks,
+        )
         got = await self.puller.pull(req.kv_pull, body)
         sent = 0 if got is None else max(0, min(got, end) - start)
         outcome = "failed" if got is None else "ok" if start + sent == end else "partial"
