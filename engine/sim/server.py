@@ -33,8 +33,6 @@ from aiohttp import web
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
-from engine.kv_wire import CONTENT_TYPE as KV_CONTENT_TYPE
-from engine.kv_wire import pack
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import (
     FinishReason,
@@ -43,16 +41,14 @@ from engine.openai_api import (
     RequestKind,
     SseFormatter,
     json_response,
-    kv_source_body,
     models_body,
     new_request_id,
-    parse_kv_source_request,
     parse_request,
     response_body,
     sse_response,
     usage,
 )
-from engine.sim.kv_pull import PeerPuller
+from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -180,8 +176,21 @@ class SimEngine:
         self._waiters: deque[_Waiter] = deque()
         self.counters = EngineCounters()
         self._public_seed = _namespace_seed(config.model, "")  # of operator-declared shared prefixes
-        self.puller = PeerPuller()
-        self._sending = asyncio.Lock()  # this engine's outbound K/V link: one pull served at a time
+        self.kv_peer = SimKvPeer(
+            model=config.model,
+            block_size=config.block_size,
+            send_s_per_token=config.kv_pull_s_per_token,
+            cache=self.cache,
+            counters=self.counters,
+            prompt_hashes=self.prompt_hashes,
+        )
+
+    def prompt_hashes(self, ids: np.ndarray, cache_salt: str, shared_blocks: int) -> list[int]:
+        """The block hashes of a prompt in this engine's namespace (contract 1)."""
+        return namespaced_block_hashes(
+            ids, self.config.block_size, _namespace_seed(self.config.model, cache_salt),
+            public_seed=self._public_seed, shared_blocks=shared_blocks,
+        )  # fmt: skip
 
     def gauges(self) -> EngineGauges:
         return EngineGauges(self.running, len(self._waiters), self.cache.used, self.cache.free)
@@ -318,12 +327,10 @@ class SimEngine:
             ids = req.prompt_token_ids
             bs = cfg.block_size
             ns_seed = _namespace_seed(cfg.model, req.cache_salt)
-            hashes = namespaced_block_hashes(
-                ids, bs, ns_seed, public_seed=self._public_seed, shared_blocks=req.cache_shared_blocks
-            )
+            hashes = self.prompt_hashes(ids, req.cache_salt, req.cache_shared_blocks)
             n_cached = self.cache.match(hashes)
             if req.kv_pull is not None:
-                n_cached = max(n_cached, await self._pull(req, n_cached, hashes))
+                n_cached = max(n_cached, await self.kv_peer.pull(req, n_cached, hashes))
             cached_tokens = n_cached * bs
             if not self._zero_cost:
                 # With every cost at zero nothing below awaits before _store_answer() stores the prompt
@@ -356,61 +363,6 @@ class SimEngine:
             if pinned:
                 self.cache.release(pinned)
             self._release_slot()
-
-    async def _pull(self, req: GenerationRequest, n_cached: int, hashes: list[int]) -> int:
-        """Pull what a peer holds of the prompt beyond our ``n_cached`` blocks (up to the gateway's
-        ``pull_tokens``, never the last prompt token): returns the leading blocks now held, ours or pulled.
-        A failed pull returns 0 (everything is computed as usual)."""
-        assert req.kv_pull is not None
-        bs = self.config.block_size
-        end = min(req.kv_pull.tokens, req.prompt_tokens - 1)
-        start = n_cached * bs
-        if end <= start:
-            return 0
-        body = kv_source_body(
-            model=self.config.model,
-            block_size=bs,
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids[:end].tolist(),
-            from_position=start,
-            cache_salt=req.cache_salt,
-            cache_shared_blocks=req.cache_shared_blocks,
-        )
-        got = await self.puller.pull(req.kv_pull, body)
-        sent = 0 if got is None else max(0, min(got, end) - start)
-        outcome = "failed" if got is None else "ok" if start + sent == end else "partial"
-        self.counters.pulled(outcome, sent)
-        return min((start + sent) // bs, len(hashes))
-
-    async def handle_kv_cached(self, request: web.Request) -> web.StreamResponse:
-        """A peer's pull: the done frame for the positions of the prompt this cache holds from
-        ``from_position`` on, after the time sending their K/V would take; those blocks are evicted first
-        from now on, since the peer holds them."""
-        cfg = self.config
-        try:
-            req = parse_kv_source_request(
-                await request.read(), served_model=cfg.model, block_size=cfg.block_size
-            )
-        except OpenAIError as exc:
-            return exc.to_response({})
-        start = req.from_position
-        hashes = namespaced_block_hashes(
-            req.prompt_token_ids, cfg.block_size, _namespace_seed(cfg.model, req.cache_salt),
-            public_seed=self._public_seed, shared_blocks=req.cache_shared_blocks,
-        )  # fmt: skip
-        run = hashes[: self.cache.match(hashes)]
-        end = max(len(run) * cfg.block_size, start)
-        pinned = self.cache.acquire(run)  # held while "sending": a concurrent request must not evict them
-        try:
-            async with self._sending:
-                if end > start and cfg.kv_pull_s_per_token > 0:
-                    await asyncio.sleep((end - start) * cfg.kv_pull_s_per_token)
-        finally:
-            self.cache.release(pinned)
-        self.cache.demote(run[start // cfg.block_size :])
-        self.counters.pull_served(end - start)
-        done = b"".join(pack({"t": "done", "tokens": end, "cached_tokens": end}))
-        return web.Response(body=done, content_type=KV_CONTENT_TYPE)
 
     async def _stream(
         self,
@@ -494,14 +446,14 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app.router.add_get("/model_info", engine.handle_model_info)
     app.router.add_get("/server_info", engine.handle_model_info)
     app.router.add_post("/tokenize", engine.handle_tokenize)
-    app.router.add_post("/v1/kv/cached", engine.handle_kv_cached)
+    app.router.add_post("/v1/kv/cached", engine.kv_peer.handle_cached)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, engine.gauges))
     engine.publisher.add_routes(app)
 
-    async def close_puller(app: web.Application) -> None:
-        await engine.puller.close()
+    async def close_kv_peer(app: web.Application) -> None:
+        await engine.kv_peer.close()
 
-    app.on_cleanup.append(close_puller)
+    app.on_cleanup.append(close_kv_peer)
     return app
 
 
