@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from engine.compress import codec
+from engine.sim.server import SIM_ENGINE, SimEngineConfig, build_app
+from tests.engine.sim_nodes import BS, Sim, StartSim
 
 
 @pytest.fixture
@@ -17,3 +22,35 @@ def numpy_path() -> Iterator[None]:
         yield
     finally:
         codec.use_native(True)
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[StartSim]:
+    """Starts simulators in-process on free ports; costs default to zero, override per test."""
+    runners: list[web.AppRunner] = []
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def start(**overrides: Any) -> Sim:
+        fields: dict[str, Any] = {
+            "engine_id": "sim-test",
+            "block_size": BS,
+            "prefill_s_per_token": 0.0,
+            "decode_s_per_token": 0.0,
+        }
+        fields.update(overrides)
+        app = build_app(SimEngineConfig(**fields))
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        return Sim(f"http://{host}:{port}", app[SIM_ENGINE], session)
+
+    yield start
+    for session in sessions:
+        await session.close()
+    for runner in runners:
+        await runner.cleanup()

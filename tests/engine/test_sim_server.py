@@ -3,115 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from cache.events import decode_snapshot
 from cache.hashing import block_hashes, namespace_seed
 from cache.tokens import ByteTokenizer, render_chat
-from engine.sim.server import SIM_ENGINE, SimEngine, SimEngineConfig, build_app
-
-BS = 16
-
-
-@dataclasses.dataclass
-class Sim:
-    url: str
-    engine: SimEngine
-    session: aiohttp.ClientSession
-
-    async def post(self, path: str, body: Any, **kwargs: Any) -> tuple[int, Any, aiohttp.ClientResponse]:
-        data = body if isinstance(body, bytes) else orjson.dumps(body)
-        async with self.session.post(f"{self.url}{path}", data=data, **kwargs) as resp:
-            raw = await resp.read()
-        return resp.status, orjson.loads(raw), resp
-
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        status, payload, _ = await self.post("/v1/completions", body)
-        assert status == 200, payload
-        return payload  # type: ignore[no-any-return]
-
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        status, payload, _ = await self.post("/v1/chat/completions", body)
-        assert status == 200, payload
-        return payload  # type: ignore[no-any-return]
-
-    async def stream(self, path: str, body: dict[str, Any]) -> list[Any]:
-        """Every SSE event's payload: dicts, then the string "[DONE]"."""
-        async with self.session.post(
-            f"{self.url}{path}", data=orjson.dumps({**body, "stream": True})
-        ) as resp:
-            assert resp.status == 200
-            assert resp.content_type == "text/event-stream"
-            text = (await resp.read()).decode()
-        assert text.endswith("\n\n")
-        events = []
-        for block in text.split("\n\n")[:-1]:
-            assert block.startswith("data: "), block
-            data = block[len("data: ") :]
-            events.append(data if data == "[DONE]" else orjson.loads(data))
-        return events
-
-    async def health(self) -> dict[str, Any]:
-        async with self.session.get(f"{self.url}/health") as resp:
-            assert resp.status == 200
-            return await resp.json()  # type: ignore[no-any-return]
-
-
-StartSim = Callable[..., Awaitable[Sim]]
-
-
-@pytest.fixture
-async def start_sim() -> AsyncIterator[StartSim]:
-    """Starts simulators in-process on free ports; costs default to zero, override per test."""
-    runners: list[web.AppRunner] = []
-    sessions: list[aiohttp.ClientSession] = []
-
-    async def start(**overrides: Any) -> Sim:
-        fields: dict[str, Any] = {
-            "engine_id": "sim-test",
-            "block_size": BS,
-            "prefill_s_per_token": 0.0,
-            "decode_s_per_token": 0.0,
-        }
-        fields.update(overrides)
-        app = build_app(SimEngineConfig(**fields))
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        session = aiohttp.ClientSession()
-        sessions.append(session)
-        return Sim(f"http://{host}:{port}", app[SIM_ENGINE], session)
-
-    yield start
-    for session in sessions:
-        await session.close()
-    for runner in runners:
-        await runner.cleanup()
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], within: float = 3.0) -> None:
-    async with asyncio.timeout(within):
-        # Polling /health: the state is another component's, reachable only over HTTP.
-        while not await predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
-
-
-def text_of(n_bytes: int, salt: str = "") -> str:
-    """ASCII text of exactly ``n_bytes`` bytes (so exactly that many byte tokens)."""
-    base = f"{salt}The quick brown fox jumps over the lazy dog. " * (n_bytes // 40 + 2)
-    return base[:n_bytes]
+from tests.engine.sim_nodes import BS, StartSim, text_of, wait_for
 
 
 def assert_usage(usage: dict[str, Any], prompt: int, completion: int, cached: int) -> None:
@@ -499,50 +400,3 @@ async def test_zero_cost_answers_quickly(start_sim: StartSim) -> None:
         await sim.complete({"prompt": f"request {i} " + text_of(100), "max_tokens": 16})
     per_request = (loop.time() - t0) / n
     assert per_request < 0.01, f"{per_request * 1e3:.2f} ms per request"
-
-
-# ------------------------------------------------------------------------------------------ KV pulls
-
-
-async def test_a_pull_takes_a_peers_prefix_and_the_peer_gives_it_up_first(start_sim: StartSim) -> None:
-    source, target = await start_sim(engine_id="src"), await start_sim(engine_id="dst")
-    prompt = text_of(100)
-    await source.complete({"prompt": prompt, "max_tokens": 1})
-    await source.complete({"prompt": text_of(40, salt="other "), "max_tokens": 1})  # used after it
-    pull = {"pull_url": source.url, "pull_engine": "src", "pull_tokens": 96}
-    body = await target.complete({"prompt": prompt + "!", "max_tokens": 2, "kv_transfer_params": pull})
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 blocks, none computed here
-    assert target.engine.counters.kv_pulls["ok"] == 1 and target.engine.counters.kv_pulled_tokens == 96
-    assert source.engine.counters.kv_pull_served_tokens == 96
-    # The six sent blocks are the source's next victims, the last of them first.
-    seed = namespace_seed("kvgate-sim", "")
-    sent = block_hashes(ByteTokenizer().encode(prompt), BS, seed)[:6]
-    assert source.engine.cache.lru_order()[:6] == sent[::-1]
-    # Our own cache now covers those blocks: a second pull asks for nothing.
-    again = await target.complete({"prompt": prompt + "?", "max_tokens": 2, "kv_transfer_params": pull})
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
-    assert source.engine.counters.kv_pull_served == 1
-
-
-async def test_a_pull_that_fails_only_costs_the_computation(start_sim: StartSim) -> None:
-    target = await start_sim()
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    pull = {"pull_url": dead, "pull_tokens": 64}
-    body = await target.complete({"prompt": text_of(100), "max_tokens": 2, "kv_transfer_params": pull})
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert target.engine.counters.kv_pulls["failed"] == 1
-
-
-async def test_kv_cached_refuses_what_it_cannot_answer(start_sim: StartSim) -> None:
-    sim = await start_sim()
-    good = {"model": "kvgate-sim", "prompt_token_ids": [1, 2, 3], "from_position": 0, "block_size": BS}
-    for change, status, param in (
-        ({"model": "nope"}, 404, "model"),
-        ({"block_size": 8}, 400, "block_size"),
-        ({"from_position": 3}, 400, "from_position"),
-        ({"prompt_token_ids": []}, 400, "prompt_token_ids"),
-    ):
-        got, body, _ = await sim.post("/v1/kv/cached", {**good, **change})
-        assert got == status and body["error"]["param"] == param, body
