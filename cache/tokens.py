@@ -58,6 +58,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
+        # Token ids without their character offsets (nothing here reads them): 0.57x the time of
+        # ``encode_batch`` on long texts, less on short ones too, and without the GIL (tokenizers 0.20+).
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         self.chat_template = chat_template
         self.name = path.parent.name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -118,7 +121,7 @@ class HFTokenizer:
         missing = list(dict.fromkeys(c for c, ids in zip(chunks, found, strict=True) if ids is None))
         new: dict[str, np.ndarray] = {}
         if missing:
-            encoded = self._tok.encode_batch(missing, add_special_tokens=False)
+            encoded = self._encode_batch(missing, add_special_tokens=False)
             new = {chunk: _uint32(e.ids) for chunk, e in zip(missing, encoded, strict=True)}
             with self._lock:
                 for chunk, ids in new.items():
@@ -146,18 +149,15 @@ class HFTokenizer:
             self._cached_chars -= len(old)
 
     def _encode_uncached(self, text: str) -> np.ndarray:
-        if len(text) < _GIL_FREE_CHARS:
-            return _uint32(self._tok.encode(text, add_special_tokens=False).ids)
-        # ``encode`` holds the GIL for the whole encoding; ``encode_batch`` releases it, so a long prompt
-        # tokenized on a worker thread no longer stops the event loop (and uses another core).
-        return _uint32(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+        # ``encode`` holds the GIL for the whole encoding; the batch call releases it, so a long prompt
+        # tokenized on a worker thread does not stop the event loop (and uses another core).
+        return _uint32(self._encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
 
 _MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays off
-_GIL_FREE_CHARS = 256  # from this length on, encode without the GIL (encode_batch is as fast as encode)
 _CACHE_CHARS = 16 << 20
 
 

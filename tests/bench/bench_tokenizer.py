@@ -1,4 +1,5 @@
-"""The gateway's tokenizer on long new texts: chunks encoded in one batch against one by one.
+"""The gateway's tokenizer on long new texts: chunks encoded in one batch against one by one, and texts
+that cannot be cut encoded without character offsets against with them.
 
     python tests/bench/bench_tokenizer.py [--chars 48000] [--texts 6]
 
@@ -7,6 +8,10 @@ seen, so every chunk misses the chunk cache. ``HFTokenizer.encode`` cuts them at
 missing chunks in one ``encode_batch`` call (all cores, no GIL); the baseline, measured in the same run,
 encodes the same chunks one ``encode_batch`` call each, as the gateway did before. Both must give the
 tokenizer's own ids.
+
+Texts with no word gap (base64, minified code, long identifiers) are not cut: each is one call, which
+``HFTokenizer`` makes with ``encode_batch_fast`` (no character offsets; tokenizers 0.20+), against the
+``encode_batch`` call it made before.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ def text(rng: random.Random, chars: int) -> str:
     return " ".join(words)
 
 
+def gapless(rng: random.Random, chars: int) -> str:
+    """Text the chunker cannot cut (no letter-space-letter gap): base64-like runs."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+    return "".join(rng.choice(alphabet) for _ in range(chars))
+
+
 def one(raw: Tokenizer, chunk: str) -> list[int]:
     """One chunk as the gateway encoded it before: its own ``encode_batch`` call (the GIL-free one)."""
     return list(raw.encode_batch([chunk], add_special_tokens=False)[0].ids)
@@ -58,7 +69,7 @@ def main() -> int:
         raw.save(str(Path(tmp) / "tokenizer.json"))
         path = Path(tmp) / "tokenizer.json"
         texts = [text(rng, args.chars) for _ in range(3 * args.texts)]
-        batched_s, one_by_one_s = [], []
+        batched_s, one_by_one_s, fast_s, offsets_s = [], [], [], []
         for i in range(3):  # fresh texts and a fresh tokenizer (empty cache) every round, alternating
             tok = HFTokenizer(path)
             chunk = texts[i * args.texts : (i + 1) * args.texts]
@@ -72,9 +83,20 @@ def main() -> int:
             ]
             one_by_one_s.append(time.perf_counter() - start)
             assert ids == base == [raw.encode(t, add_special_tokens=False).ids for t in chunk]
+            uncut = [gapless(rng, args.chars) for _ in range(args.texts)]
+            start = time.perf_counter()
+            ids = [tok.encode(t).tolist() for t in uncut]
+            fast_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            base = [list(raw.encode_batch([t], add_special_tokens=False)[0].ids) for t in uncut]
+            offsets_s.append(time.perf_counter() - start)
+            assert ids == base
     b, o = min(batched_s) / args.texts, min(one_by_one_s) / args.texts
+    f, w = min(fast_s) / args.texts, min(offsets_s) / args.texts
     print(f"{args.chars}-character new texts on {len(os.sched_getaffinity(0))} CPUs, best of 3 rounds:")
     print(f"  chunks in one batch {b * 1e3:.2f} ms, one by one {o * 1e3:.2f} ms -> ratio {b / o:.3f}")
+    print(f"  uncut texts without offsets {f * 1e3:.2f} ms, with offsets {w * 1e3:.2f} ms", end=" ")
+    print(f"-> ratio {f / w:.3f}")
     return 0
 
 
