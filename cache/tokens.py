@@ -122,7 +122,7 @@ class HFTokenizer:
         new: dict[str, np.ndarray] = {}
         if missing:
             encoded = self._encode_batch(missing, add_special_tokens=False)
-            new = {chunk: _uint32(e.ids) for chunk, e in zip(missing, encoded, strict=True)}
+            new = {chunk: uint32_array(e.ids) for chunk, e in zip(missing, encoded, strict=True)}
             with self._lock:
                 for chunk, ids in new.items():
                     self._remember(chunk, ids)
@@ -151,7 +151,7 @@ class HFTokenizer:
     def _encode_uncached(self, text: str) -> np.ndarray:
         # ``encode`` holds the GIL for the whole encoding; the batch call releases it, so a long prompt
         # tokenized on a worker thread does not stop the event loop (and uses another core).
-        return _uint32(self._encode_batch([text], add_special_tokens=False)[0].ids)
+        return uint32_array(self._encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
@@ -161,9 +161,13 @@ _MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays
 _CACHE_CHARS = 16 << 20
 
 
-def _uint32(ids: list[int]) -> np.ndarray:
-    """Token ids as uint32, three times faster than ``np.asarray(ids, dtype=np.uint32)``."""
-    return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+_UINT32_CODE = "I" if array.array("I").itemsize == 4 else "L"  # C unsigned int: 4 bytes on every ABI we know
+
+
+def uint32_array(ids: list[int]) -> np.ndarray:
+    """Token ids as uint32, three to five times faster than ``np.asarray(ids, dtype=np.uint32)``. Raises
+    OverflowError for an id outside [0, 2**32) and TypeError for anything but an int (a bool is an int)."""
+    return np.frombuffer(array.array(_UINT32_CODE, ids), dtype=np.uint32)
 
 
 def _parsed(tok: Any) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cache.tokens import ByteTokenizer, render_chat
 from engine.openai_api import (
@@ -91,6 +93,19 @@ def test_chat_renders_messages() -> None:
     assert req.kind == "chat" and req.response_id.startswith("chatcmpl-")
     assert req.prompt_token_ids.tolist() == list(render_chat(messages).encode())
     assert req.max_tokens == 9  # the newer name wins
+
+
+@given(st.lists(st.integers(-(2**40), 2**40) | st.booleans(), min_size=1, max_size=40))
+def test_token_ids_parse_as_numpy_would(ids: list[int]) -> None:
+    # The C-level parse must accept and refuse exactly what checking the numpy array did.
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        assert "integers" in error_of({"prompt_token_ids": ids}).message
+    elif arr.min() < 0 or arr.max() >= 2**32:
+        assert "2**32" in error_of({"prompt_token_ids": ids}).message
+    else:
+        parsed = parse({"prompt_token_ids": ids}).prompt_token_ids
+        assert parsed.dtype == np.uint32 and parsed.tolist() == arr.tolist()
 
 
 @pytest.mark.parametrize(
