@@ -103,8 +103,6 @@ class HFTokenizer:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
     def _encode_piece(self, piece: str) -> np.ndarray:
-        if len(piece) < _MIN_CACHED_CHARS:
-            return self._encode_uncached(piece)
         if self._chunker is not None and len(piece) >= 2 * CHUNK_CHARS:
             return self._encode_chunks(self._chunker(piece))
         return self._encode_cached(piece)
@@ -143,10 +141,10 @@ class HFTokenizer:
         """Cache ``piece``'s ids, evicting the least recently used beyond the budget (hold the lock)."""
         if piece not in self._cache:
             self._cache[piece] = ids
-            self._cached_chars += len(piece)
+            self._cached_chars += len(piece) + _ENTRY_CHARS
         while self._cached_chars > _CACHE_CHARS:
             old, _ = self._cache.popitem(last=False)
-            self._cached_chars -= len(old)
+            self._cached_chars -= len(old) + _ENTRY_CHARS
 
     def _encode_uncached(self, text: str) -> np.ndarray:
         # ``encode`` holds the GIL for the whole encoding; the batch call releases it, so a long prompt
@@ -157,8 +155,11 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
 
-_MIN_CACHED_CHARS = 256  # shorter pieces encode faster than a cache lookup pays off
+# A whole text this short is one tokenizer call; split at special tokens, even its short pieces are cached:
+# role headers ("assistant\n") recur in every chat, and a lookup costs a tenth of a call.
+_MIN_CACHED_CHARS = 256
 _CACHE_CHARS = 16 << 20
+_ENTRY_CHARS = 128  # an entry's own memory, counted in characters, so short pieces cannot swell the cache
 
 
 _UINT32_CODE = "I" if array.array("I").itemsize == 4 else "L"  # C unsigned int: 4 bytes on every ABI we know

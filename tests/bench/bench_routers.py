@@ -17,8 +17,10 @@ with a line saying so. Every router runs in its own process in front of 4 simula
    requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
    the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine.
 ``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``;
-``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N``; ``KVGATE_BENCH_POLICY`` picks its routing policy and
-``KVGATE_BENCH_ROUTING`` adds lines to its ``[gateway.routing]`` table (e.g. ``load_penalty_s = 0``).
+``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N`` (with ``KVGATE_BENCH_REDIS=URL`` they share
+sessions and the ledger in Redis, as a multi-worker deployment would); ``KVGATE_BENCH_POLICY`` picks its
+routing policy and ``KVGATE_BENCH_ROUTING`` adds lines to its ``[gateway.routing]`` table (e.g.
+``load_penalty_s = 0``).
 P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
 transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.
 """
@@ -118,10 +120,14 @@ def start_kvgate(
         f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}", accepts_token_ids = {ids} }}'
         for e in engines
     )
+    redis = os.environ.get("KVGATE_BENCH_REDIS")  # workers share sessions through it, as deployed
+    prefix = f"kvgate-bench-{os.getpid()}-{port}"
+    redis_lines = f'redis_url = "{redis}"\nredis_prefix = "{prefix}"\n' if redis else ""
     config = workdir / "kvgate.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
         f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
+        f"{redis_lines}"
         f'[gateway.routing]\npolicy = "{os.environ.get("KVGATE_BENCH_POLICY", "default")}"\n'
         f"prefill_s_per_token = {prefill_s_per_token!r}\n"
         f"kv_pull_s_per_token = {prefill_s_per_token * PULL_FRACTION!r}\n"

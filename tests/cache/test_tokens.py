@@ -149,3 +149,23 @@ def test_long_texts_encode_off_the_gil_to_the_same_ids(tiny_hf_tokenizer: HFToke
     plain = tiny_hf_tokenizer._tok.encode(text, add_special_tokens=False).ids
     assert len(body) > 4096
     assert tiny_hf_tokenizer.encode(text).tolist() == plain
+
+
+def test_the_piece_cache_counts_each_entry_so_short_pieces_stay_bounded(
+    tiny_hf_tokenizer: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Short pieces (role headers, user turns) are cached too; each entry is charged its own overhead, so a
+    # stream of distinct short turns cannot grow the cache past its budget however short they are.
+    import cache.tokens as tokens
+
+    monkeypatch.setattr(tokens, "_CACHE_CHARS", 100 * (tokens._ENTRY_CHARS + 300))
+    tiny_hf_tokenizer._cache.clear()
+    tiny_hf_tokenizer._cached_chars = 0
+    for i in range(1000):
+        text = render_chat([{"role": "user", "content": f"turn {i:05d} " + "and so on " * 30}])
+        assert tiny_hf_tokenizer.encode(text).tolist() == tiny_hf_tokenizer._tok.encode(text).ids
+    assert "assistant\n" in tiny_hf_tokenizer._cache  # the header every request repeats stays
+    assert len(tiny_hf_tokenizer._cache) <= 100
+    assert tiny_hf_tokenizer._cached_chars == sum(
+        len(piece) + tokens._ENTRY_CHARS for piece in tiny_hf_tokenizer._cache
+    )
