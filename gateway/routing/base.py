@@ -8,7 +8,7 @@ lets the trace simulator run the very same objects.
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import xxhash
@@ -85,6 +85,11 @@ class Candidate:
     peer: str | None = None  # the same-region engine holding the longest prefix of this prompt, if not this
     peer_blocks: int = 0  # leading blocks of this prompt ``peer`` holds
 
+    def with_peer(self, peer: str, peer_blocks: int) -> Candidate:
+        """This candidate with a peer (built directly: ``dataclasses.replace`` takes twice as long)."""
+        return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_blocks,
+                         self.rtt_s, self.queued_prefill_tokens, peer, peer_blocks)  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -155,7 +160,7 @@ def with_peers(candidates: Sequence[Candidate], able: Container[str] | None = No
         first, second = best.get(c.region, (None, None))
         peer = second if first is not None and first.engine == c.engine else first
         if peer is not None and peer.cached_blocks > c.cached_blocks and (able is None or c.engine in able):
-            c = replace(c, peer=peer.engine, peer_blocks=peer.cached_blocks)
+            c = c.with_peer(peer.engine, peer.cached_blocks)
         out.append(c)
     return out
 

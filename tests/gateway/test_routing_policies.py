@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import replace
 
@@ -192,3 +193,13 @@ def test_default_routes_sessionless_requests_by_cache() -> None:
     policy = DefaultPolicy(S)
     decision = policy.pick(req(), [cand("a"), cand("b", cached=30)])
     assert decision.engine == "b" and decision.reason == "prefix"
+
+
+def test_with_peer_keeps_every_other_field() -> None:
+    # Built field by field for speed: a field added to Candidate and forgotten there would fail here.
+    values = {"str": "x", "bool": False, "int": 7, "float": 0.5}
+    kwargs = {
+        f.name: values[str(f.type).split(" ")[0].split("|")[0].strip()] for f in dataclasses.fields(Candidate)
+    }
+    c = Candidate(**kwargs)
+    assert c.with_peer("peer-engine", 3) == dataclasses.replace(c, peer="peer-engine", peer_blocks=3)
