@@ -7,6 +7,7 @@ Expiry times come from the Redis server's clock so gateways with skewed clocks a
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,10 +18,13 @@ from cache.hashing import to_hex
 from cache.redis_keys import RedisKeys
 from cache.residency import EngineHoldings, batch_ops
 
-# KEYS: [1] engine set, [2] engine expiry zset, [3] seq hash, [4..] block keys, consumed in step order.
+# KEYS: [1] engine set, [2] engine expiry zset, [3] seq hash. Block keys are ``ARGV[2] .. hex``: they share
+#       the hash tag of KEYS (one Cluster slot), so building them here, not passing thousands, is safe.
 # ARGV: [1] engine, [2] block key prefix, [3] seq mode (none | guard | set), [4] seq, [5] ttl ms for
-#       approximate adds, then steps: op, count, count hex hashes.
+#       approximate adds, then steps: op, then the step's hashes as one string of 16-hex-digit hashes.
 #       Ops: S store exact, A add approximate, R remove, C clear, X expire.
+# Set members go in and out with one variadic call per step, and the expiry zset is touched only while it
+# holds something: a store or an eviction of N blocks costs N + O(1) commands, not 3N.
 _WRITE = """
 local engine, bprefix, mode, seq, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local t = redis.call('TIME')
@@ -34,40 +38,50 @@ if mode ~= 'none' then
 else
   redis.call('HSETNX', KEYS[3], engine, -1)
 end
-local function drop(h)
-  redis.call('HDEL', bprefix .. h, engine)
-  redis.call('SREM', KEYS[1], h)
-  redis.call('ZREM', KEYS[2], h)
+local expiring = redis.call('ZCARD', KEYS[2]) > 0
+local function split(blob)
+  local out = {}
+  for i = 1, #blob, 16 do out[#out + 1] = string.sub(blob, i, i + 15) end
+  return out
 end
-local k, a = 4, 6
+local function variadic(cmd, key, members)  -- in slices: unpack() has a stack limit
+  for i = 1, #members, 4000 do redis.call(cmd, key, unpack(members, i, math.min(i + 3999, #members))) end
+end
+local function drop(hashes)
+  if #hashes == 0 then return end
+  for _, h in ipairs(hashes) do redis.call('HDEL', bprefix .. h, engine) end
+  variadic('SREM', KEYS[1], hashes)
+  if expiring then variadic('ZREM', KEYS[2], hashes) end
+end
+local a = 6
 while a <= #ARGV do
-  local op, n = ARGV[a], tonumber(ARGV[a + 1])
+  local op, hashes = ARGV[a], split(ARGV[a + 1])
   a = a + 2
   if op == 'C' then
     for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do redis.call('HDEL', bprefix .. h, engine) end
     redis.call('DEL', KEYS[1], KEYS[2])
+    expiring = false
   elseif op == 'X' then
-    for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop(h) end
-  end
-  for i = 0, n - 1 do
-    local h, key = ARGV[a + i], KEYS[k + i]
-    if op == 'S' then
-      redis.call('HSET', key, engine, 0)
-      redis.call('SADD', KEYS[1], h)
-      redis.call('ZREM', KEYS[2], h)
-    elseif op == 'A' then
+    if expiring then drop(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) end
+  elseif op == 'S' and #hashes > 0 then
+    for _, h in ipairs(hashes) do redis.call('HSET', bprefix .. h, engine, 0) end
+    variadic('SADD', KEYS[1], hashes)
+    if expiring then variadic('ZREM', KEYS[2], hashes) end
+  elseif op == 'A' then
+    local exp = now + ttl
+    for _, h in ipairs(hashes) do
+      local key = bprefix .. h
       local cur = redis.call('HGET', key, engine)
-      local exp = now + ttl
       if cur ~= '0' and ((not cur) or tonumber(cur) < exp) then
         redis.call('HSET', key, engine, exp)
         redis.call('SADD', KEYS[1], h)
         redis.call('ZADD', KEYS[2], exp, h)
+        expiring = true
       end
-    elseif op == 'R' then
-      drop(h)
     end
+  elseif op == 'R' then
+    drop(hashes)
   end
-  a, k = a + n, k + n
 end
 return 1
 """
@@ -124,9 +138,7 @@ class RedisResidencyIndex:
         keys = [k.engine_blocks(engine), k.engine_expiry(engine), k.engine_seq]
         argv: list[Any] = [engine, k.block_prefix, seq_mode, seq, ttl_ms]
         for op, hashes in steps:
-            hexes = [to_hex(h) for h in hashes]
-            keys.extend(k.block(x) for x in hexes)
-            argv.extend((op, len(hexes), *hexes))
+            argv.extend((op, hex_run(hashes)))
         return bool(await self._write(keys=keys, args=argv))
 
     async def add(self, engine: str, hashes: Sequence[int], *, ttl_s: float | None = None) -> None:
@@ -177,6 +189,12 @@ class RedisResidencyIndex:
             await self._run(engine, [("X", ())])
             dropped += before - await self._redis.zcard(self.keys.engine_expiry(engine))
         return max(dropped, 0)
+
+
+def hex_run(hashes: Sequence[int]) -> str:
+    """Block hashes as one string of ``to_hex`` forms (16 hex digits each), packed in C: one script argument
+    instead of one per block (a 750-block event cost 3.3 ms of client CPU as separate arguments)."""
+    return struct.pack(f">{len(hashes)}Q", *hashes).hex()
 
 
 def _text(value: bytes | str) -> str:

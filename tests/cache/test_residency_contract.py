@@ -7,13 +7,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cache.events import AllCleared, BlockRemoved, BlockStored, KvEventBatch
-from cache.hashing import block_hashes, namespace_seed
+from cache.hashing import block_hashes, namespace_seed, to_hex
 from cache.redis_keys import RedisKeys
 from cache.residency import ResidencyIndex
 from cache.residency_memory import MemoryResidencyIndex
-from cache.residency_redis import RedisResidencyIndex
+from cache.residency_redis import RedisResidencyIndex, hex_run
 
 H = block_hashes(list(range(16 * 8)), 16, namespace_seed("m"))  # a chain of 8 block hashes
 OTHER = block_hashes(list(range(1000, 1000 + 16 * 4)), 16, namespace_seed("m"))
@@ -135,6 +137,23 @@ async def test_long_prompt_lookup(index: ResidencyIndex) -> None:
     assert await index.longest_prefix(chain) == {"a": 3000, "b": 1500}
 
 
+async def test_events_of_thousands_of_blocks(index: ResidencyIndex) -> None:
+    # One event may carry more hashes than one variadic Redis call takes; approximate entries of the same
+    # engine must still leave when their blocks are stored exactly or evicted.
+    chain = block_hashes(list(range(16 * 9000)), 16, namespace_seed("m"))
+    await index.add("a", chain[8990:], ttl_s=60)  # the expiry set is not empty from here on
+    stored = KvEventBatch("a", 1, 0.0, (BlockStored(tuple(chain[:9000])),))
+    assert await index.apply("a", stored)
+    held = await index.holdings("a")
+    assert held.exact == frozenset(chain) and held.approximate == {}
+    await index.add("a", OTHER, ttl_s=60)
+    removed = KvEventBatch("a", 2, 0.0, (BlockRemoved(tuple(chain[4000:])), BlockRemoved(tuple(OTHER[:2]))))
+    assert await index.apply("a", removed)
+    held = await index.holdings("a")
+    assert held.exact == frozenset(chain[:4000]) and set(held.approximate) == set(OTHER[2:])
+    assert await index.longest_prefix(chain) == {"a": 4000}
+
+
 async def test_redis_lookup_is_one_round_trip(redis_client: aioredis.Redis, redis_keys: RedisKeys) -> None:
     index = RedisResidencyIndex(redis_client, redis_keys)
     chain = block_hashes(list(range(16 * 500)), 16, namespace_seed("m"))
@@ -153,3 +172,8 @@ async def test_redis_lookup_is_one_round_trip(redis_client: aioredis.Redis, redi
     finally:
         del redis_client.execute_command
     assert sent == ["EVALSHA"]
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=50))
+def test_a_hex_run_is_the_hashes_as_redis_keys_name_them(hashes: list[int]) -> None:
+    assert hex_run(hashes) == "".join(to_hex(h) for h in hashes)
