@@ -7,12 +7,12 @@ engines' own usage reports, per region and engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.loop_metrics import LoopCounter, LoopHistogram
 from region_map.breaker import BreakerState
 from region_map.fleet import Fleet
 
@@ -27,126 +27,116 @@ class GatewayMetrics:
         # (region, prompt tokens, cached tokens, ttft, itl) of every finished request: the dashboard's feed
         self.listeners: list[Callable[[str, int, int, float | None, float | None], None]] = []
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "kvgate_requests",
             "Requests answered, by endpoint and HTTP status.",
             ["endpoint", "status"],
             registry=r,
         )
-        self.routing = Counter(
+        self.routing = LoopCounter(
             "kvgate_routing_decisions",
             "Routing outcomes: session, prefix, miss, moved, least_load, round_robin, failover.",
             ["region", "engine", "reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = LoopCounter(
             "kvgate_prompt_tokens", "Prompt tokens, as reported by engines.", ["region", "engine"], registry=r
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = LoopCounter(
             "kvgate_cached_prompt_tokens",
             "Prompt tokens served from an engine's prefix cache (usage.prompt_tokens_details.cached_tokens).",
             ["region", "engine"],
             registry=r,
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = LoopCounter(
             "kvgate_predicted_cached_prompt_tokens",
             "Prompt tokens the router expected to be cached where it sent them.",
             ["region", "engine"],
             registry=r,
         )
-        self.completion_tokens = Counter(
+        self.completion_tokens = LoopCounter(
             "kvgate_completion_tokens",
             "Completion tokens, as reported by engines.",
             ["region", "engine"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "kvgate_time_to_first_token_seconds",
             "From request arrival to the first streamed byte of the answer.",
             ["region", "model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "kvgate_inter_token_latency_seconds",
             "Mean time between the tokens of a stream, one observation per stream.",
             ["region", "model"],
             buckets=_ITL_BUCKETS,
             registry=r,
         )
-        self.latency = Histogram(
+        self.latency = LoopHistogram(
             "kvgate_request_duration_seconds",
             "From request arrival to the end of the response.",
             ["region", "model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.overhead = Histogram(
+        self.overhead = LoopHistogram(
             "kvgate_routing_overhead_seconds",
             "Time from request arrival until it leaves for the engine (parse, tokenize, hash, route).",
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.admission_refused = Counter(
+        self.admission_refused = LoopCounter(
             "kvgate_admission_refused",
             "Requests refused at once (503) because every engine for the model was at its queue limit.",
             ["model"],
             registry=r,
         )
-        self.usage_records = Counter(
+        self.usage_records = LoopCounter(
             "kvgate_usage_records",
             "Usage records handed to the ledger, by outcome (completed, aborted, failed) and whether the "
             "token counts are the gateway's estimate (the engine's usage never came).",
             ["outcome", "estimated"],
             registry=r,
         )
-        self.kv_pulls = Counter(
+        self.kv_pulls = LoopCounter(
             "kvgate_kv_pulls",
             "Requests sent to an engine told to pull their cached prefix from a peer of its region.",
             ["region"],
             registry=r,
         )
-        self.kv_pull_tokens = Counter(
+        self.kv_pull_tokens = LoopCounter(
             "kvgate_kv_pull_tokens",
             "Prompt tokens engines were told to pull from a peer (what the residency view expected).",
             ["region"],
             registry=r,
         )
-        self.pd_requests = Counter(
+        self.pd_requests = LoopCounter(
             "kvgate_disaggregated_requests",
             "Requests to disaggregated engines, by prefill path (remote: K/V transferred; local: decode "
             "engine prefilled itself) and engines.",
             ["region", "path", "prefill_engine", "decode_engine"],
             registry=r,
         )
-        self.cross_region = Counter(
+        self.cross_region = LoopCounter(
             "kvgate_cross_region_requests",
             "Requests served outside the client's home region, by home and serving region.",
             ["home_region", "region"],
             registry=r,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = LoopCounter(
             "kvgate_upstream_errors",
             "Failed exchanges with engines, by kind.",
             ["engine", "kind"],
             registry=r,
         )
 
-        # labels() validates and builds a key on every call; the gateway reuses a handful of children.
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
     def routed(self, region: str, engine: str, reason: str, predicted_cached: int, home: str) -> None:
-        self._child(self.routing, region, engine, reason).inc()
-        self._child(self.predicted_cached_tokens, region, engine).inc(predicted_cached)
+        self.routing.labels(region, engine, reason).inc()
+        self.predicted_cached_tokens.labels(region, engine).inc(predicted_cached)
         if home != region:
-            self._child(self.cross_region, home, region).inc()
+            self.cross_region.labels(home, region).inc()
 
     def finished(
         self,
@@ -161,35 +151,35 @@ class GatewayMetrics:
         completion_tokens: int,
         itl_s: float | None = None,
     ) -> None:
-        self._child(self.latency, region, model).observe(latency_s)
+        self.latency.labels(region, model).observe(latency_s)
         if ttft_s is not None:
-            self._child(self.ttft, region, model).observe(ttft_s)
+            self.ttft.labels(region, model).observe(ttft_s)
         if itl_s is not None:
-            self._child(self.itl, region, model).observe(itl_s)
+            self.itl.labels(region, model).observe(itl_s)
         for listener in self.listeners:
             listener(region, prompt_tokens, cached_tokens, ttft_s, itl_s)
         if prompt_tokens:
-            self._child(self.prompt_tokens, region, engine).inc(prompt_tokens)
+            self.prompt_tokens.labels(region, engine).inc(prompt_tokens)
         if cached_tokens:
-            self._child(self.cached_tokens, region, engine).inc(cached_tokens)
+            self.cached_tokens.labels(region, engine).inc(cached_tokens)
         if completion_tokens:
-            self._child(self.completion_tokens, region, engine).inc(completion_tokens)
+            self.completion_tokens.labels(region, engine).inc(completion_tokens)
 
     def usage_recorded(self, outcome: str, estimated: bool) -> None:
-        self._child(self.usage_records, outcome, "true" if estimated else "false").inc()
+        self.usage_records.labels(outcome, "true" if estimated else "false").inc()
 
     def kv_pulled(self, region: str, tokens: int) -> None:
-        self._child(self.kv_pulls, region).inc()
-        self._child(self.kv_pull_tokens, region).inc(tokens)
+        self.kv_pulls.labels(region).inc()
+        self.kv_pull_tokens.labels(region).inc(tokens)
 
     def disaggregated(self, region: str, path: str, prefill_engine: str, decode_engine: str) -> None:
-        self._child(self.pd_requests, region, path, prefill_engine, decode_engine).inc()
+        self.pd_requests.labels(region, path, prefill_engine, decode_engine).inc()
 
     def upstream_error(self, engine: str, kind: str) -> None:
-        self._child(self.upstream_errors, engine, kind).inc()
+        self.upstream_errors.labels(engine, kind).inc()
 
     def answered(self, endpoint: str, status: int) -> None:
-        self._child(self.requests, endpoint, str(status)).inc()
+        self.requests.labels(endpoint, str(status)).inc()
 
     def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Engine health and in-flight requests, and the given process gauges, read at scrape time."""
