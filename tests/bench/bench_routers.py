@@ -307,6 +307,24 @@ async def engine_counts(engines: list[EngineProcess]) -> list[float]:
     return counts
 
 
+async def overhead_mean_ms(port: int) -> float:
+    """kvgate's mean receive-to-dispatch time (``kvgate_routing_overhead_seconds``: parse, tokenize, hash,
+    route), from its /metrics (one worker's, when it runs several)."""
+    pool = UpstreamPool("127.0.0.1", port)
+    r = await pool.request("GET", "/metrics")
+    text = (await r.read(10)).decode()
+    pool.close()
+    values = {
+        name: float(value)
+        for name, value in (
+            line.split(" ") for line in text.splitlines() if line.startswith("kvgate_routing_overhead")
+        )
+        if name.endswith(("_sum", "_count"))
+    }
+    count = values.get("kvgate_routing_overhead_seconds_count", 0.0)
+    return values.get("kvgate_routing_overhead_seconds_sum", 0.0) / count * 1e3 if count else 0.0
+
+
 class _Skip(Exception):
     pass
 
@@ -385,6 +403,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 figures["load_max_over_mean"] = (
                     max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
                 )
+                if name == "kvgate":
+                    figures["gateway_overhead_ms"] = await overhead_mean_ms(router.port)
                 results["trace"][name] = figures
             finally:
                 if router is not None:
@@ -434,6 +454,11 @@ def main() -> int:
     for name, r in results["trace"].items():
         ttft = f"{r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p90_s'] * 1e3:7.1f}ms"
         print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7.0f}")
+    if "kvgate" in results["trace"]:
+        mean = results["trace"]["kvgate"]["gateway_overhead_ms"]
+        print(
+            f"kvgate receive-to-dispatch (kvgate_routing_overhead_seconds) on the trace: mean {mean:.2f} ms"
+        )
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

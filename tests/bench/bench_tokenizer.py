@@ -1,5 +1,6 @@
 """The gateway's tokenizer on long new texts: chunks encoded in one batch against one by one, and texts
-that cannot be cut encoded without character offsets against with them.
+that cannot be cut encoded without character offsets against with them; then chat texts whose pieces between
+special tokens come from the cache, against one call of the tokenizer on the whole text.
 
     python tests/bench/bench_tokenizer.py [--chars 48000] [--texts 6]
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cache.token_chunks import split_chunks
-from cache.tokens import HFTokenizer
+from cache.tokens import HFTokenizer, render_chat
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "token",
          "prefix", "model", "gateway", "engine", "12345", "3.14", "(see)", "don't", "naïve"]  # fmt: skip
@@ -64,12 +65,16 @@ def main() -> int:
         raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         corpus = [text(rng, 400) for _ in range(300)]
         raw.train_from_iterator(
-            corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|im_end|>"], show_progress=False)
+            corpus,
+            trainers.BpeTrainer(
+                vocab_size=2000, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False
+            ),
         )
         raw.save(str(Path(tmp) / "tokenizer.json"))
         path = Path(tmp) / "tokenizer.json"
         texts = [text(rng, args.chars) for _ in range(3 * args.texts)]
-        batched_s, one_by_one_s, fast_s, offsets_s = [], [], [], []
+        batched_s, one_by_one_s, fast_s, offsets_s, chat_s, whole_s = [], [], [], [], [], []
+        system = text(rng, 1500)
         for i in range(3):  # fresh texts and a fresh tokenizer (empty cache) every round, alternating
             tok = HFTokenizer(path)
             chunk = texts[i * args.texts : (i + 1) * args.texts]
@@ -91,12 +96,31 @@ def main() -> int:
             base = [list(raw.encode_batch([t], add_special_tokens=False)[0].ids) for t in uncut]
             offsets_s.append(time.perf_counter() - start)
             assert ids == base
+            chats = [  # one system prompt, a new user turn each time: what a chat gateway sees
+                render_chat(
+                    [{"role": "system", "content": system}, {"role": "user", "content": text(rng, 60)}]
+                )
+                for _ in range(200)
+            ]
+            tok.encode(chats[0])
+            start = time.perf_counter()
+            ids = [tok.encode(t).tolist() for t in chats]
+            chat_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            base = [list(raw.encode_batch_fast([t], add_special_tokens=False)[0].ids) for t in chats]
+            whole_s.append(time.perf_counter() - start)
+            assert ids == base
     b, o = min(batched_s) / args.texts, min(one_by_one_s) / args.texts
     f, w = min(fast_s) / args.texts, min(offsets_s) / args.texts
     print(f"{args.chars}-character new texts on {len(os.sched_getaffinity(0))} CPUs, best of 3 rounds:")
     print(f"  chunks in one batch {b * 1e3:.2f} ms, one by one {o * 1e3:.2f} ms -> ratio {b / o:.3f}")
     print(f"  uncut texts without offsets {f * 1e3:.2f} ms, with offsets {w * 1e3:.2f} ms", end=" ")
     print(f"-> ratio {f / w:.3f}")
+    c, a = min(chat_s) / 200, min(whole_s) / 200
+    print(
+        f"chat texts (a 1.5k-character system prompt, a new 60-character user turn each): {c * 1e6:.1f} us, "
+        f"the tokenizer alone on the whole text {a * 1e6:.1f} us -> ratio {c / a:.3f}"
+    )
     return 0
 
 
