@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -47,7 +48,10 @@ class HistogramChild:
         self.sum += value
 
 
-class _Family(Collector):
+Child = TypeVar("Child", CounterChild, HistogramChild)
+
+
+class _Family(Collector, Generic[Child]):
     """One metric name: its children by label values, registered with ``registry`` as a collector."""
 
     def __init__(
@@ -56,10 +60,10 @@ class _Family(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], CounterChild | HistogramChild] = {}
+        self._children: dict[tuple[str, ...], Child] = {}
         registry.register(self)
 
-    def _child_for(self, values: tuple[str, ...]) -> CounterChild | HistogramChild:
+    def labels(self, *values: str) -> Child:
         child = self._children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
@@ -67,7 +71,7 @@ class _Family(Collector):
             child = self._children[values] = self._new_child()
         return child
 
-    def _new_child(self) -> CounterChild | HistogramChild:
+    def _new_child(self) -> Child:
         raise NotImplementedError
 
     def describe(self) -> Iterable[Metric]:
@@ -80,12 +84,7 @@ class _Family(Collector):
         raise NotImplementedError
 
 
-class LoopCounter(_Family):
-    def labels(self, *values: str) -> CounterChild:
-        child = self._child_for(values)
-        assert isinstance(child, CounterChild)
-        return child
-
+class LoopCounter(_Family[CounterChild]):
     def _new_child(self) -> CounterChild:
         return CounterChild()
 
@@ -95,12 +94,11 @@ class LoopCounter(_Family):
     def collect(self) -> Iterable[Metric]:
         family = self._family()
         for values, child in self._children.items():
-            assert isinstance(child, CounterChild)
             family.add_metric(values, child.value, created=child.created)
         return [family]
 
 
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[HistogramChild]):
     def __init__(
         self,
         name: str,
@@ -117,11 +115,6 @@ class LoopHistogram(_Family):
         if not self.labelnames:  # as with prometheus_client, an unlabelled histogram shows from the start
             self._default = self.labels()
 
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._child_for(values)
-        assert isinstance(child, HistogramChild)
-        return child
-
     def observe(self, value: float) -> None:
         """For a histogram without labels."""
         self._default.observe(value)
@@ -135,7 +128,6 @@ class LoopHistogram(_Family):
     def collect(self) -> Iterable[Metric]:
         family = self._family()
         for values, child in self._children.items():
-            assert isinstance(child, HistogramChild)
             cumulative, buckets = 0, []
             for le, count in zip(self._le, child.counts, strict=True):
                 cumulative += count
