@@ -157,6 +157,7 @@ class EngineServer:
             "block_size": self.llm.config.block_size,
             "kv_events": True,
             "kv_pull": self.importer is not None,  # pulls from and serves to peers (needs the cache here)
+            "token_ids_hex": True,  # takes prompt_token_ids_hex
             "simulated": False,
             "device": str(self.llm.device),
             "dtype": str(self.llm.dtype).removeprefix("torch."),

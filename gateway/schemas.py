@@ -96,8 +96,9 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
 
 
 # What the gateway alone tells an engine: where to fetch K/V from (an engine would connect to any URL a client
-# named) and which leading blocks are hashed in the shared, salt-less namespace (another tenant's cache).
-GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks")
+# named), which leading blocks are hashed in the shared, salt-less namespace (another tenant's cache), and the
+# packed prompt ids (an engine prefers them to the prompt the gateway routed and billed).
+GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks", "prompt_token_ids_hex")
 
 
 def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:

@@ -38,6 +38,7 @@ class EngineState:
     reported_role: Role | None = None
     publishes_events: bool | None = None
     reported_kv_pull: bool = False
+    reported_token_ids_hex: bool = False
     simulated: bool = False
     load: EngineLoad = field(default_factory=EngineLoad)
     last_ok: float | None = None
@@ -82,6 +83,11 @@ class EngineState:
             return self.config.kv_pull
         return self.reported_kv_pull and self.config.accepts_token_ids
 
+    @property
+    def packed_token_ids(self) -> bool:
+        """Whether it takes the prompt's ids packed (``prompt_token_ids_hex``) rather than as JSON numbers."""
+        return self.config.accepts_token_ids and self.reported_token_ids_hex
+
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""
         total = max(self.load.running + self.load.waiting, self.inflight)
@@ -108,6 +114,7 @@ class EngineState:
             self.publishes_events = payload["kv_events"]
         self.simulated = payload.get("simulated") is True
         self.reported_kv_pull = payload.get("kv_pull") is True
+        self.reported_token_ids_hex = payload.get("token_ids_hex") is True
         load = payload.get("load")
         if isinstance(load, dict):
             self.load = EngineLoad(

@@ -289,6 +289,7 @@ class SimEngine:
             "block_size": cfg.block_size,
             "kv_events": True,
             "kv_pull": True,
+            "token_ids_hex": True,  # takes prompt_token_ids_hex
             "simulated": True,
             "load": {
                 "running": self.running,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache.tokens import ByteTokenizer, render_chat
+from cache.tokens import ByteTokenizer, pack_token_ids, render_chat
 from engine.openai_api import (
     GenerationRequest,
     OpenAIError,
@@ -93,6 +93,26 @@ def test_chat_renders_messages() -> None:
     assert req.kind == "chat" and req.response_id.startswith("chatcmpl-")
     assert req.prompt_token_ids.tolist() == list(render_chat(messages).encode())
     assert req.max_tokens == 9  # the newer name wins
+
+
+def test_packed_token_ids_win_over_every_other_prompt() -> None:
+    ids = np.array([0, 7, 2**32 - 1, 151_643], dtype=np.uint32)
+    packed = pack_token_ids(ids)
+    assert packed == "0000000000000007ffffffff0002505b"
+    body = {"prompt": "abc", "prompt_token_ids": [1, 2], "prompt_token_ids_hex": packed}
+    assert parse(body).prompt_token_ids.tolist() == ids.tolist()
+    chat = parse({"messages": [{"role": "user", "content": "x"}], "prompt_token_ids_hex": packed}, "chat")
+    assert chat.prompt_token_ids.dtype == np.uint32 and chat.prompt_token_ids.tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [(7, "string of hex digits"), ("0000000g", "only hex digits"), ("000001", "8 hex digits"), ("", "empty")],
+)
+def test_packed_token_id_errors(value: Any, fragment: str) -> None:
+    err = error_of({"prompt": "x", "prompt_token_ids_hex": value})
+    assert (err.status, err.param) == (400, "prompt_token_ids_hex")
+    assert fragment in err.message
 
 
 @given(st.lists(st.integers(-(2**40), 2**40) | st.booleans(), min_size=1, max_size=40))

@@ -143,6 +143,7 @@ async def test_models_health_and_request_id(start_sim: StartSim) -> None:
         "block_size": BS,
         "kv_events": True,
         "kv_pull": True,
+        "token_ids_hex": True,
         "simulated": True,
         "load": {
             "running": 0,

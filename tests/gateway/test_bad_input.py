@@ -109,12 +109,13 @@ def test_the_good_request_works(gw: BackgroundCluster) -> None:
         ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({**GOOD, "model": 42}, "model"),
         ({**GOOD, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-        # What only the gateway tells an engine: a URL it would fetch K/V from, another namespace's blocks.
+        # What only the gateway tells an engine: a URL to fetch K/V from, another namespace's blocks, ids.
         (
             {**GOOD, "kv_transfer_params": {"pull_url": "http://10.0.0.1", "pull_tokens": 9}},
             "kv_transfer_params",
         ),
         ({**GOOD, "cache_shared_blocks": 4}, "cache_shared_blocks"),
+        ({**GOOD, "prompt_token_ids_hex": "00000001"}, "prompt_token_ids_hex"),  # a prompt not routed
         (
             {
                 "model": MODEL,

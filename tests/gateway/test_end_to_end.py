@@ -199,6 +199,22 @@ async def test_legacy_completions_with_token_ids(make_cluster: ClusterFactory) -
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompt) // BLOCK) * BLOCK
 
 
+async def test_engines_that_take_packed_ids_read_the_same_prompt(make_cluster: ClusterFactory) -> None:
+    # The simulated engine reports "token_ids_hex" on /health, so the gateway sends it the prompt's ids
+    # packed; its answer (seeded by those ids) and usage must equal a direct request with JSON numbers.
+    cluster = await make_cluster({"eu-west": 1})
+    engine = cluster.gateway.fleet.engines["eu-west/e0"]
+    await cluster.wait_for(lambda: engine.packed_token_ids)
+    prompt = [0, 1, 2**20, 151_643, *range(300, 600)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5}
+    status, through, _ = await cluster.post("/v1/completions", body)
+    assert status == 200, through
+    status, direct, _ = await cluster.post("/v1/completions", body, url=engine.url)
+    assert status == 200, direct
+    assert through["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert through["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] == len(prompt)
+
+
 async def test_a_client_that_leaves_aborts_its_engine_request(make_cluster: ClusterFactory) -> None:
     cluster = await make_cluster({"eu-west": 1}, sim={"decode_s_per_token": 0.05})
     assert cluster.session is not None
