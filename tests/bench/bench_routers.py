@@ -10,8 +10,9 @@ with a line saying so. Every router runs in its own process in front of 4 simula
 ``/v1/models``, ``/server_info``, ``/model_info``, ``/tokenize``) and report a local byte-level tokenizer
 (one token per byte), so no router downloads anything.
 
-1. Overhead: added latency at concurrency 1 (p50, p99; requests interleaved across the paths: direct,
-   kvgate, each peer) and throughput at concurrency 32 (rounds interleaved), against direct.
+1. Overhead: added latency at concurrency 1 (p50, p99; every request goes down every path, direct, kvgate,
+   each peer, in a new random order each time) and throughput at concurrency 32 (rounds interleaved, in
+   random order), against direct.
 2. The Mooncake conversation trace (``tests/data``), time-compressed: every hash id becomes the same 512-token
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
    requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
@@ -20,7 +21,8 @@ with a line saying so. Every router runs in its own process in front of 4 simula
 ``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N`` (with ``KVGATE_BENCH_REDIS=URL`` they share
 sessions and the ledger in Redis, as a multi-worker deployment would); ``KVGATE_BENCH_POLICY`` picks its
 routing policy and ``KVGATE_BENCH_ROUTING`` adds lines to its ``[gateway.routing]`` table (e.g.
-``load_penalty_s = 0``).
+``load_penalty_s = 0``). ``--baseline-checkout DIR`` runs a second kvgate from another checkout (``git
+worktree add DIR COMMIT``) as ``kvgate@base`` in both parts: before and after in the same run.
 P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
 transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.
 """
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -111,9 +114,16 @@ class Router:
 
 
 def start_kvgate(
-    engines: list[EngineProcess], tokenizer: Path, workdir: Path, prefill_s_per_token: float = 5e-5
+    engines: list[EngineProcess],
+    tokenizer: Path,
+    workdir: Path,
+    prefill_s_per_token: float = 5e-5,
+    *,
+    checkout: Path | None = None,
 ) -> Router:
-    """kvgate in front of ``engines``, its prefill cost estimate set to theirs (as an operator would)."""
+    """kvgate in front of ``engines``, its prefill cost estimate set to theirs (as an operator would); from
+    another ``checkout`` of kvgate (an earlier commit's worktree) when given, named ``kvgate@base``."""
+    name = "kvgate" if checkout is None else "kvgate@base"
     port = free_port()
     ids = os.environ.get("KVGATE_BENCH_TOKEN_IDS", "true")
     lines = ",\n".join(
@@ -123,7 +133,7 @@ def start_kvgate(
     redis = os.environ.get("KVGATE_BENCH_REDIS")  # workers share sessions through it, as deployed
     prefix = f"kvgate-bench-{os.getpid()}-{port}"
     redis_lines = f'redis_url = "{redis}"\nredis_prefix = "{prefix}"\n' if redis else ""
-    config = workdir / "kvgate.toml"
+    config = workdir / f"{name}.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{lines}\n]\n'
         f'[gateway]\nport = {port}\ntokenizer = "{tokenizer}"\naccess_log = false\n'
@@ -135,7 +145,9 @@ def start_kvgate(
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config),
            "--workers", os.environ.get("KVGATE_BENCH_WORKERS", "1")]  # fmt: skip
-    return Router("kvgate", port, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=checkout, env=env)
+    return Router(name, port, process)
 
 
 def peer_commands(peers_venv: Path | None, smg_venv: Path | None) -> dict[str, list[str]]:
@@ -214,12 +226,18 @@ async def overhead(
             await one(pool, chat_body(i))
     latency: dict[str, list[float]] = {name: [] for name in pools}
     rps: dict[str, list[float]] = {name: [] for name in pools}
+    order = list(pools)
+    shuffle = random.Random(0).shuffle
     for _ in tqdm(range(rounds), desc="overhead rounds", file=sys.stderr):
         for i in range(n):
-            for name, pool in pools.items():  # A B C D per request: every path sees the same machine state
-                latency[name].append(await one(pool, chat_body(i)))
-        for name, pool in pools.items():
-            rps[name].append(await throughput_round(pool, concurrency, duration_s, chat_body))
+            # Every path once per request, so that all see the same machine state; in a new order each time,
+            # since the path right after another one measurably gains or loses by its place.
+            shuffle(order)
+            for name in order:
+                latency[name].append(await one(pools[name], chat_body(i)))
+        shuffle(order)
+        for name in order:
+            rps[name].append(await throughput_round(pools[name], concurrency, duration_s, chat_body))
     for pool in pools.values():
         pool.close()
     d50, d99, drps = (
@@ -364,6 +382,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise _Skip
             await wait_healthy(engines)
             routers = [start_kvgate(engines, tok, Path(tmp))] if "kvgate" in args.routers else []
+            if args.baseline_checkout is not None:
+                routers.append(start_kvgate(engines, tok, Path(tmp), checkout=args.baseline_checkout))
             routers += [start_peer(n, c, engines) for n, c in peers.items()]
             # The floor of any Python proxy on kvgate's stack (aiohttp server + its upstream client, bytes
             # forwarded to one engine, no parsing or routing): what is left to win by routing work alone.
@@ -384,16 +404,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_engines(engines)
         # Part 2: the trace, fresh engines (empty caches) for every router, one router at a time.
         trace = load_trace(TRACE, limit=args.trace_requests)
-        for name in [n for n in ["kvgate", *peers] if "trace" in args.parts and n in args.routers]:
+        names = ["kvgate", "kvgate@base", *peers]
+        if args.baseline_checkout is not None:
+            args.routers.add("kvgate@base")
+        for name in [n for n in names if "trace" in args.parts and n in args.routers]:
             engines = start_engines(4, tok, prefill_s=args.prefill_s, decode_s=0.001, capacity=args.capacity)
             router = None
             try:
                 await wait_healthy(engines)
-                router = (
-                    start_kvgate(engines, tok, Path(tmp), args.prefill_s)
-                    if name == "kvgate"
-                    else start_peer(name, peers[name], engines)
-                )
+                if name.startswith("kvgate"):
+                    base = args.baseline_checkout if name == "kvgate@base" else None
+                    router = start_kvgate(engines, tok, Path(tmp), args.prefill_s, checkout=base)
+                else:
+                    router = start_peer(name, peers[name], engines)
                 if not await wait_ready(router):
                     print(f"{name}: did not become ready for the trace, skipped", file=sys.stderr)
                     continue
@@ -403,7 +426,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 figures["load_max_over_mean"] = (
                     max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
                 )
-                if name == "kvgate":
+                if name.startswith("kvgate"):
                     figures["gateway_overhead_ms"] = await overhead_mean_ms(router.port)
                 results["trace"][name] = figures
             finally:
@@ -433,6 +456,11 @@ def main() -> int:
     parser.add_argument(
         "--routers", default="kvgate,sglang-router,vllm-router,smg", help="which routers to run"
     )
+    parser.add_argument(
+        "--baseline-checkout",
+        type=Path,
+        help="another kvgate checkout (git worktree add DIR COMMIT) run beside this one as kvgate@base",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run everything N times and report medians")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -454,11 +482,10 @@ def main() -> int:
     for name, r in results["trace"].items():
         ttft = f"{r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p90_s'] * 1e3:7.1f}ms"
         print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7.0f}")
-    if "kvgate" in results["trace"]:
-        mean = results["trace"]["kvgate"]["gateway_overhead_ms"]
-        print(
-            f"kvgate receive-to-dispatch (kvgate_routing_overhead_seconds) on the trace: mean {mean:.2f} ms"
-        )
+    for name, r in results["trace"].items():
+        if "gateway_overhead_ms" in r:
+            mean = r["gateway_overhead_ms"]
+            print(f"{name}: receive-to-dispatch (kvgate_routing_overhead_seconds) mean {mean:.2f} ms")
     if args.json:
         print(json.dumps(results, indent=1))
     return 0
