@@ -336,5 +336,5 @@ def _token_text(value: Any) -> str:
 def pack_token_ids(ids: np.ndarray) -> str:
     """Token ids as 8 hex digits each, big-endian (``prompt_token_ids_hex``, gateway to engine): "0000000a"
     is id 10. Both ways run in C at gigabytes per second; base64 decodes four times slower in CPython, and a
-    JSON array of numbers costs an engine 20 ns per id to read."""
+    JSON array of numbers costs an engine about 25 ns per id to read."""
     return ids.astype(">u4", copy=False).tobytes().hex()
