@@ -22,6 +22,7 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.server import runner_for
 from gateway.service import Gateway
+from tests.serving import serve
 
 FAST_SIM = {"prefill_s_per_token": 0.0, "decode_s_per_token": 0.0005}
 MODEL = "kvgate-sim"
@@ -29,11 +30,7 @@ MODEL = "kvgate-sim"
 
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = runner_for(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+    return runner, await serve(runner)
 
 
 @dataclass

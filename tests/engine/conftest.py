@@ -12,6 +12,7 @@ from aiohttp import web
 from engine.compress import codec
 from engine.sim.server import SIM_ENGINE, SimEngineConfig, build_app
 from tests.engine.sim_nodes import BS, Sim, StartSim
+from tests.serving import serve
 
 
 @pytest.fixture
@@ -40,14 +41,11 @@ async def start_sim() -> AsyncIterator[StartSim]:
         fields.update(overrides)
         app = build_app(SimEngineConfig(**fields))
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-        await runner.setup()
         runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        url = await serve(runner)
         session = aiohttp.ClientSession()
         sessions.append(session)
-        return Sim(f"http://{host}:{port}", app[SIM_ENGINE], session)
+        return Sim(url, app[SIM_ENGINE], session)
 
     yield start
     for session in sessions:

@@ -13,6 +13,7 @@ from aiohttp import web
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from tests.serving import serve
 
 BS = 4
 
@@ -27,10 +28,7 @@ async def start_node(model_dir: Path, role: str, name: str, **config: Any) -> No
     engine = LLMEngine(EngineConfig(str(model_dir), **options))
     app = build_app(engine, ServerConfig(engine_id=name, role=role))
     runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return Node(app[ENGINE_SERVER], f"http://127.0.0.1:{runner.addresses[0][1]}", runner)
+    return Node(app[ENGINE_SERVER], await serve(runner), runner)
 
 
 def prompt(n: int, offset: int = 0) -> list[int]:

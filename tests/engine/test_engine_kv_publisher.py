@@ -20,6 +20,7 @@ from cache.events import (
     decode_snapshot,
 )
 from engine.kv_publisher import KvEventPublisher
+from tests.serving import serve as serve_on_free_port
 
 Serve = Callable[[KvEventPublisher], Awaitable[str]]
 
@@ -33,12 +34,8 @@ async def serve() -> AsyncIterator[Serve]:
         app = web.Application()
         publisher.add_routes(app)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-        await runner.setup()
         runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
+        return await serve_on_free_port(runner)
 
     yield start
     for runner in runners:

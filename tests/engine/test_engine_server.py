@@ -15,6 +15,7 @@ from aiohttp import web
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from tests.serving import serve
 
 
 class Running:
@@ -31,12 +32,9 @@ async def served(tiny_model_dir: Path) -> AsyncIterator[Running]:
     engine = LLMEngine(EngineConfig(str(tiny_model_dir), block_size=4, num_kv_blocks=512, device="cpu"))
     app = build_app(engine, ServerConfig(engine_id="test/e0"))
     runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    url = await serve(runner)
     async with aiohttp.ClientSession() as session:
-        yield Running(app[ENGINE_SERVER], f"http://127.0.0.1:{port}", session)
+        yield Running(app[ENGINE_SERVER], url, session)
     await runner.cleanup()
 
 

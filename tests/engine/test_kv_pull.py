@@ -32,6 +32,7 @@ from tests.engine.kv_nodes import (
     prompt,
     start_node,
 )
+from tests.serving import serve
 
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 
@@ -232,9 +233,7 @@ async def test_a_failed_pull_is_computed_here_and_the_request_succeeds(
         app = web.Application()
         app.router.add_post("/v1/kv/cached", FAULTS[fault])
         runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        url = await serve(runner)
     try:
         ids = prompt(30, offset=17)
         status, body, headers = await complete(session, target, ids, **GREEDY, **pull_params(url, 28))

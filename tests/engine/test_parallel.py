@@ -24,6 +24,7 @@ from engine.parallel.executor import ParallelExecutor, RankFailed
 from engine.scheduler import ScheduledSeq
 from engine.sequence import SamplingParams, Sequence
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from tests.serving import serve
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # tp4: the tiny model's 2 KV heads are each replicated on two ranks
@@ -186,12 +187,10 @@ async def served(tiny_model_dir: Path) -> AsyncIterator[Served]:
     engine = LLMEngine(config(tiny_model_dir, 1, 2, num_kv_blocks=1024))
     app = build_app(engine, ServerConfig(engine_id="test/parallel"))
     runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = runner.addresses[0][1]
+    url = await serve(runner)
     try:
         async with aiohttp.ClientSession() as session:
-            yield Served(app[ENGINE_SERVER], f"http://127.0.0.1:{port}", session)
+            yield Served(app[ENGINE_SERVER], url, session)
     finally:
         await runner.cleanup()
         engine.close()

@@ -15,6 +15,7 @@ from aiohttp import web
 from engine.kv_transfer import frame, kv_frame
 from engine.sequence import SamplingParams
 from tests.engine.kv_nodes import BS, Node, assert_all_free, colocated, complete, prompt, start_node
+from tests.serving import serve
 
 
 @pytest.fixture
@@ -107,9 +108,7 @@ async def test_a_transfer_cut_short_frees_the_blocks(pd: Any, tiny_model_dir: Pa
     app = web.Application()
     app.router.add_post("/v1/kv/prefill", broken)
     runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fake = Node(decode.server, f"http://127.0.0.1:{runner.addresses[0][1]}", runner)
+    fake = Node(decode.server, await serve(runner), runner)
     status, body, _ = await complete(session, decode, prompt(30), fake)
     assert status == 502 and "transfer" in body["error"]["message"]
     await assert_all_free(decode)
