@@ -313,34 +313,32 @@ async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[s
     }
 
 
+async def scrape(port: int, *names: str) -> list[float]:
+    """Each named series from the /metrics at ``port``, summed over its label sets."""
+    pool = UpstreamPool("127.0.0.1", port)
+    r = await pool.request("GET", "/metrics")
+    text = (await r.read(10)).decode()
+    pool.close()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return [totals[name] for name in names]  # a series it does not export is a KeyError
+
+
 async def engine_counts(engines: list[EngineProcess]) -> list[float]:
-    counts = []
-    for e in engines:
-        pool = UpstreamPool("127.0.0.1", e.port)
-        r = await pool.request("GET", "/metrics")
-        text = (await r.read(10)).decode()
-        pool.close()
-        counts.append(next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("kvgate_engine_requests_finished_total")))  # fmt: skip
-    return counts
+    return [(await scrape(e.port, "kvgate_engine_requests_finished_total"))[0] for e in engines]
 
 
 async def overhead_mean_ms(port: int) -> float:
     """kvgate's mean receive-to-dispatch time (``kvgate_routing_overhead_seconds``: parse, tokenize, hash,
     route), from its /metrics (one worker's, when it runs several)."""
-    pool = UpstreamPool("127.0.0.1", port)
-    r = await pool.request("GET", "/metrics")
-    text = (await r.read(10)).decode()
-    pool.close()
-    values = {
-        name: float(value)
-        for name, value in (
-            line.split(" ") for line in text.splitlines() if line.startswith("kvgate_routing_overhead")
-        )
-        if name.endswith(("_sum", "_count"))
-    }
-    count = values.get("kvgate_routing_overhead_seconds_count", 0.0)
-    return values.get("kvgate_routing_overhead_seconds_sum", 0.0) / count * 1e3 if count else 0.0
+    total, count = await scrape(
+        port, "kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count"
+    )
+    return total / count * 1e3 if count else 0.0
 
 
 class _Skip(Exception):
