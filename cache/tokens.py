@@ -58,8 +58,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
-        # Token ids without their character offsets (nothing here reads them): 0.57x the time of
-        # ``encode_batch`` on long texts, less on short ones too, and without the GIL (tokenizers 0.20+).
+        # Token ids without their character offsets (nothing here reads them): about 0.6x the time of
+        # ``encode_batch`` on long texts (bench_tokenizer), less on short ones too, and like it without the
+        # GIL (tokenizers 0.20+).
         self._encode_batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         self.chat_template = chat_template
         self.name = path.parent.name
@@ -109,7 +110,7 @@ class HFTokenizer:
 
     def _encode_chunks(self, chunks: list[str]) -> np.ndarray:
         """A long text's chunks, from the cache where they are; the others in one ``encode_batch`` call,
-        which encodes them on all cores and without the GIL (0.69x the time of one call each for new
+        which encodes them on all cores and without the GIL (0.51-0.61x the time of one call each for new
         48k-character texts on two cores: tests/bench/bench_tokenizer.py)."""
         with self._lock:
             found = [self._cache.get(chunk) for chunk in chunks]
