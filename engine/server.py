@@ -25,16 +25,12 @@ from engine.openai_api import (
     GenerationRequest,
     OpenAIError,
     RequestKind,
-    SseFormatter,
     json_response,
-    models_body,
     new_request_id,
     parse_kv_source_request,
     parse_request,
-    response_body,
-    sse_response,
-    usage,
 )
+from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
 from engine.sequence import CacheNamespace, SamplingParams
 
 REQUEST_ID_HEADER = "x-request-id"

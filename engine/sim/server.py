@@ -39,15 +39,11 @@ from engine.openai_api import (
     GenerationRequest,
     OpenAIError,
     RequestKind,
-    SseFormatter,
     json_response,
-    models_body,
     new_request_id,
     parse_request,
-    response_body,
-    sse_response,
-    usage,
 )
+from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
 from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
 

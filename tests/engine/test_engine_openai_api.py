@@ -14,11 +14,9 @@ from cache.tokens import ByteTokenizer, pack_token_ids, render_chat
 from engine.openai_api import (
     GenerationRequest,
     OpenAIError,
-    SseFormatter,
     parse_request,
-    response_body,
-    usage,
 )
+from engine.openai_format import SseFormatter, response_body, usage
 
 TOK = ByteTokenizer()
 
