@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -24,6 +25,7 @@ from gateway.dashboard import DashboardSampler
 from gateway.dashboard import add_routes as add_dashboard_routes
 from gateway.errors import GatewayError, http_exception_to_error
 from gateway.kv_events import KvEventConsumer
+from gateway.lean_http import LeanHandler, LeanRequest
 from gateway.ledger_writer import LedgerWriter
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
@@ -40,33 +42,60 @@ from region_map.health import HealthPoller
 log = logging.getLogger("kvgate.app")
 
 GATEWAY = web.AppKey("gateway", Gateway)
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def _answer(
+    handler: Handler, request: Any, endpoint: str, metrics: GatewayMetrics
+) -> web.StreamResponse:
+    """The handler's response, or the OpenAI-shaped error for whatever it raised; counted per endpoint."""
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        response = exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = http_exception_to_error(exc).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = GatewayError("internal error in the gateway; it has been logged").response()
+    metrics.answered(endpoint, response.status)
+    return response
+
+
 def _error_middleware(metrics: GatewayMetrics) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            response = await handler(request)
-        except GatewayError as exc:
-            response = exc.response()
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            response = http_exception_to_error(exc).response()
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            response = GatewayError("internal error in the gateway; it has been logged").response()
         info = request.match_info.route.resource
-        endpoint = info.canonical if info is not None else "unmatched"
-        metrics.answered(endpoint, response.status)
-        return response
+        return await _answer(handler, request, info.canonical if info is not None else "unmatched", metrics)
 
     return middleware
+
+
+def lean_routes(app: web.Application) -> dict[str, LeanHandler]:
+    """The endpoints ``gateway.lean_http`` serves itself, with the same error handling and counting as the
+    app's middleware gives every other endpoint (empty when the gateway is configured without it)."""
+    gateway = app[GATEWAY]
+    if not gateway.settings.lean_http:
+        return {}
+    metrics = gateway.metrics
+
+    def route(path: str, handler: Callable[[Any], Awaitable[web.StreamResponse]]) -> LeanHandler:
+        async def answer(request: LeanRequest) -> web.StreamResponse:
+            return await _answer(handler, request, path, metrics)
+
+        return answer
+
+    return {
+        CHAT_PATH: route(CHAT_PATH, gateway.chat_completions),
+        COMPLETIONS_PATH: route(COMPLETIONS_PATH, gateway.completions),
+    }
 
 
 def build_app(config: KvgateConfig) -> web.Application:
@@ -123,8 +152,8 @@ def build_app(config: KvgateConfig) -> web.Application:
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
-    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
-    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post(CHAT_PATH, gateway.chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, gateway.completions)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/usage", usage.tenant_usage)
     app.router.add_get("/v1/admin/usage", usage.admin_usage)

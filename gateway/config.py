@@ -123,6 +123,9 @@ class GatewaySettings(BaseModel):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     dashboard_interval_s: float = Field(default=2.0, gt=0, description="the dashboard's sampling period")
     access_log: bool = Field(default=True, description="one JSON line per finished request (kvgate.access)")
+    lean_http: bool = Field(
+        default=True, description="serve the completion endpoints with gateway.lean_http; false: all aiohttp"
+    )
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     shared_prefixes: list[str] = Field(
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"

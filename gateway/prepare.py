@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -25,6 +26,21 @@ SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 DEFAULT_MAX_TOKENS = 16  # what engines generate when a request names no max_tokens
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
+
+
+class ClientRequest(Protocol):
+    """What the gateway reads of a client's request: an aiohttp request, or gateway.lean_http's."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def remote(self) -> str | None: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    async def read(self) -> bytes: ...
 
 
 @dataclass(slots=True)
@@ -71,7 +87,7 @@ class RequestPreparer:
         self._record_seq = itertools.count(1)
         self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
 
-    async def read_json(self, request: web.Request) -> Any:
+    async def read_json(self, request: ClientRequest) -> Any:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(
@@ -88,7 +104,7 @@ class RequestPreparer:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
-    async def chat(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+    async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_chat(body)
         try:
             text = render_messages(self.tokenizer, body["messages"])
@@ -97,7 +113,7 @@ class RequestPreparer:
         tokens = await self.encode(text)
         return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
 
-    async def completion(self, request: web.Request, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+    async def completion(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         parsed = parse_completion(body)
         prompt: Any = parsed.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -116,7 +132,7 @@ class RequestPreparer:
 
     def _prepare(
         self,
-        request: web.Request,
+        request: ClientRequest,
         body: dict[str, Any],
         parsed: ChatCompletionRequest | CompletionRequest,
         path: str,

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import orjson
 from aiohttp import web
 
 from gateway.errors import UpstreamFailed, UpstreamTimedOut
+from gateway.lean_http import LeanRequest
 from gateway.metrics import GatewayMetrics
+from gateway.prepare import ClientRequest
 from gateway.sse import SseUsageTap
 from gateway.upstream import Response, UpstreamError, UpstreamTimeout
 
@@ -73,7 +75,7 @@ async def relay_whole(
 
 
 async def relay_stream(
-    request: web.Request,
+    request: ClientRequest,
     upstream: Response,
     *,
     engine_id: str,
@@ -84,13 +86,18 @@ async def relay_stream(
     accounting: Accounting,
     on_first_byte: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(status=200, headers=headers)
+    # On gateway.lean_http's connections the stream is written there; else it is aiohttp's.
+    response = (
+        request.stream_response(headers)
+        if isinstance(request, LeanRequest)
+        else web.StreamResponse(status=200, headers=headers)
+    )
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
     try:
-        await response.prepare(request)
+        await response.prepare(cast(web.Request, request))
         while (data := await upstream.next_batch(read_timeout_s)) is not None:
             if first_byte is None:
                 first_byte = time.perf_counter()

@@ -12,6 +12,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -20,10 +21,11 @@ from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.app import GATEWAY, build_app
+from gateway.app import GATEWAY, build_app, lean_routes
 from gateway.billing import spool_path
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError
+from gateway.lean_http import LeanConnection, LeanHandler
 from gateway.loop import install_best_loop, raise_open_file_limit
 
 log = logging.getLogger("kvgate.server")
@@ -58,16 +60,56 @@ class _JsonErrorRequestHandler(RequestHandler):
         return response
 
 
-class _JsonErrorServer(web.Server):
+class GatewayServer(web.Server):
+    """aiohttp's server, but each connection starts on ``gateway.lean_http`` when the app has lean routes:
+    the completion endpoints are served there, and a connection is handed to aiohttp's own handler (with
+    the JSON errors above) at its first request for anything else. Shutdown drains both kinds."""
+
+    lean: dict[str, LeanHandler]
+    lean_connections: set[LeanConnection]
+    max_body_bytes: int
+    answered: Callable[[str, int], None]
+
     def __call__(self) -> RequestHandler:
+        if not self.lean:
+            return self.aiohttp_handler()
+        connection = LeanConnection(
+            self.lean,
+            max_body_bytes=self.max_body_bytes,
+            hand_off=self.aiohttp_handler,
+            registry=self.lean_connections,
+            answered=self.answered,
+        )
+        return connection  # type: ignore[return-value]  # any asyncio.Protocol serves
+
+    def aiohttp_handler(self) -> RequestHandler:
         return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        for connection in list(self.lean_connections):
+            connection.close_when_idle()
+
+    async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (aiohttp's signature)
+        lean = [connection.shutdown(timeout) for connection in list(self.lean_connections)]
+        await asyncio.gather(super().shutdown(timeout), *lean)
 
 
 class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        server.__class__ = _JsonErrorServer
+        server.__class__ = GatewayServer
+        assert isinstance(server, GatewayServer)
+        gateway = self.app.get(GATEWAY)
+        server.lean = lean_routes(self.app) if gateway is not None else {}
+        server.lean_connections = set()
+        server.max_body_bytes = gateway.settings.max_body_bytes if gateway is not None else 0
+        server.answered = gateway.metrics.answered if gateway is not None else _ignore
         return server
+
+
+def _ignore(endpoint: str, status: int) -> None:
+    pass
 
 
 def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:

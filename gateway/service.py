@@ -23,7 +23,7 @@ from gateway.billing import Billing, Caller
 from gateway.config import KvgateConfig
 from gateway.errors import GatewayError, NoCapacity, Overloaded, UpstreamFailed, UpstreamTimedOut
 from gateway.metrics import GatewayMetrics
-from gateway.prepare import Prepared, RequestPreparer
+from gateway.prepare import ClientRequest, Prepared, RequestPreparer
 from gateway.relay import error_fields, relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.routing.base import route_key, with_peers
@@ -85,7 +85,7 @@ class Gateway:
 
     # -- endpoints -------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
         caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
@@ -93,7 +93,7 @@ class Gateway:
             request, received, caller, await self.prepare.chat(request, body, caller.tenant)
         )
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
         caller = await self.billing.identify(request.headers.get("Authorization"))
         body = await self.prepare.read_json(request)
@@ -101,20 +101,20 @@ class Gateway:
         return await self._admit_and_serve(request, received, caller, p)
 
     async def _admit_and_serve(
-        self, request: web.Request, received: float, caller: Caller, p: Prepared
+        self, request: ClientRequest, received: float, caller: Caller, p: Prepared
     ) -> web.StreamResponse:
         p.key_id = caller.key_id
         await self.billing.admit(caller, len(p.token_ids), p.max_tokens)
         return await self._serve(request, received, p)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: ClientRequest) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": self.started, "owned_by": "kvgate"}
             for m in self.fleet.models()
         ]
         return _json({"object": "list", "data": data})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: ClientRequest) -> web.Response:
         healthy = sum(1 for e in self.fleet if e.healthy)
         body = {
             "status": "ok" if healthy else "no_healthy_engine",
@@ -152,7 +152,7 @@ class Gateway:
         pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
         return with_peers(out, pulling) if pulling else out
 
-    async def _serve(self, request: web.Request, received: float, p: Prepared) -> web.StreamResponse:
+    async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> web.StreamResponse:
         binding = await self.state.lookup_session(p.tenant, p.session_id) if p.session_id else None
         engines = self.fleet.serving(p.model)
         cached = self.state.lookup(p.hashes)
@@ -270,7 +270,7 @@ class Gateway:
 
     async def _dispatch(
         self,
-        request: web.Request,
+        request: ClientRequest,
         received: float,
         p: Prepared,
         engine: EngineState,
