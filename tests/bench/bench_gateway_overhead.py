@@ -7,7 +7,9 @@ Engines are zero-cost simulators (pure HTTP), each in its own process, as is the
 generator is a lean keep-alive client. Measures added p50/p99 latency at concurrency 1 (non-streaming and
 time to first byte of a stream) and throughput at concurrency 32. A bare relay (relay_floor.py: the same
 server stack and upstream client, no parsing, hashing or routing) runs beside it as the floor any Python
-proxy on this machine pays, so the gateway's own cost reads as "gateway - floor".
+proxy on this machine pays, so the gateway's own cost reads as "gateway - floor". A second gateway with
+``lean_http = false`` (aiohttp serving the completion endpoints too) runs beside the first, so the lean HTTP
+server's gain reads as a same-run ratio; so does each process's CPU per request (from /proc, Linux only).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def start_engines(count: int) -> list[EngineProcess]:
 
 
 def start_gateway(
-    engines: list[EngineProcess], redis_url: str | None, workdir: Path
+    engines: list[EngineProcess], redis_url: str | None, workdir: Path, *, lean_http: bool = True
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     engine_lines = ",\n".join(
@@ -67,10 +69,10 @@ def start_gateway(
     redis_line = (
         f'redis_url = "{redis_url}"\nredis_prefix = "kvgate-bench-{os.getpid()}"' if redis_url else ""
     )
-    config = workdir / "bench.toml"
+    config = workdir / f"bench-{port}.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{engine_lines}\n]\n'
-        f"[gateway]\nport = {port}\n{redis_line}\n"
+        f"[gateway]\nport = {port}\nlean_http = {str(lean_http).lower()}\n{redis_line}\n"
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
@@ -126,7 +128,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-PATHS = ("direct", "floor", "gateway")
+PATHS = ("direct", "floor", "gateway", "gateway (aiohttp)")
 
 
 def start_floor(engine_port: int) -> tuple[subprocess.Popen[bytes], int]:
@@ -137,7 +139,18 @@ def start_floor(engine_port: int) -> tuple[subprocess.Popen[bytes], int]:
     ), port
 
 
-async def measure(ports: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    ports: dict[str, int], pids: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float
+) -> dict:
     pools = {name: UpstreamPool("127.0.0.1", port) for name, port in ports.items()}
     for pool in pools.values():  # warm up connections, caches and the gateway's view
         for i in range(200):
@@ -145,16 +158,28 @@ async def measure(ports: dict[str, int], rounds: int, n: int, concurrency: int, 
     lat: dict[str, list[float]] = {name: [] for name in pools}
     ttfb: dict[str, list[float]] = {name: [] for name in pools}
     tput: dict[str, list[float]] = {name: [] for name in pools}
+    # CPU seconds and requests per process, at c=1 (both latency rounds) and at c=32.
+    cpu = {phase: {name: [0.0, 0] for name in pids} for phase in ("c1", "c32")}
     for _ in tqdm(range(rounds), desc="rounds", file=sys.stderr):
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for name, values in (await latency_round(pools, n, stream=False)).items():
             lat[name].extend(values)
         for name, values in (await latency_round(pools, n // 2, stream=True)).items():
             ttfb[name].extend(values)
+        for name, pid in pids.items():
+            cpu["c1"][name][0] += cpu_seconds(pid) - before[name]
+            cpu["c1"][name][1] += n + n // 2
         for name in pools:
-            tput[name].append(await throughput_round(pools[name], concurrency, duration_s))
+            start_cpu = cpu_seconds(pids[name]) if name in pids else 0.0
+            rate = await throughput_round(pools[name], concurrency, duration_s)
+            tput[name].append(rate)
+            if name in pids:
+                cpu["c32"][name][0] += cpu_seconds(pids[name]) - start_cpu
+                cpu["c32"][name][1] += round(rate * duration_s)
     for pool in pools.values():
         pool.close()
-    return {"latency": lat, "ttfb": ttfb, "throughput": tput}
+    cpu_ms = {phase: {k: s / max(1, count) * 1e3 for k, (s, count) in v.items()} for phase, v in cpu.items()}
+    return {"latency": lat, "ttfb": ttfb, "throughput": tput, "cpu_ms": cpu_ms}
 
 
 def report(results: dict, label: str, concurrency: int) -> dict:
@@ -163,7 +188,8 @@ def report(results: dict, label: str, concurrency: int) -> dict:
     p99 = {k: pct(v, 0.99) * 1e3 for k, v in lat.items()}
     s50 = {k: statistics.median(v) * 1e3 for k, v in ttfb.items()}
     rps = {k: statistics.median(v) for k, v in tput.items()}
-    d = "direct"
+    cpu = results["cpu_ms"]
+    d, a = "direct", "gateway (aiohttp)"
     summary = {
         "setup": label,
         "added_p50_ms": round(p50["gateway"] - p50[d], 3),
@@ -173,18 +199,29 @@ def report(results: dict, label: str, concurrency: int) -> dict:
         "floor_added_p50_ms": round(p50["floor"] - p50[d], 3),
         "floor_throughput_ratio": round(rps["floor"] / rps[d], 3),
         "gateway_minus_floor_p50_ms": round(p50["gateway"] - p50["floor"], 3),
+        "aiohttp_added_p50_ms": round(p50[a] - p50[d], 3),
+        "aiohttp_throughput_ratio": round(rps[a] / rps[d], 3),
+        "cpu_ms_per_request": cpu,
     }
     print(f"\n== {label}   (added = path - direct, same run, interleaved)")
     print(
-        f"  {'':9s} {'p50 ms':>8s} {'added':>8s} {'p99 ms':>8s} {'added':>8s} {'TTFB ms':>8s} {'added':>8s} "
+        f"  {'':17s} {'p50 ms':>8s} {'added':>8s} {'p99 ms':>8s} {'added':>8s} {'TTFB ms':>8s} {'added':>8s} "
         f"{'req/s c=' + str(concurrency):>12s} {'ratio':>6s}"
     )
     for k in PATHS:
         print(
-            f"  {k:9s} {p50[k]:8.3f} {p50[k] - p50[d]:+8.3f} {p99[k]:8.3f} {p99[k] - p99[d]:+8.3f} "
+            f"  {k:17s} {p50[k]:8.3f} {p50[k] - p50[d]:+8.3f} {p99[k]:8.3f} {p99[k] - p99[d]:+8.3f} "
             f"{s50[k]:8.3f} {s50[k] - s50[d]:+8.3f} {rps[k]:12.0f} {rps[k] / rps[d]:6.2f}"
         )
     print(f"  gateway - floor (the gateway's own work), p50: {p50['gateway'] - p50['floor']:+.3f} ms")
+    print("  CPU per request (ms):  " + "  ".join(f"{k} c=1 {cpu['c1'][k]:.3f} c={concurrency} "
+                                                  f"{cpu['c32'][k]:.3f}" for k in cpu["c1"]))  # fmt: skip
+    lean, old = p50["gateway"] - p50[d], p50[a] - p50[d]
+    print(
+        f"  lean HTTP / aiohttp: added p50 {lean / old:.2f}, throughput {rps['gateway'] / rps[a]:.2f}, "
+        f"CPU per request c=1 {cpu['c1']['gateway'] / cpu['c1'][a]:.2f}, "
+        f"c={concurrency} {cpu['c32']['gateway'] / cpu['c32'][a]:.2f}"
+    )
     return summary
 
 
@@ -213,23 +250,27 @@ def main() -> int:
         for label, redis_url in setups:
             with tempfile.TemporaryDirectory() as tmp:
                 gateway, port = start_gateway(engines, redis_url, Path(tmp))
+                old, old_port = start_gateway(engines, redis_url, Path(tmp), lean_http=False)
                 floor, floor_port = start_floor(engines[0].port)
                 try:
                     asyncio.run(
                         wait_healthy(
                             [
                                 EngineProcess("gw", "gw", port, gateway),
+                                EngineProcess("gw", "aiohttp", old_port, old),
                                 EngineProcess("fl", "fl", floor_port, floor),
                             ]
                         )
                     )
-                    ports = {"direct": engines[0].port, "floor": floor_port, "gateway": port}
+                    ports = {"direct": engines[0].port, "floor": floor_port, "gateway": port,
+                             "gateway (aiohttp)": old_port}  # fmt: skip
+                    pids = {"floor": floor.pid, "gateway": gateway.pid, "gateway (aiohttp)": old.pid}
                     results = asyncio.run(
-                        measure(ports, args.rounds, args.requests, args.concurrency, args.duration)
+                        measure(ports, pids, args.rounds, args.requests, args.concurrency, args.duration)
                     )
                     summaries.append(report(results, label, args.concurrency))
                 finally:
-                    for process in (gateway, floor):
+                    for process in (gateway, old, floor):
                         process.terminate()
                         process.wait(10)
     finally:
