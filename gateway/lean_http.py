@@ -1,10 +1,10 @@
 """A lean HTTP/1.1 server for the two hot endpoints; every other request goes to aiohttp.
 
-aiohttp's request and response machinery costs about 0.08 ms of CPU per request on the gateway's machines,
-a fifth of all the CPU a chat completion takes (``tests/bench/bench_lean_http.py`` measures it). So POSTs to
-``/v1/chat/completions`` and ``/v1/completions`` over HTTP/1.1 are parsed here with httptools and answered
-straight on the transport: whole answers with a Content-Length, streams with chunked encoding, keep-alive,
-pipelining, ``Expect: 100-continue`` and the body size limit.
+aiohttp's request and response machinery is a tenth to a sixth of the CPU the gateway spends on a chat
+completion (``tests/bench/bench_gateway_overhead.py`` runs a gateway without this server beside one with it).
+So POSTs to ``/v1/chat/completions`` and ``/v1/completions`` over HTTP/1.1 are parsed here with httptools and
+answered straight on the transport: whole answers with a Content-Length, streams with chunked encoding,
+keep-alive, pipelining, ``Expect: 100-continue`` and the body size limit.
 
 Anything else on a connection (another path or method, HTTP/1.0, an Upgrade, oversized or malformed headers)
 is handed, with every byte read of it so far, to aiohttp's own connection handler, which keeps that
@@ -236,7 +236,8 @@ class LeanConnection(asyncio.Protocol):
         too_many = len(self._headers) >= MAX_HEADERS
         if too_many or len(name) + len(value) + 2 > MAX_HEADER_BYTES or self._head_bytes > MAX_HEAD_BYTES:
             raise _Stop  # aiohttp answers 431
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        # As aiohttp decodes them: a value that is not UTF-8 keeps its bytes as surrogates.
+        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
