@@ -89,7 +89,17 @@ def test_a_chatml_template_renders_like_the_builtin(tmp_path: Path) -> None:
     assert render_messages(tok, MESSAGES) == render_chat(MESSAGES)
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA3_STYLE])
+# Qwen-style: the jinja globals (namespace, range) and a loop over the messages in reverse.
+WITH_GLOBALS = (
+    "{%- set ns = namespace(last_user=0) %}{%- for i in range(messages|length) %}"
+    "{%- if messages[i]['role'] == 'user' %}{%- set ns.last_user = i %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}"
+    "{{ '*' if loop.index0 == ns.last_user }}\n{{ message['content'] }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_STYLE, WITH_GLOBALS])
 def test_templates_render_as_transformers_renders_them(tmp_path: Path, template: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
