@@ -10,7 +10,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -188,7 +188,7 @@ class Gateway:
             if prefilling:
                 chosen = next(c for c in candidates if c.engine == engine.id)
                 if decision.kv_source is not None:  # what it will pull from a peer it need not prefill
-                    chosen = replace(chosen, cached_blocks=decision.pulled_blocks)
+                    chosen = chosen._replace(cached_blocks=decision.pulled_blocks)
                 usable = self._candidates(
                     [e for e in prefilling if e.id not in failed_prefill], cached, p.home_region
                 )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
@@ -68,7 +66,7 @@ def test_cache_aware_prefers_the_longest_cached_prefix() -> None:
 
 def test_cache_aware_leaves_a_cached_engine_whose_queue_costs_more_than_recomputing() -> None:
     policy = CacheAwarePolicy(S)
-    busy = replace(cand("a", cached=10, load=50), queued_prefill_tokens=20_000)
+    busy = cand("a", cached=10, load=50)._replace(queued_prefill_tokens=20_000)
     decision = policy.pick(req(tokens=1024), [busy, cand("b")])
     assert decision is not None and decision.engine == "b" and decision.reason == "miss"
 
@@ -78,7 +76,7 @@ def test_cache_aware_weighs_round_trips() -> None:
     # 32 cached blocks save 512 tokens x 0.1 ms = 51 ms: worth a 40 ms round trip, not a 100 ms one.
     near, far = cand("near"), cand("far", cached=32, rtt=0.040)
     assert policy.pick(req(), [near, far]).engine == "far"  # type: ignore[union-attr]
-    assert policy.pick(req(), [near, replace(far, rtt_s=0.100)]).engine == "near"  # type: ignore[union-attr]
+    assert policy.pick(req(), [near, far._replace(rtt_s=0.100)]).engine == "near"  # type: ignore[union-attr]
 
 
 def test_cache_aware_spreads_new_prompts_over_equal_engines() -> None:
@@ -102,11 +100,11 @@ def test_the_default_policy_moves_a_session_only_for_a_real_gain() -> None:
     decision = policy.pick(req(session="a"), [cand("a", load=3), cand("b", cached=60)])
     assert decision.engine == "b" and decision.reason == "moved"
     # a's cached prefix (80 ms to recompute) is worth more than the 30 ms its queue costs: it stays.
-    busy = replace(cand("a", cached=50, load=4), queued_prefill_tokens=1000)
+    busy = cand("a", cached=50, load=4)._replace(queued_prefill_tokens=1000)
     decision = policy.pick(req(tokens=1024, session="a"), [busy, cand("b")])
     assert decision.engine == "a" and decision.reason == "session"
     # With a queue twice that long, moving saves more than the prefix would cost: it moves.
-    busier = replace(busy, queued_prefill_tokens=2000)
+    busier = busy._replace(queued_prefill_tokens=2000)
     assert policy.pick(req(tokens=1024, session="a"), [busier, cand("b")]).reason == "moved"  # type: ignore[union-attr]
 
 
@@ -116,7 +114,7 @@ def peered(*candidates: Candidate, able: set[str] | None = None) -> list[Candida
 
 def test_peers_are_the_longest_holder_of_the_same_region() -> None:
     a, b, c = cand("a", cached=30), cand("b", cached=10), cand("c")
-    far = replace(cand("far", cached=60), region="elsewhere")
+    far = cand("far", cached=60)._replace(region="elsewhere")
     sick = cand("sick", cached=90, healthy=False)
     out = {x.engine: x for x in peered(a, b, c, far, sick)}
     assert (out["b"].peer, out["b"].peer_blocks) == ("a", 30)
@@ -130,7 +128,7 @@ def test_peers_are_the_longest_holder_of_the_same_region() -> None:
 
 def test_cache_aware_with_pulls_starts_on_an_idle_engine_with_a_busy_peers_prefix() -> None:
     settings = S.model_copy(update={"kv_pull_s_per_token": 2e-5, "kv_pull_min_tokens": 64})
-    busy = replace(cand("a", cached=60, load=4), queued_prefill_tokens=3000)
+    busy = cand("a", cached=60, load=4)._replace(queued_prefill_tokens=3000)
     candidates = peered(busy, cand("b"))
     # Without pulls the idle engine would recompute 1,024 tokens; with them it pulls a's 960.
     plain = CacheAwarePolicy(settings).pick(req(), candidates)
@@ -145,7 +143,7 @@ def test_cache_aware_with_pulls_starts_on_an_idle_engine_with_a_busy_peers_prefi
 
 
 def test_the_default_policy_takes_a_sessions_cache_along_when_it_moves() -> None:
-    busy = replace(cand("a", cached=60, load=4), queued_prefill_tokens=1000)
+    busy = cand("a", cached=60, load=4)._replace(queued_prefill_tokens=1000)
     candidates = peered(busy, cand("b"))
     # Without pulls a's prefix is worth its queue (see above) and the session stays queued.
     stays = DefaultPolicy(S.model_copy(update={"kv_pull": False})).pick(req(session="a"), candidates)
@@ -199,7 +197,9 @@ def test_with_peer_keeps_every_other_field() -> None:
     # Built field by field for speed: a field added to Candidate and forgotten there would fail here.
     values = {"str": "x", "bool": False, "int": 7, "float": 0.5}
     kwargs = {
-        f.name: values[str(f.type).split(" ")[0].split("|")[0].strip()] for f in dataclasses.fields(Candidate)
+        name: values[getattr(kind, "__forward_arg__", str(kind)).split("|")[0].strip()]
+        for name, kind in Candidate.__annotations__.items()
     }
+    assert set(kwargs) == set(Candidate._fields)
     c = Candidate(**kwargs)
-    assert c.with_peer("peer-engine", 3) == dataclasses.replace(c, peer="peer-engine", peer_blocks=3)
+    assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_blocks=3)
