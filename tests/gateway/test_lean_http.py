@@ -301,3 +301,25 @@ async def test_lean_http_off_serves_everything_with_aiohttp() -> None:
         assert not cluster._runners[-1].server.lean  # type: ignore[union-attr]
     finally:
         await cluster.close()
+
+
+async def test_a_request_for_aiohttp_split_over_many_reads_is_handed_over_whole(
+    cluster: Cluster, client: Client
+) -> None:
+    raw = get("/health")
+    for i in range(0, len(raw), 3):
+        await client.send(raw[i : i + 3])
+        await asyncio.sleep(0.001)
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200 and replies[0].json()["engines_total"] == 2
+    assert lean_connections(cluster) == 0
+
+
+async def test_a_request_for_aiohttp_sent_while_a_completion_runs_waits_for_it(client: Client) -> None:
+    slow = {**CHAT, "max_tokens": 40}  # 20 ms of decoding
+    await client.send(post("/v1/chat/completions", json.dumps(slow).encode()))
+    await asyncio.sleep(0.005)  # its own read: it can be handed over, once the completion is answered
+    await client.send(get("/v1/models"))
+    replies = await client.replies_until(2)
+    assert replies[0].status == 200 and replies[0].json()["usage"]["completion_tokens"] == 40
+    assert replies[1].status == 200 and replies[1].json()["object"] == "list"
