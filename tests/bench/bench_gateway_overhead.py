@@ -128,14 +128,15 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-PATHS = ("direct", "floor", "gateway", "gateway (aiohttp)")
+PATHS = ("direct", "floor", "floor (httptools)", "gateway", "gateway (aiohttp)")
 
 
-def start_floor(engine_port: int) -> tuple[subprocess.Popen[bytes], int]:
+def start_floor(engine_port: int, *, httptools: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     script = Path(__file__).with_name("relay_floor.py")
+    flags = ["--httptools"] if httptools else []
     return subprocess.Popen(
-        [sys.executable, str(script), str(port), str(engine_port)], stdin=subprocess.DEVNULL
+        [sys.executable, str(script), str(port), str(engine_port), *flags], stdin=subprocess.DEVNULL
     ), port
 
 
@@ -252,6 +253,7 @@ def main() -> int:
                 gateway, port = start_gateway(engines, redis_url, Path(tmp))
                 old, old_port = start_gateway(engines, redis_url, Path(tmp), lean_http=False)
                 floor, floor_port = start_floor(engines[0].port)
+                bare, bare_port = start_floor(engines[0].port, httptools=True)
                 try:
                     asyncio.run(
                         wait_healthy(
@@ -259,18 +261,20 @@ def main() -> int:
                                 EngineProcess("gw", "gw", port, gateway),
                                 EngineProcess("gw", "aiohttp", old_port, old),
                                 EngineProcess("fl", "fl", floor_port, floor),
+                                EngineProcess("fl", "bare", bare_port, bare),
                             ]
                         )
                     )
-                    ports = {"direct": engines[0].port, "floor": floor_port, "gateway": port,
-                             "gateway (aiohttp)": old_port}  # fmt: skip
-                    pids = {"floor": floor.pid, "gateway": gateway.pid, "gateway (aiohttp)": old.pid}
+                    ports = {"direct": engines[0].port, "floor": floor_port, "floor (httptools)": bare_port,
+                             "gateway": port, "gateway (aiohttp)": old_port}  # fmt: skip
+                    pids = {"floor": floor.pid, "floor (httptools)": bare.pid, "gateway": gateway.pid,
+                            "gateway (aiohttp)": old.pid}  # fmt: skip
                     results = asyncio.run(
                         measure(ports, pids, args.rounds, args.requests, args.concurrency, args.duration)
                     )
                     summaries.append(report(results, label, args.concurrency))
                 finally:
-                    for process in (gateway, old, floor):
+                    for process in (gateway, old, floor, bare):
                         process.terminate()
                         process.wait(10)
     finally:
