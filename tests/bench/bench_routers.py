@@ -16,7 +16,9 @@ with a line saying so. Every router runs in its own process in front of 4 simula
 2. The Mooncake conversation trace (``tests/data``), time-compressed: every hash id becomes the same 512-token
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
    requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
-   the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine.
+   the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine;
+   and, request by request, kvgate's TTFT minus each other router's where both got the same cached tokens
+   (their own overheads apart from their routing, within this machine's noise).
 ``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``;
 ``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N`` (with ``KVGATE_BENCH_REDIS=URL`` they share
 sessions and the ledger in Redis, as a multi-worker deployment would); ``KVGATE_BENCH_POLICY`` picks its
@@ -274,11 +276,12 @@ def trace_body(r: TraceRequest) -> bytes:
 async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[str, Any]:
     pool = UpstreamPool("127.0.0.1", port, max_idle=256)
     ttft: list[float] = []
+    per_request: list[tuple[float, int] | None] = [None] * len(trace)  # (TTFT, cached tokens) by index
     prompt = cached = errors = 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(trace), desc=f"trace :{port}", file=sys.stderr, leave=False)
 
-    async def send(r: TraceRequest) -> None:
+    async def send(i: int, r: TraceRequest) -> None:
         nonlocal prompt, cached, errors
         await asyncio.sleep(max(0.0, r.arrival_s / speedup - (time.perf_counter() - t0)))
         start = time.perf_counter()
@@ -286,7 +289,8 @@ async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[s
             headers = [("Content-Type", "application/json"), ("x-session-affinity", str(r.conversation))]
             resp = await pool.request("POST", "/v1/completions", trace_body(r), headers, header_timeout=120)
             first = await resp.next_batch(120)
-            ttft.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            ttft.append(elapsed)
             data = (first or b"") + await resp.read(120)
             usage = None
             for line in data.split(b"\n"):
@@ -296,12 +300,14 @@ async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[s
             if resp.status != 200 or usage is None:
                 raise RuntimeError(f"HTTP {resp.status}")
             prompt += usage["prompt_tokens"]
-            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            hit = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            cached += hit
+            per_request[i] = (elapsed, hit)
         except Exception:
             errors += 1
         bar.update()
 
-    await asyncio.gather(*(send(r) for r in trace))
+    await asyncio.gather(*(send(i, r) for i, r in enumerate(trace)))
     bar.close()
     pool.close()
     hit_rate = cached / prompt if prompt else 0.0
@@ -310,7 +316,21 @@ async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[s
         "ttft_p50_s": pct(ttft, 0.5),
         "ttft_p90_s": pct(ttft, 0.9),
         "errors": errors,
+        "per_request": per_request,
     }
+
+
+def paired_with(
+    mine: list[tuple[float, int] | None], theirs: list[tuple[float, int] | None]
+) -> dict[str, float]:
+    """kvgate's TTFT minus another router's, request by request, over the requests both answered with the
+    same cached tokens: what separates them there is each one's own overhead (and the machine's noise), not
+    where they sent the request."""
+    same = [a[0] - b[0] for a, b in zip(mine, theirs, strict=True) if a and b and a[1] == b[1]]
+    if not same:
+        return {}
+    return {"same_cached_share": len(same) / len(mine), "paired_p10_ms": pct(same, 0.1) * 1e3,
+            "paired_p50_ms": pct(same, 0.5) * 1e3, "paired_p90_ms": pct(same, 0.9) * 1e3}  # fmt: skip
 
 
 async def scrape(port: int, *names: str) -> list[float]:
@@ -402,6 +422,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_engines(engines)
         # Part 2: the trace, fresh engines (empty caches) for every router, one router at a time.
         trace = load_trace(TRACE, limit=args.trace_requests)
+        per_request: dict[str, list[tuple[float, int] | None]] = {}
         names = ["kvgate", "kvgate@base", *peers]
         if args.baseline_checkout is not None:
             args.routers.add("kvgate@base")
@@ -426,12 +447,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 if name.startswith("kvgate"):
                     figures["gateway_overhead_ms"] = await overhead_mean_ms(router.port)
+                per_request[name] = figures.pop("per_request")
                 results["trace"][name] = figures
             finally:
                 if router is not None:
                     router.process.terminate()
                     router.process.wait(10)
                 stop_engines(engines)
+        if "kvgate" in per_request:
+            for name, theirs in per_request.items():
+                if name != "kvgate":
+                    results["trace"][name] |= paired_with(per_request["kvgate"], theirs)
     return results
 
 
@@ -480,6 +506,12 @@ def main() -> int:
     for name, r in results["trace"].items():
         ttft = f"{r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p90_s'] * 1e3:7.1f}ms"
         print(f"{name:14s} {r['hit_rate']:9.1%} {ttft} {r['load_max_over_mean']:14.2f} {r['errors']:7.0f}")
+    for name, r in results["trace"].items():
+        if "paired_p50_ms" in r:
+            share = r["same_cached_share"]
+            print(f"kvgate - {name}, TTFT per request on the {share:.0%} both answered with the same cached "
+                  f"tokens: p10 {r['paired_p10_ms']:+.2f} p50 {r['paired_p50_ms']:+.2f} "
+                  f"p90 {r['paired_p90_ms']:+.2f} ms")  # fmt: skip
     for name, r in results["trace"].items():
         if "gateway_overhead_ms" in r:
             mean = r["gateway_overhead_ms"]
