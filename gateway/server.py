@@ -12,7 +12,6 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -27,6 +26,7 @@ from gateway.config import KvgateConfig
 from gateway.errors import GatewayError
 from gateway.lean_http import LeanConnection, LeanHandler
 from gateway.loop import install_best_loop, raise_open_file_limit
+from gateway.service import Gateway
 
 log = logging.getLogger("kvgate.server")
 
@@ -65,20 +65,20 @@ class GatewayServer(web.Server):
     the completion endpoints are served there, and a connection is handed to aiohttp's own handler (with
     the JSON errors above) at its first request for anything else. Shutdown drains both kinds."""
 
+    gateway: Gateway | None  # None: an app that is not the gateway's (aiohttp serves it all)
     lean: dict[str, LeanHandler]
     lean_connections: set[LeanConnection]
-    max_body_bytes: int
-    answered: Callable[[str, int], None]
 
     def __call__(self) -> RequestHandler:
-        if not self.lean:
+        gateway = self.gateway
+        if gateway is None or not self.lean:
             return self.aiohttp_handler()
         connection = LeanConnection(
             self.lean,
-            max_body_bytes=self.max_body_bytes,
+            max_body_bytes=gateway.settings.max_body_bytes,
             hand_off=self.aiohttp_handler,
             registry=self.lean_connections,
-            answered=self.answered,
+            answered=gateway.metrics.answered,
         )
         return connection  # type: ignore[return-value]  # any asyncio.Protocol serves
 
@@ -100,16 +100,10 @@ class GatewayRunner(web.AppRunner):
         server = await super()._make_server()
         server.__class__ = GatewayServer
         assert isinstance(server, GatewayServer)
-        gateway = self.app.get(GATEWAY)
-        server.lean = lean_routes(self.app) if gateway is not None else {}
+        server.gateway = self.app.get(GATEWAY)
+        server.lean = lean_routes(self.app) if server.gateway is not None else {}
         server.lean_connections = set()
-        server.max_body_bytes = gateway.settings.max_body_bytes if gateway is not None else 0
-        server.answered = gateway.metrics.answered if gateway is not None else _ignore
         return server
-
-
-def _ignore(endpoint: str, status: int) -> None:
-    pass
 
 
 def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
