@@ -92,8 +92,7 @@ class LeanStream(web.StreamResponse):
         if self.started:
             return
         self.started = True
-        head = _status_line(self.status, self.reason) + _header_block(self.headers)
-        self._connection.write(head + b"Transfer-Encoding: chunked\r\n" + _date_line() + b"\r\n")
+        self._connection.write(_head(self, b"Transfer-Encoding: chunked\r\n"))
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -404,14 +403,12 @@ class LeanConnection(asyncio.Protocol):
     def _write_whole(self, response: web.StreamResponse, keep_alive: bool) -> None:
         body = response.body if isinstance(response, web.Response) else None
         data = bytes(body) if isinstance(body, bytes | bytearray) else b""
-        head = [_status_line(response.status, response.reason), _header_block(response.headers)]
+        framing = [b"Content-Length: %d\r\n" % len(data)]
         if "Content-Type" not in response.headers:
-            head.append(b"Content-Type: application/octet-stream\r\n")
-        head.append(b"Content-Length: %d\r\n" % len(data))
+            framing.append(b"Content-Type: application/octet-stream\r\n")
         if not keep_alive:
-            head.append(b"Connection: close\r\n")
-        head += (_date_line(), b"\r\n", data)
-        self.write(b"".join(head))
+            framing.append(b"Connection: close\r\n")
+        self.write(_head(response, *framing) + data)
 
     def write(self, data: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -458,15 +455,14 @@ class LeanConnection(asyncio.Protocol):
         self._close()
 
 
-def _status_line(status: int, reason: str | None) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, (reason or "").encode("latin-1"))
+_SKIPPED = frozenset({"content-length", "transfer-encoding", "connection", "date"})  # this server's to set
 
 
-_SKIPPED = frozenset({"content-length", "transfer-encoding", "connection", "date"})
-
-
-def _header_block(headers: Mapping[str, str]) -> bytes:
-    return "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in _SKIPPED).encode("latin-1")
+def _head(response: web.StreamResponse, *framing: bytes) -> bytes:
+    """A response's status line and headers, with this server's framing lines, the Date and the blank line."""
+    status = b"HTTP/1.1 %d %s\r\n" % (response.status, (response.reason or "").encode("latin-1"))
+    headers = "".join(f"{k}: {v}\r\n" for k, v in response.headers.items() if k.lower() not in _SKIPPED)
+    return b"".join((status, headers.encode("latin-1"), *framing, _date_line(), b"\r\n"))
 
 
 _date: tuple[int, bytes] = (0, b"")
