@@ -29,9 +29,11 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routers import MODEL, TRACE, byte_tokenizer_dir, chat_body, start_engines, trace_body
+from bench_gateway_overhead import MODEL
+from bench_routers import byte_tokenizer_dir, chat_body, start_engines
+from trace_workload import TRACE, hit_ceiling, trace_body
 
-from cache.tokens import pack_token_ids, render_messages
+from cache.tokens import Tokenizer, pack_token_ids, render_messages
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import stop_engines, wait_healthy
@@ -42,7 +44,7 @@ from gateway.routing.base import route_key
 from gateway.schemas import parse_chat
 from gateway.service import Gateway
 from gateway.upstream import UpstreamPool
-from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from region_map.trace import TraceRequest, load_trace
 
 
 def gateway_for(tokenizer: Path) -> Gateway:
@@ -128,32 +130,13 @@ async def trace_pieces(gateway: Gateway, trace: list[TraceRequest]) -> dict[str,
     return {"mean prompt tokens": tokens / len(trace)} | {k: v / len(trace) * 1e3 for k, v in totals.items()}
 
 
-def hit_ceiling(trace: list[TraceRequest]) -> float:
-    """Prompt tokens a single engine with an unbounded cache would find cached (full blocks of a prefix)."""
-    seen: set[int] = set()
-    hit = total = 0
-    for r in trace:
-        held = 0
-        for block in r.blocks[: r.input_tokens // TRACE_BLOCK_TOKENS]:
-            if block not in seen:
-                break
-            held += 1
-        hit += held * TRACE_BLOCK_TOKENS
-        total += r.input_tokens
-        seen.update(r.blocks)
-    return hit / total
-
-
 BANDS = ((0, 8_000), (8_000, 32_000), (32_000, 1 << 40))
 
 
 async def engine_forms(
-    tokenizer: Path, trace: list[TraceRequest], per_band: int
+    tokenizer_dir: Path, tok: Tokenizer, trace: list[TraceRequest], per_band: int
 ) -> dict[str, dict[str, float]]:
-    from cache.tokens import load_tokenizer
-
-    tok = load_tokenizer(str(tokenizer))
-    engines = start_engines(1, tokenizer, prefill_s=0.0, decode_s=0.0, capacity=1 << 22)
+    engines = start_engines(1, tokenizer_dir, prefill_s=0.0, decode_s=0.0, capacity=1 << 22)
     pool = UpstreamPool("127.0.0.1", engines[0].port)
     out: dict[str, dict[str, float]] = {}
     try:
@@ -196,7 +179,7 @@ async def run(args: argparse.Namespace) -> None:
         for name, us in pieces.items():
             print(f"  {name:18s} {us:7.1f} us  {us / total:5.1%}")
         trace = load_trace(TRACE, limit=args.trace_requests)
-        figures = await trace_pieces(gateway_for(tokenizer), trace)
+        figures = await trace_pieces(gateway, trace)
         print(f"\n2. the trace's first {len(trace)} prompts in the gateway "
               f"(mean {figures.pop('mean prompt tokens'):.0f} tokens)")  # fmt: skip
         for name, ms in figures.items():
@@ -204,7 +187,7 @@ async def run(args: argparse.Namespace) -> None:
         whole = load_trace(TRACE, limit=args.ceiling_requests)
         print(f"  prefix-hit ceiling of the first {len(whole)} requests (one engine, unbounded cache): "
               f"{hit_ceiling(whole):.1%}")  # fmt: skip
-        forms = await engine_forms(tokenizer, trace, args.per_band)
+        forms = await engine_forms(tokenizer, gateway.prepare.tokenizer, trace, args.per_band)
         print("\n3. one simulated engine, zero-cost: median time to first byte by how the prompt is sent")
         for band, t in forms.items():
             text, ids, hex_ids = t["text"], t["ids"], t["hex ids"]
