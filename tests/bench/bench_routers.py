@@ -19,6 +19,12 @@ with a line saying so. Every router runs in its own process in front of 4 simula
    the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine;
    and, request by request, kvgate's TTFT minus each other router's where both got the same cached tokens
    (their own overheads apart from their routing, within this machine's noise).
+3. Prompt length: a new prompt (cached nowhere) of 2k, 14k and 40k tokens, one at a time down every path,
+   median time to first byte; and kvgate's mean receive-to-dispatch time (tokenize, hash, route) per length.
+   What a router's own work costs a long prompt, apart from routing and contention.
+``--words`` builds the trace's texts and these prompts from words and spaces, with a tokenizer that splits
+words apart first (GPT-2's pattern) as production BPE tokenizers do; kvgate's tokenizer then caches a
+conversation's earlier chunks (cache.token_chunks), which the one-word default texts never allow.
 ``KVGATE_BENCH_TOKEN_IDS=false`` makes kvgate send the prompt as text instead of ``prompt_token_ids``;
 ``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N`` (with ``KVGATE_BENCH_REDIS=URL`` they share
 sessions and the ledger in Redis, as a multi-worker deployment would); ``KVGATE_BENCH_POLICY`` picks its
@@ -50,7 +56,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway_overhead import MODEL, one, pct, start_floor, throughput_round
-from trace_workload import TRACE, paired_with, replay
+from trace_workload import LENGTHS, TRACE, by_length, engine_counts, overhead_mean_ms, paired_with, replay
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.loop import install_best_loop, raise_open_file_limit
@@ -63,15 +69,17 @@ SYSTEM = "You are a helpful assistant. " * 60
 PULL_FRACTION = 0.24
 
 
-def byte_tokenizer_dir(directory: Path) -> Path:
+def byte_tokenizer_dir(directory: Path, *, split_words: bool = False) -> Path:
     """A Hugging Face tokenizer that maps every byte to one token (no merges: text of N ASCII bytes is N
-    tokens for every router and engine alike), with ChatML's special tokens and chat template."""
+    tokens for every router and engine alike), with ChatML's special tokens and chat template. It reads a
+    text as one word, or with ``split_words`` splits it into words first with GPT-2's pattern, as the
+    production byte-level BPEs do (same tokens, about 2.5x the time per character)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
@@ -253,34 +261,6 @@ async def overhead(
     }  # fmt: skip
 
 
-async def scrape(port: int, *names: str) -> list[float]:
-    """Each named series from the /metrics at ``port``, summed over its label sets."""
-    pool = UpstreamPool("127.0.0.1", port)
-    r = await pool.request("GET", "/metrics")
-    text = (await r.read(10)).decode()
-    pool.close()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        if name in names:
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return [totals[name] for name in names]  # a series it does not export is a KeyError
-
-
-async def engine_counts(engines: list[EngineProcess]) -> list[float]:
-    return [(await scrape(e.port, "kvgate_engine_requests_finished_total"))[0] for e in engines]
-
-
-async def overhead_mean_ms(port: int) -> float:
-    """kvgate's mean receive-to-dispatch time (``kvgate_routing_overhead_seconds``: parse, tokenize, hash,
-    route), from its /metrics (one worker's, when it runs several)."""
-    total, count = await scrape(
-        port, "kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count"
-    )
-    return total / count * 1e3 if count else 0.0
-
-
 class _Skip(Exception):
     pass
 
@@ -288,7 +268,7 @@ class _Skip(Exception):
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over repeated runs (a router missing from a run is left out of its median)."""
     out: dict[str, Any] = {"peers": runs[0]["peers"], "runs": len(runs)}
-    for part in ("overhead", "trace"):
+    for part in ("overhead", "lengths", "trace"):
         names = list(dict.fromkeys(name for run in runs for name in run[part]))
         out[part] = {
             name: {
@@ -305,13 +285,13 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     peers = {n: c for n, c in peer_commands(args.peers_venv, args.smg_venv).items() if n in args.routers}
-    results: dict[str, Any] = {"peers": sorted(peers), "overhead": {}, "trace": {}}
+    results: dict[str, Any] = {"peers": sorted(peers), "overhead": {}, "lengths": {}, "trace": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        tok = byte_tokenizer_dir(Path(tmp) / "tokenizer")
-        # Part 1: zero-cost engines, pure routing overhead.
+        tok = byte_tokenizer_dir(Path(tmp) / "tokenizer", split_words=args.words)
+        # Parts 1 and 3: zero-cost engines, pure routing overhead.
         engines = (
             start_engines(4, tok, prefill_s=0.0, decode_s=0.0, capacity=4096)
-            if "overhead" in args.parts
+            if args.parts & {"overhead", "lengths"}
             else []
         )
         routers: list[Router] = []
@@ -332,7 +312,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not ok:
                     print(f"{name}: did not become ready, skipped", file=sys.stderr)
             ports = {"direct": engines[0].port} | {r.name: r.port for r in routers if ready[r.name]}
-            results["overhead"] = await overhead(ports, args.rounds, args.requests, 32, args.duration)
+            if "overhead" in args.parts:
+                results["overhead"] = await overhead(ports, args.rounds, args.requests, 32, args.duration)
+            if "lengths" in args.parts:
+                results["lengths"] = await by_length(ports, args.length_requests, words=args.words)
         except _Skip:
             pass
         finally:
@@ -360,7 +343,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{name}: did not become ready for the trace, skipped", file=sys.stderr)
                     continue
                 before = await engine_counts(engines)
-                figures = await replay(router.port, trace, args.speedup)
+                figures = await replay(router.port, trace, args.speedup, words=args.words)
                 counts = [a - b for a, b in zip(await engine_counts(engines), before, strict=True)]
                 figures["load_max_over_mean"] = (
                     max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
@@ -396,7 +379,10 @@ def main() -> int:
     parser.add_argument(
         "--capacity", type=int, default=2000 * 32, help="prefix cache per engine, 16-token blocks"
     )
-    parser.add_argument("--parts", default="overhead,trace", help="which measures to run (comma-separated)")
+    parser.add_argument(
+        "--parts", default="overhead,trace,lengths", help="which measures to run (comma-separated)"
+    )
+    parser.add_argument("--length-requests", type=int, default=25, help="requests per path and prompt length")
     parser.add_argument(
         "--routers", default="kvgate,sglang-router,vllm-router,smg", help="which routers to run"
     )
@@ -404,6 +390,11 @@ def main() -> int:
         "--baseline-checkout",
         type=Path,
         help="another kvgate checkout (git worktree add DIR COMMIT) run beside this one as kvgate@base",
+    )
+    parser.add_argument(
+        "--words",
+        action="store_true",
+        help="prompts of words and spaces, and a tokenizer that splits words apart (see trace_workload)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run everything N times and report medians")
     parser.add_argument("--json", action="store_true")
@@ -436,6 +427,11 @@ def main() -> int:
         if "gateway_overhead_ms" in r:
             mean = r["gateway_overhead_ms"]
             print(f"{name}: receive-to-dispatch (kvgate_routing_overhead_seconds) mean {mean:.2f} ms")
+    if results["lengths"]:
+        print("\n3. a new prompt at a time (cached nowhere): median time to first byte, ms, by prompt tokens")
+        print(f"{'router':16s} " + " ".join(f"{n:>11,d}" for n in LENGTHS))
+        for name, by_tokens in results["lengths"].items():
+            print(f"{name:16s} " + " ".join(f"{by_tokens[n] * 1e3:11.2f}" for n in LENGTHS))
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

@@ -41,6 +41,7 @@ def build(engine_port: int) -> web.Application:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", relay)
+    app.router.add_post("/v1/completions", relay)
     app.router.add_get("/health", health)
     return app
 

@@ -2,12 +2,16 @@
 against one router that measures hit rate and TTFT, and what any router could reach on it.
 
 Every hash id becomes the same 512-token text wherever it occurs (512 ASCII bytes, one token each with the
-benches' byte tokenizer), so prompts share prefixes exactly as in the trace.
+benches' byte tokenizer), so prompts share prefixes exactly as in the trace. By default that text is one
+unbroken run of characters; with ``words=True`` it is words of letters separated by spaces, as prompts are,
+for a tokenizer that splits words apart first (``byte_tokenizer_dir(..., split_words=True)``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,29 +21,36 @@ import orjson
 from bench_gateway_overhead import MODEL, pct
 from tqdm import tqdm
 
+from gateway.demo import EngineProcess
 from gateway.upstream import UpstreamPool
 from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 
 
-def block_text(block_id: int) -> str:
-    """The same 512 ASCII bytes (= 512 tokens) for the same block id, anywhere in any prompt."""
-    seed = f"<{block_id:x}>"
+_LETTERS = str.maketrans("0123456789abcdef", "abcdefghijklmnop")
+
+
+def block_text(block_id: int, *, words: bool = False) -> str:
+    """The same 512 ASCII bytes (= 512 tokens) for the same block id, anywhere in any prompt: ``<1f3>`` over
+    and over, or with ``words`` the word ``kbpd`` (the id's hex digits as letters) and a space."""
+    seed = f"k{block_id:x} ".translate(_LETTERS) if words else f"<{block_id:x}>"
     return (seed * (TRACE_BLOCK_TOKENS // len(seed) + 1))[:TRACE_BLOCK_TOKENS]
 
 
-def trace_body(r: TraceRequest) -> bytes:
+def trace_body(r: TraceRequest, *, words: bool = False) -> bytes:
     full, tail = divmod(r.input_tokens, TRACE_BLOCK_TOKENS)
-    text = "".join(block_text(b) for b in r.blocks[:full])
+    text = "".join(block_text(b, words=words) for b in r.blocks[:full])
     if tail and len(r.blocks) > full:
-        text += block_text(r.blocks[full])[:tail]
+        text += block_text(r.blocks[full], words=words)[:tail]
     body = {"model": MODEL, "prompt": text, "max_tokens": max(1, min(r.output_tokens, 8)), "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     return orjson.dumps(body)
 
 
-async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[str, Any]:
+async def replay(
+    port: int, trace: list[TraceRequest], speedup: float, *, words: bool = False
+) -> dict[str, Any]:
     pool = UpstreamPool("127.0.0.1", port, max_idle=256)
     ttft: list[float] = []
     per_request: list[tuple[float, int] | None] = [None] * len(trace)  # (TTFT, cached tokens) by index
@@ -53,7 +64,8 @@ async def replay(port: int, trace: list[TraceRequest], speedup: float) -> dict[s
         start = time.perf_counter()
         try:
             headers = [("Content-Type", "application/json"), ("x-session-affinity", str(r.conversation))]
-            resp = await pool.request("POST", "/v1/completions", trace_body(r), headers, header_timeout=120)
+            resp = await pool.request("POST", "/v1/completions", trace_body(r, words=words), headers,
+                                      header_timeout=120)  # fmt: skip
             first = await resp.next_batch(120)
             elapsed = time.perf_counter() - start
             ttft.append(elapsed)
@@ -113,3 +125,80 @@ def hit_ceiling(trace: list[TraceRequest]) -> float:
         total += r.input_tokens
         seen.update(r.blocks)
     return hit / total
+
+
+# -- what the routers' figures are read from ----------------------------------------------------------
+
+
+async def scrape(port: int, *names: str) -> list[float]:
+    """Each named series from the /metrics at ``port``, summed over its label sets."""
+    pool = UpstreamPool("127.0.0.1", port)
+    r = await pool.request("GET", "/metrics")
+    text = (await r.read(10)).decode()
+    pool.close()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return [totals[name] for name in names]  # a series it does not export is a KeyError
+
+
+async def engine_counts(engines: list[EngineProcess]) -> list[float]:
+    return [(await scrape(e.port, "kvgate_engine_requests_finished_total"))[0] for e in engines]
+
+
+async def overhead_mean_ms(port: int) -> float:
+    """kvgate's mean receive-to-dispatch time (``kvgate_routing_overhead_seconds``: parse, tokenize, hash,
+    route), from its /metrics (one worker's, when it runs several)."""
+    total, count = await scrape(
+        port, "kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count"
+    )
+    return total / count * 1e3 if count else 0.0
+
+
+# -- one prompt at a time, by length -------------------------------------------------------------------------
+
+LENGTHS = (2048, 14336, 40960)  # prompt tokens: short, the trace's mean, its long tail
+
+
+async def by_length(
+    ports: dict[str, int], repeats: int, *, words: bool = False, kvgate: str = "kvgate"
+) -> dict[str, dict[int, float]]:
+    """Median time to the first streamed byte of a new prompt (its blocks cached nowhere) of each of
+    ``LENGTHS``, one request at a time through every path in turn, in a new order each time: what each
+    router costs a prompt of that length with nothing else running. For ``kvgate`` also its mean
+    receive-to-dispatch time per length (key ``kvgate dispatch``)."""
+    pools = {name: UpstreamPool("127.0.0.1", port) for name, port in ports.items()}
+    out: dict[str, dict[int, float]] = {name: {} for name in [*pools, f"{kvgate} dispatch"]}
+    order, shuffle = list(pools), random.Random(0).shuffle
+    block = 1 << 40  # ids the trace never uses, a new one for every block of every request
+    series = ("kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count")
+    for tokens in LENGTHS:
+        ttfb: dict[str, list[float]] = {name: [] for name in pools}
+        before = await scrape(ports[kvgate], *series) if kvgate in ports else None
+        for _ in range(repeats):
+            shuffle(order)
+            for name in order:
+                blocks = range(block, block + tokens // TRACE_BLOCK_TOKENS)
+                block = blocks.stop
+                text = "".join(block_text(b, words=words) for b in blocks)
+                body = orjson.dumps({"model": MODEL, "prompt": text, "max_tokens": 1, "stream": True})
+                start = time.perf_counter()
+                response = await pools[name].request(
+                    "POST", "/v1/completions", body, [("Content-Type", "application/json")], header_timeout=60
+                )
+                await response.next_batch(60)
+                ttfb[name].append(time.perf_counter() - start)
+                rest = await response.read(60)
+                if response.status != 200:
+                    raise RuntimeError(f"{name}: HTTP {response.status} for {tokens} tokens: {rest[:200]!r}")
+        for name, values in ttfb.items():
+            out[name][tokens] = statistics.median(values)
+        if before is not None:
+            total, count = (a - b for a, b in zip(await scrape(ports[kvgate], *series), before, strict=True))
+            out[f"{kvgate} dispatch"][tokens] = total / count if count else float("nan")
+    for pool in pools.values():
+        pool.close()
+    return out
