@@ -149,12 +149,13 @@ async def engine_counts(engines: list[EngineProcess]) -> list[float]:
     return [(await scrape(e.port, "kvgate_engine_requests_finished_total"))[0] for e in engines]
 
 
+# kvgate's receive-to-dispatch time (parse, tokenize, hash, route): seconds in all, and requests.
+OVERHEAD_SERIES = ("kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count")
+
+
 async def overhead_mean_ms(port: int) -> float:
-    """kvgate's mean receive-to-dispatch time (``kvgate_routing_overhead_seconds``: parse, tokenize, hash,
-    route), from its /metrics (one worker's, when it runs several)."""
-    total, count = await scrape(
-        port, "kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count"
-    )
+    """kvgate's mean receive-to-dispatch time, from its /metrics (one worker's, when it runs several)."""
+    total, count = await scrape(port, *OVERHEAD_SERIES)
     return total / count * 1e3 if count else 0.0
 
 
@@ -164,20 +165,22 @@ LENGTHS = (2048, 14336, 40960)  # prompt tokens: short, the trace's mean, its lo
 
 
 async def by_length(
-    ports: dict[str, int], repeats: int, *, words: bool = False, kvgate: str = "kvgate"
+    ports: dict[str, int], repeats: int, *, words: bool = False
 ) -> dict[str, dict[int, float]]:
     """Median time to the first streamed byte of a new prompt (its blocks cached nowhere) of each of
     ``LENGTHS``, one request at a time through every path in turn, in a new order each time: what each
-    router costs a prompt of that length with nothing else running. For ``kvgate`` also its mean
-    receive-to-dispatch time per length (key ``kvgate dispatch``)."""
+    router costs a prompt of that length with nothing else running. When ``kvgate`` is among the paths,
+    also its mean receive-to-dispatch time per length (key ``kvgate dispatch``)."""
     pools = {name: UpstreamPool("127.0.0.1", port) for name, port in ports.items()}
-    out: dict[str, dict[int, float]] = {name: {} for name in [*pools, f"{kvgate} dispatch"]}
+    kvgate = ports.get("kvgate")
+    out: dict[str, dict[int, float]] = {name: {} for name in pools}
+    if kvgate is not None:
+        out["kvgate dispatch"] = {}
     order, shuffle = list(pools), random.Random(0).shuffle
     block = 1 << 40  # ids the trace never uses, a new one for every block of every request
-    series = ("kvgate_routing_overhead_seconds_sum", "kvgate_routing_overhead_seconds_count")
     for tokens in LENGTHS:
         ttfb: dict[str, list[float]] = {name: [] for name in pools}
-        before = await scrape(ports[kvgate], *series) if kvgate in ports else None
+        before = await scrape(kvgate, *OVERHEAD_SERIES) if kvgate is not None else None
         for _ in range(repeats):
             shuffle(order)
             for name in order:
@@ -196,9 +199,10 @@ async def by_length(
                     raise RuntimeError(f"{name}: HTTP {response.status} for {tokens} tokens: {rest[:200]!r}")
         for name, values in ttfb.items():
             out[name][tokens] = statistics.median(values)
-        if before is not None:
-            total, count = (a - b for a, b in zip(await scrape(ports[kvgate], *series), before, strict=True))
-            out[f"{kvgate} dispatch"][tokens] = total / count if count else float("nan")
+        if kvgate is not None and before is not None:
+            after = await scrape(kvgate, *OVERHEAD_SERIES)
+            total, count = (a - b for a, b in zip(after, before, strict=True))
+            out["kvgate dispatch"][tokens] = total / count if count else float("nan")
     for pool in pools.values():
         pool.close()
     return out
