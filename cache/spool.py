@@ -50,7 +50,12 @@ class Spool:
         """Drop the first ``count`` records (those just replayed), keeping any appended since."""
         rest = self.read()[count:]
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_bytes(b"".join(msgpack.packb(r.to_dict()) for r in rest))
-        with tmp.open("rb") as f:
-            os.fsync(f.fileno())
+        # Created 0600 like the spool itself (billing records are nobody else's to read), whatever the umask.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # a .tmp left by a crash keeps its old mode through O_CREAT
+            os.write(fd, b"".join(msgpack.packb(r.to_dict()) for r in rest))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         tmp.replace(self.path)

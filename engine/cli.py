@@ -11,6 +11,10 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ssl
 
 SIM_ENGINE_HELP = (
     "run the SIMULATED engine: an OpenAI-compatible server with a cost model, for tests and benchmarks"
@@ -51,6 +55,32 @@ def _seconds(text: str) -> float:
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert``/``--tls-key``: serve https:// (the gateway then reaches it over TLS)."""
+    parser.add_argument(
+        "--tls-cert", metavar="PEM", help="serve https:// with this certificate chain (PEM; may hold the key)"
+    )
+    parser.add_argument(
+        "--tls-key", metavar="PEM", help="the certificate's private key (PEM; default: in --tls-cert)"
+    )
+
+
+def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The server context of ``--tls-cert``/``--tls-key``, or None for plain http; exits on unusable files."""
+    if args.tls_cert is None:
+        if args.tls_key is not None:
+            raise SystemExit("kvgate: --tls-key needs --tls-cert (the certificate it belongs to)")
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ValueError) as exc:  # a missing file, or not a PEM certificate with its key
+        raise SystemExit(f"kvgate: cannot use --tls-cert {args.tls_cert}: {exc}") from None
+    return context
 
 
 def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,12 +140,14 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokenize with this Hugging Face tokenizer directory (default: byte-level); reported as its "
         "model path to routers that ask",
     )
+    add_tls_arguments(parser)
 
 
 def run_sim_engine(args: argparse.Namespace) -> int:
     """Serve the simulator until SIGINT/SIGTERM; returns the exit status."""
     from engine.sim.server import SimEngineConfig, serve
 
+    ssl_context = tls_context(args)
     sock: socket.socket | None = None
     port: int = args.port
     if port == 0:
@@ -138,7 +170,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     try:
-        return serve(config, sock=sock)
+        return serve(config, sock=sock, ssl_context=ssl_context)
     except OSError as exc:  # the address is taken, or not ours to bind: say so without a traceback
         print(f"kvgate sim-engine: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
         return 1
@@ -262,6 +294,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="its part in disaggregated serving, as the gateway sees it (default: both)",
     )
+    add_tls_arguments(parser)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -274,6 +307,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from engine.parallel.executor import RankFailed
     from engine.server import ServerConfig, serve
 
+    ssl_context = tls_context(args)  # before the model loads: a bad certificate fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_config = EngineConfig(
@@ -295,7 +329,7 @@ def run_engine(args: argparse.Namespace) -> int:
         engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role
     )
     try:
-        return serve(engine_config, server_config)
+        return serve(engine_config, server_config, ssl_context=ssl_context)
     except ModelLoadError as exc:
         print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)
         return 2

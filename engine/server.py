@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -294,8 +295,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     return app
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the model, serve until SIGINT/SIGTERM (on uvloop when installed); returns the exit status."""
+def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, *, ssl_context: ssl.SSLContext | None = None
+) -> int:
+    """Load the model, serve until SIGINT/SIGTERM (on uvloop when installed), over https:// when given
+    ``ssl_context``; returns the exit status."""
     try:
         import uvloop
 
@@ -305,26 +309,27 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = LLMEngine(engine_config)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve(engine, server_config))
+            return runner.run(_serve(engine, server_config, ssl_context))
     finally:
         engine.close()  # a tp/pp engine's worker processes
 
 
-async def _serve(engine: LLMEngine, config: ServerConfig) -> int:
+async def _serve(engine: LLMEngine, config: ServerConfig, ssl_context: ssl.SSLContext | None) -> int:
     runner = web.AppRunner(
         build_app(engine, config), handler_cancellation=True, access_log=None, shutdown_timeout=5
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
+        await web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context).start()
         host, port = runner.addresses[0][:2]
+        scheme = "http" if ssl_context is None else "https"
         blocks = f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}"
         if engine.config.parallel.world_size > 1:
             parallel = engine.config.parallel
             blocks += f", tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
         print(
             f"kvgate engine {config.engine_id}: serving {engine.model_name!r} "
-            f"({engine.dtype}, {engine.device}, {blocks}) on http://{host}:{port}",
+            f"({engine.dtype}, {engine.device}, {blocks}) on {scheme}://{host}:{port}",
             file=sys.stderr,
             flush=True,
         )

@@ -1,6 +1,10 @@
-"""Accounting for one answered request: the cost the client sees in its usage, then metrics, the access
-log line and exactly one ledger record when the answer ends (a stream the client left is billed for what it
-had received)."""
+"""Accounting for one request sent to an engine: the cost the client sees in its usage, then metrics, the
+access log line and exactly one ledger record when the answer ends (a stream the client left is billed for
+what it had received; a request the client left before any byte, for the prompt the engine took).
+
+With a usage journal (``cache.journal``), the request is in it from the moment it is dispatched, and its
+final record before the last byte of the answer leaves: a gateway that dies still bills what the engine did.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cache.journal import INTERRUPTED
 from cache.ledger import UsageRecord
 from gateway.billing import Billing, usage_counts
 from gateway.metrics import GatewayMetrics
@@ -19,11 +24,26 @@ from region_map.fleet import EngineState
 access_log = logging.getLogger("kvgate.access")
 
 
-class RequestAccount:
-    """Accounts for one relayed answer: its cost in the usage the client sees, then metrics and exactly one
-    ledger record once it ends (a stream the client left counts what it had received)."""
+PROGRESS_EVERY_S = 1.0  # how often a running stream notes its completion tokens in the journal
 
-    __slots__ = ("access_log", "billing", "engine", "metrics", "p", "predicted", "received", "settle")
+
+class RequestAccount:
+    """Accounts for one request an engine takes: its cost in the usage the client sees, then metrics and
+    exactly one ledger record once it ends (``done``), or none when nothing was billable (``void``)."""
+
+    __slots__ = (
+        "_final",
+        "_progress_at",
+        "access_log",
+        "billing",
+        "closed",
+        "engine",
+        "metrics",
+        "p",
+        "predicted",
+        "received",
+        "settle",
+    )
 
     def __init__(
         self,
@@ -45,13 +65,57 @@ class RequestAccount:
         self.received = received
         self.predicted = predicted  # cached prompt tokens the router expected: an aborted stream's estimate
         self.settle = settle  # the pending prefill this request put on the engine's load
+        self.closed = False
+        self._final: UsageRecord | None = None  # the record journaled before the answer's last byte
+        self._progress_at = 0.0
+
+    # -- the journal -----------------------------------------------------------------------------------
+
+    def dispatched(self) -> None:
+        """The request is about to leave for the engine: from now on a crash still bills its prompt."""
+        journal = self.billing.journal
+        if journal is not None:
+            journal.opened(
+                self._record(len(self.p.token_ids), self.predicted, 0, INTERRUPTED, estimated=True)
+            )
+
+    def streamed(self, tokens: int) -> None:
+        """A stream's progress (called per relayed batch): journaled about once a second."""
+        journal = self.billing.journal
+        if journal is not None:
+            now = time.monotonic()
+            if now - self._progress_at >= PROGRESS_EVERY_S:
+                self._progress_at = now
+                journal.progressed(self.p.record_id, tokens)
+
+    def usage_arrived(self, usage: dict[str, Any]) -> None:
+        """The engine's usage is in hand and about to be forwarded: the record is fixed (and journaled)
+        now, before the last byte reaches the client."""
+        if self._final is None:
+            prompt, cached, completion = usage_counts(usage)
+            self._final = self._record(prompt, cached, completion, "completed", estimated=False)
+            if self.billing.journal is not None:
+                self.billing.journal.finished(self._final)
+
+    def void(self) -> None:
+        """Nothing of the request is billable (the engine failed before answering): no record."""
+        if not self.closed:
+            self.closed = True
+            self.settle()
+            if self.billing.journal is not None:
+                self.billing.journal.voided(self.p.record_id)
+
+    # -- the end -----------------------------------------------------------------------------------------
 
     def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self.billing.usage_extras(self.p.model, usage)
 
     def done(
-        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, events: int
+        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, streamed_tokens: int
     ) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.settle()
         p, engine = self.p, self.engine
         prompt, cached, completion = usage_counts(usage)
@@ -68,34 +132,46 @@ class RequestAccount:
             completion_tokens=completion,
             itl_s=itl,
         )
-        estimated = usage is None
-        if estimated:
-            if first_byte is None:
+        record = self._final
+        if record is None and usage is not None:
+            record = self._record(prompt, cached, completion, outcome, estimated=False)
+        elif record is None:
+            if first_byte is None and outcome != "aborted":
+                # The engine broke off before anything reached the client: nothing to bill.
                 self._log(outcome, now, first_byte, prompt, cached, completion, 0)
-                return  # nothing reached the client: nothing to bill
-            # The stream ended before the engine's usage: bill what the client received, by the gateway's
-            # own counts (the prompt it sent, the cache it predicted, one token per streamed event).
-            prompt, cached, completion = len(p.token_ids), self.predicted, events
-        cost = self.billing.cost_picodollars(p.model, prompt, cached, completion)
-        self._log(outcome, now, first_byte, prompt, cached, completion, cost)
-        self.billing.record(
-            UsageRecord(
-                record_id=p.record_id,
-                tenant=p.tenant,
-                model=p.model,
-                prompt_tokens=prompt,
-                cached_tokens=cached,
-                completion_tokens=completion,
-                cost_picodollars=cost,
-                status=outcome,
-                key_id=p.key_id,
-                region=engine.region,
-                engine=engine.id,
-                request_id=p.request_id,
-                estimated=estimated,
-            )
+                if self.billing.journal is not None:
+                    self.billing.journal.voided(p.record_id)
+                return
+            # It ended before the engine's usage: bill what the engine did by the gateway's own counts (the
+            # prompt it sent, the cache it predicted, one token per streamed event) — also when the client
+            # left before the first byte: the engine took the prompt.
+            record = self._record(len(p.token_ids), self.predicted, streamed_tokens, outcome, estimated=True)
+        if record is not self._final and self.billing.journal is not None:
+            self.billing.journal.finished(record)  # (a whole answer's body leaves only after this returns)
+        self._log(outcome, now, first_byte, record.prompt_tokens, record.cached_tokens,
+                  record.completion_tokens, record.cost_picodollars)  # fmt: skip
+        self.billing.record(record)
+        self.metrics.usage_recorded(record.status, record.estimated)
+
+    def _record(
+        self, prompt: int, cached: int, completion: int, status: str, *, estimated: bool
+    ) -> UsageRecord:
+        p, engine = self.p, self.engine
+        return UsageRecord(
+            record_id=p.record_id,
+            tenant=p.tenant,
+            model=p.model,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+            cost_picodollars=self.billing.cost_picodollars(p.model, prompt, cached, completion),
+            status=status,
+            key_id=p.key_id,
+            region=engine.region,
+            engine=engine.id,
+            request_id=p.request_id,
+            estimated=estimated,
         )
-        self.metrics.usage_recorded(outcome, estimated)
 
     def _log(
         self,

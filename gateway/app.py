@@ -13,7 +13,11 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
 from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
@@ -33,7 +37,7 @@ from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.shared_state import SharedState
 from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
-from gateway.upstream import UpstreamClients
+from gateway.upstream import UpstreamClients, engine_tls_context
 from gateway.usage_api import UsageApi
 from region_map.config import ConfigError
 from region_map.fleet import Fleet
@@ -44,6 +48,7 @@ log = logging.getLogger("kvgate.app")
 GATEWAY = web.AppKey("gateway", Gateway)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
+REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -106,11 +111,7 @@ def build_app(config: KvgateConfig) -> web.Application:
             f"gateway.routing.policy: unknown policy {settings.routing.policy!r} "
             f"(one of {', '.join(POLICIES)})"
         )
-    redis = (
-        aioredis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        if settings.redis_url
-        else None
-    )
+    redis = redis_client(settings.redis_url, settings.redis_max_connections) if settings.redis_url else None
     fleet = Fleet(config.topology)
     metrics = GatewayMetrics()
     billing = build_billing(config, redis)
@@ -124,7 +125,15 @@ def build_app(config: KvgateConfig) -> web.Application:
         config,
         fleet=fleet,
         state=state,
-        clients=UpstreamClients(connect_timeout=settings.connect_timeout_s),
+        clients=UpstreamClients(
+            connect_timeout=settings.connect_timeout_s,
+            # Built now, so that an unusable CA or client certificate file stops the start.
+            ssl_context=engine_tls_context(
+                ca_file=settings.engine_tls_ca_file,
+                cert_file=settings.engine_tls_cert_file,
+                key_file=settings.engine_tls_key_file,
+            ),
+        ),
         metrics=metrics,
         tokenizer=load_tokenizer(settings.tokenizer),
         policy=POLICIES[settings.routing.policy](settings.routing),
@@ -163,6 +172,23 @@ def build_app(config: KvgateConfig) -> web.Application:
     return app
 
 
+def redis_client(url: str, max_connections: int) -> aioredis.Redis:
+    """The gateway's one Redis client: keys, ledger, rate-limit buckets and shared state (pub/sub too) all
+    use it. Its pool is sized for the gateway's concurrency, and a burst beyond that waits for a free
+    connection (up to the socket timeout) rather than failing with "Too many connections", which redis-py's
+    default pool (100) does. A command that finds its pooled connection dead (Redis restarted) is sent once
+    more on a fresh one, instead of failing the request that happened to draw it."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=REDIS_TIMEOUT_S,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+
+
 def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
     """Keys, ledger and rate-limit buckets: in Redis when the gateway has it, else in process."""
     settings = config.gateway
@@ -176,7 +202,7 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
         keys = MemoryKeyStore()
     if redis is not None:
         spool = Spool(spool_path(config))
-        writer = LedgerWriter(RedisLedger(redis, prefix), spool)
+        writer = LedgerWriter(RedisLedger(redis, prefix), spool, journal=UsageJournal(spool_path(config)))
         limiter = RateLimiter(RedisBuckets(redis, prefix))
     else:
         writer = LedgerWriter(MemoryLedger())
@@ -197,7 +223,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     settings = gateway.settings
     fleet, state = gateway.fleet, gateway.state
-    session = aiohttp.ClientSession()
+    # Health checks and KV events verify https:// engines with the same TLS context as requests do.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=gateway.clients.ssl_context))
     poller = HealthPoller(
         fleet,
         session,
@@ -208,7 +235,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     consumers: list[asyncio.Task[None]] = []
     billing = gateway.billing
     try:
-        await billing.writer.start()  # replays a spool left by an earlier run first
+        # Replays first what an earlier run left: its spool, and the requests its journal still owed.
+        await billing.writer.start(billing.cost_picodollars)
         app[DASHBOARD].start()
         await state.start([e.id for e in fleet])
         await poller.probe_all()

@@ -13,18 +13,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cache.journal import UsageJournal
 from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
-from gateway.errors import AuthenticationFailed, RateLimited
+from gateway.errors import AuthenticationFailed, RateLimited, Unavailable
 from gateway.ledger_writer import LedgerWriter
 from gateway.ratelimit import LimitExceeded, RateLimiter
-from gateway.tenants import Authenticator, KeyRecord, KeyStore, Tenant, bearer_key, tenant_from_config
+from gateway.tenants import (
+    Authenticator,
+    KeyRecord,
+    KeyStore,
+    KeyStoreUnavailable,
+    Tenant,
+    bearer_key,
+    tenant_from_config,
+)
 
 OPEN_TENANT = "default"
 MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using "
     "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
+KEY_STORE_AWAY = "cannot verify the API key right now: the key store is unreachable; retry shortly"
+KEY_STORE_RETRY_AFTER_S = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +67,14 @@ class Billing:
         self.ledger = ledger
         self.writer = writer
         self.limiter = limiter
-        self.authenticator = Authenticator(keys)
+        self.authenticator = Authenticator(
+            keys,
+            cache_ttl_s=self.auth.cache_ttl_s,
+            negative_ttl_s=self.auth.negative_ttl_s,
+            fail_open=self.auth.fail_open,
+            max_stale_s=self.auth.max_stale_s,
+            lookup_timeout_s=self.auth.lookup_timeout_s,
+        )
         self._tenant_configs = dict(config.tenants)
         self._tenants: dict[str, Tenant] = {}
         self._prices = {model: price.prices() for model, price in config.prices.items()}
@@ -76,13 +94,19 @@ class Billing:
         return tenant
 
     async def identify(self, authorization: str | None) -> Caller:
-        """The caller of a request with this Authorization header; 401 for a missing or unknown key."""
+        """The caller of a request with this Authorization header; 401 for a missing or unknown key, 503 (with
+        Retry-After) when the key store cannot say whether the key is valid: never a 401 the key's owner
+        would not retry."""
         if not self.auth.enabled:
             return self._open
         key = bearer_key(authorization)
         if key is None:
             raise AuthenticationFailed(MISSING_KEY, code=None)
-        record = await self.authenticator.check(key)
+        try:
+            record = await self.authenticator.check(key)
+        except KeyStoreUnavailable:
+            headers = {"Retry-After": str(KEY_STORE_RETRY_AFTER_S)}
+            raise Unavailable(KEY_STORE_AWAY, code="auth_unavailable", headers=headers) from None
         if record is None:
             shown = f"{key[:6]}***{key[-4:]}" if len(key) > 12 else "***"
             raise AuthenticationFailed(f"Incorrect API key provided: {shown}.")
@@ -130,6 +154,11 @@ class Billing:
             return {}
         prompt, cached, completion = usage_counts(usage)
         return {"cost": dollars(prices.cost_picodollars(prompt, cached, completion))}
+
+    @property
+    def journal(self) -> UsageJournal | None:
+        """The crash journal of billable requests (with a Redis ledger; None in process)."""
+        return self.writer.journal
 
     def record(self, rec: UsageRecord) -> None:
         """Hand a finished request's record to the ledger writer (never blocks, never drops)."""

@@ -6,6 +6,7 @@ Precedence: built-in defaults < the file < ``KVGATE_*`` environment variables < 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -15,7 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cache.ledger import PRICE_DECIMALS, Prices
 from gateway.home import HomeSettings
@@ -42,6 +43,24 @@ class AuthSettings(BaseModel):
     keys_file: str | None = Field(default=None, description="hashed keys (JSON lines) when there is no Redis")
     requests_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
     tokens_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
+    cache_ttl_s: float = Field(
+        default=60.0, ge=0, description="a verified key is looked up again after this long (revocation delay)"
+    )
+    negative_ttl_s: float = Field(
+        default=5.0, ge=0, description="how long the key store's 'no such key' is remembered"
+    )
+    lookup_timeout_s: float = Field(
+        default=1.0, gt=0, description="a key look-up slower than this counts as the key store being away"
+    )
+    fail_open: bool = Field(
+        default=True,
+        description="while the key store is unreachable, keys this gateway verified before keep working "
+        "(for up to max_stale_s past cache_ttl_s; a key revoked meanwhile works that long on this gateway); "
+        "other keys get 503 either way, never 401",
+    )
+    max_stale_s: float = Field(
+        default=900.0, ge=0, description="fail_open: how long past cache_ttl_s a verified key is still good"
+    )
 
 
 class ResilienceSettings(BaseModel):
@@ -75,6 +94,68 @@ class ResilienceSettings(BaseModel):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="on shutdown, how long open requests and streams may still finish"
     )
+    stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="once a stream's tokens flow, the longest silence before it ends with an error event",
+    )
+    unhealthy_silence_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="when an engine is declared unhealthy, its requests silent this long fail over at once",
+    )
+
+
+class EdgeSettings(BaseModel):
+    """The ``[gateway.edge]`` table: how long a client may take to send a request, and how many connections
+    the public port keeps open. Reverse-proxy style defaults: the gateway may face the internet itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="request line and headers must arrive within this of the request's "
+        "first byte; else 408 and the connection closes",
+    )
+    body_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="the body's allowance from the end of the headers, before body_min_rate extends it",
+    )
+    body_min_rate: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="bytes/s: every this many body bytes received extends the body's "
+        "allowance by 1 s (mod_reqtimeout's MinRate); a client sending slower is cut off at about "
+        "body_timeout_s; 0: body_timeout_s is all a body gets",
+    )
+    idle_timeout_s: float = Field(
+        default=75.0,
+        gt=0,
+        description="a keep-alive connection with no request in progress is closed after this",
+    )
+    max_connections: int = Field(
+        default=10_000,
+        ge=1,
+        description="open client connections in all (then 503 at accept); never more than "
+        "40% of the open-file soft limit, as each may hold an engine connection too",
+    )
+    max_connections_per_client: int = Field(
+        default=256, ge=1, description="open connections per client address (IPv4 address, IPv6 /64)"
+    )
+    per_client_exempt: list[str] = Field(
+        default_factory=lambda: ["127.0.0.0/8", "::1/128"],
+        description="client networks (CIDR) without a per-client cap, only the total one: loopback (a local "
+        "proxy, health checker or benchmark) and trusted reverse proxies, whose connections carry many clients",
+    )
+
+    @field_validator("per_client_exempt")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            ipaddress.ip_network(network, strict=False)  # ValueError: pydantic reports it with the field
+        return value
 
 
 class PriceConfig(BaseModel):
@@ -100,13 +181,24 @@ class GatewaySettings(BaseModel):
     )
     redis_url: str | None = Field(default=None, description="shared state; None keeps everything in process")
     redis_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    redis_max_connections: int = Field(
+        default=256,
+        ge=2,
+        description="size of the one Redis pool every Redis user of the gateway shares (the pub/sub follower "
+        "holds one connection); when all are busy a command waits for one instead of failing",
+    )
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block; engines must match")
     tokenizer: str | None = Field(
         default=None, description="model directory with tokenizer.json; None: bytes"
     )
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     max_prompt_tokens: int = Field(default=1 << 20, ge=1)
-    max_output_tokens: int = Field(default=1 << 17, ge=1)
+    max_output_tokens: int = Field(default=1 << 17, ge=1, description="largest max_tokens a request may ask")
+    default_max_tokens: int = Field(
+        default=16,
+        ge=1,
+        description="max_tokens of a request naming none (sent to the engine: its own default may differ)",
+    )
     max_session_id_length: int = Field(default=256, ge=1, le=4096)
     session_ttl_s: float = Field(default=3600.0, gt=0)
     approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
@@ -118,6 +210,16 @@ class GatewaySettings(BaseModel):
     unhealthy_after: int = Field(default=2, ge=1)
     connect_timeout_s: float = Field(default=3.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence tolerated from an engine")
+    # TLS to https:// engines (requests, health checks, KV events); certificates are always verified.
+    engine_tls_ca_file: str | None = Field(
+        default=None, description="PEM bundle of the CAs trusted for engines; None: the system's CAs"
+    )
+    engine_tls_cert_file: str | None = Field(
+        default=None, description="the gateway's client certificate (PEM) for engines that require mTLS"
+    )
+    engine_tls_key_file: str | None = Field(
+        default=None, description="its private key (PEM); None: in engine_tls_cert_file"
+    )
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     home: HomeSettings = Field(default_factory=HomeSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
@@ -127,6 +229,7 @@ class GatewaySettings(BaseModel):
         default=True, description="serve the completion endpoints with gateway.lean_http; false: all aiohttp"
     )
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
+    edge: EdgeSettings = Field(default_factory=EdgeSettings)
     shared_prefixes: list[str] = Field(
         default_factory=list, description="prompt prefixes (text) every tenant may share the KV cache of"
     )
@@ -134,6 +237,15 @@ class GatewaySettings(BaseModel):
         default=None,
         description="ledger spool while Redis is away; default: ledger-<region>-<port>.spool, state dir",
     )
+
+    @model_validator(mode="after")
+    def _default_within_the_cap(self) -> GatewaySettings:
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
+                f"({self.max_output_tokens}): every request that names no max_tokens would be refused"
+            )
+        return self
 
 
 _T = TypeVar("_T", bound=BaseModel)

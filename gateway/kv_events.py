@@ -3,7 +3,8 @@
 Start from a snapshot, then stream batches after its ``seq``. A gap in ``seq``, a stream that fell too far
 behind (410), or an engine that restarted sends the consumer back to a fresh snapshot: never guess.
 An engine without the event endpoints (a stock vLLM, say) is marked as publishing none, so the gateway
-records its own routing decisions for it instead.
+records its own routing decisions for it instead. An ``https://`` engine is followed over TLS with the
+session's connector, built by the gateway with its one engine TLS context.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ every later one go to the local spool (fsync'ed) until Redis answers again; then
 cleared. A gateway that starts with a non-empty spool (it stopped during an outage) replays it first. The
 ledger ignores a record id it has seen, so a record written just before a failure and spooled anyway still
 counts once.
+
+With a journal (``cache.journal``), what a crashed predecessor owed is written first, and every record safely
+in the ledger or the spool is reported to the journal, which then forgets its entries.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from cache.journal import CostFn, UsageJournal
 from cache.ledger import UsageLedger, UsageRecord
 from cache.spool import Spool
 
@@ -28,11 +32,13 @@ class LedgerWriter:
         ledger: UsageLedger,
         spool: Spool | None = None,
         *,
+        journal: UsageJournal | None = None,
         write_timeout_s: float = 2.0,
         retry_s: float = 1.0,
     ) -> None:
         self.ledger = ledger
         self.spool = spool
+        self.journal = journal
         self._write_timeout_s = write_timeout_s
         self._retry_s = retry_s
         self._queue: asyncio.Queue[UsageRecord] = asyncio.Queue()
@@ -46,8 +52,13 @@ class LedgerWriter:
         if self._record_now is not None:
             self._record_now(rec)  # the in-process ledger cannot fail: no queue, no task switch
             self.written += 1
+            self._settled([rec])
             return
         self._queue.put_nowait(rec)
+
+    def _settled(self, records: list[UsageRecord]) -> None:
+        if self.journal is not None:
+            self.journal.settled(r.record_id for r in records)
 
     @property
     def pending(self) -> int:
@@ -58,6 +69,7 @@ class LedgerWriter:
             raise RuntimeError("a ledger write failed and there is no spool")  # memory ledgers never fail
         await asyncio.to_thread(self.spool.append, records)
         self.spooled += len(records)
+        self._settled(records)
 
     async def replay(self) -> bool:
         """Write the spool to the ledger and clear it; False if the ledger is still away."""
@@ -112,6 +124,7 @@ class LedgerWriter:
                 async with asyncio.timeout(self._write_timeout_s):
                     await self.ledger.record_many(batch)
                 self.written += len(batch)
+                self._settled(batch)
             except asyncio.CancelledError:
                 await self._to_spool(batch)
                 raise
@@ -122,9 +135,27 @@ class LedgerWriter:
             finally:
                 self._done(len(batch))
 
-    async def start(self) -> None:
-        self.degraded = not await self.replay()  # a spool left by an earlier run
+    async def start(self, cost: CostFn | None = None) -> None:
+        """Replay a spool left by an earlier run, then the records a journal says it still owed (``cost``
+        prices the estimated ones), then start writing."""
+        self.degraded = not await self.replay()
+        if self.journal is not None:
+            owed = await asyncio.to_thread(self.journal.start, cost or _free)
+            if owed:
+                await self._write_or_spool(owed)
+                log.warning("billed %d requests an earlier gateway process left unrecorded", len(owed))
+            self.journal.forget_replayed()
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
+
+    async def _write_or_spool(self, records: list[UsageRecord]) -> None:
+        try:
+            for i in range(0, len(records), MAX_BATCH):
+                async with asyncio.timeout(self._write_timeout_s):
+                    await self.ledger.record_many(records[i : i + MAX_BATCH])
+        except Exception as exc:  # whatever failed, the spool keeps them
+            log.warning("ledger write failed (%s); spooling %d records", exc, len(records))
+            self.degraded = True
+            await self._to_spool(records)
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every submitted record is in the ledger or the spool."""
@@ -145,3 +176,9 @@ class LedgerWriter:
             rest.append(self._queue.get_nowait())
         if rest:
             await self._to_spool(rest)
+        if self.journal is not None:
+            self.journal.close()
+
+
+def _free(model: str, prompt: int, cached: int, completion: int) -> int:
+    return 0

@@ -131,6 +131,28 @@ class GatewayMetrics:
             ["engine", "kind"],
             registry=r,
         )
+        # The public port's edge (gateway.edge): connections refused at accept, requests too slow to arrive.
+        self.connections_refused = LoopCounter(
+            "kvgate_connections_refused",
+            "Client connections refused at accept (503, closed) by the cap they met: total or per_client.",
+            ["reason"],
+            registry=r,
+        )
+        self.read_timeouts = LoopCounter(
+            "kvgate_request_read_timeouts",
+            "Requests whose head (header) or body (body) did not arrive in time: 408 if it could still be "
+            "written, and the connection closed.",
+            ["phase"],
+            registry=r,
+        )
+        self.open_connections: Callable[[], int] = lambda: 0  # the server's count (gateway.server sets it)
+        r.register(
+            _CallbackGauge(
+                "kvgate_client_connections",
+                "Client connections open on the public port (lean_http's and aiohttp's).",
+                lambda: float(self.open_connections()),
+            )
+        )
 
     def routed(self, region: str, engine: str, reason: str, predicted_cached: int, home: str) -> None:
         self.routing.labels(region, engine, reason).inc()
@@ -184,6 +206,21 @@ class GatewayMetrics:
     def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Engine health and in-flight requests, and the given process gauges, read at scrape time."""
         self.registry.register(_LiveCollector(fleet, gauges))
+
+
+class _CallbackGauge(Collector):
+    """One gauge read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self._name, self._documentation, value=self._read())
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(self._name, self._documentation)]
 
 
 class _LiveCollector(Collector):

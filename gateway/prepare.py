@@ -24,7 +24,6 @@ from region_map.fleet import Fleet
 
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
-DEFAULT_MAX_TOKENS = 16  # what engines generate when a request names no max_tokens
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
 
@@ -62,7 +61,13 @@ class Prepared:
     shared_blocks: int = 0  # leading blocks of an operator-declared public prefix every tenant shares
     key_id: str = ""
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
-    max_tokens: int = 16
+    max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
+    choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
+
+    @property
+    def output_budget(self) -> int:
+        """Completion tokens the engine may generate for this request, all choices together."""
+        return self.max_tokens * self.choices
 
 
 class RequestPreparer:
@@ -143,11 +148,11 @@ class RequestPreparer:
         model = parsed.model
         if not self.fleet.serving(model):
             raise ModelNotFound(f"The model '{model}' does not exist", param="model")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if isinstance(max_tokens, int) and max_tokens > s.max_output_tokens:
+        max_tokens, budget_param = self._output_budget(body, path)
+        if max_tokens > s.max_output_tokens:
             raise InvalidRequest(
-                f"max_tokens is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
-                param="max_tokens",
+                f"{budget_param} is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
+                param=budget_param,
             )
         if len(token_ids) > s.max_prompt_tokens:
             raise InvalidRequest(
@@ -160,7 +165,6 @@ class RequestPreparer:
         if parsed.cache_salt:
             cache_salt = f"{cache_salt}/{parsed.cache_salt}" if cache_salt else parsed.cache_salt
         shared_blocks = self._shared_blocks(token_ids) if cache_salt else 0
-        requested = body.get("max_completion_tokens") or body.get("max_tokens")
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id")),
             tenant=tenant.name,
@@ -176,8 +180,27 @@ class RequestPreparer:
             home_region=self.home.resolve(request.headers, request.remote),
             shared_blocks=shared_blocks,
             record_id=f"{self._record_prefix}{next(self._record_seq):x}",
-            max_tokens=requested if isinstance(requested, int) else DEFAULT_MAX_TOKENS,
+            max_tokens=max_tokens,
+            choices=_choices(body),
         )
+
+    def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str]:
+        """(tokens per choice the engine will generate at most, the parameter that says so), read as the
+        engines read it, and written into ``body`` so that no engine's own default decides instead: chat
+        takes ``max_completion_tokens`` over ``max_tokens``; legacy completions know only ``max_tokens``."""
+        if path == "/v1/chat/completions" and body.get("max_completion_tokens") is not None:
+            param = "max_completion_tokens"
+        else:
+            if body.get("max_completion_tokens") is not None:
+                raise InvalidRequest(
+                    "max_completion_tokens is not a parameter of /v1/completions; use max_tokens",
+                    param="max_completion_tokens",
+                )
+            param = "max_tokens"
+        requested = body.get(param)
+        if not isinstance(requested, int):  # absent (the schema checked its type otherwise)
+            requested = body[param] = self.settings.default_max_tokens
+        return requested, param
 
     def _shared_blocks(self, token_ids: np.ndarray) -> int:
         """Full blocks of the longest declared shared prefix this prompt starts with."""
@@ -219,6 +242,12 @@ class RequestPreparer:
                 code="invalid_header",
             )
         return raw
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """Sequences the engine generates for the request: ``n``, or legacy ``best_of`` when larger."""
+    counts = [v for v in (body.get("n"), body.get("best_of")) if isinstance(v, int) and v > 1]
+    return max(counts, default=1)
 
 
 def request_id(raw: str | None) -> str:

@@ -3,7 +3,8 @@
 The buckets live in Redis (one Lua script: refill by elapsed server time, then take) when gateways share
 it, so every gateway draws from the same allowance. To keep the request path off Redis, a gateway takes
 allowance in leases of about 1/20 of a minute's worth and spends them locally; it goes back to Redis only
-when a lease runs out. Without Redis the buckets are in process. An exhausted bucket answers 429 with the
+when a lease runs out, with one refill per bucket at a time however many requests wait on it. Without Redis
+(or while it is away or slow) the buckets are in process. An exhausted bucket answers 429 with the
 seconds until enough has refilled.
 """
 
@@ -78,26 +79,65 @@ class LimitExceeded(Exception):
 
 
 class RateLimiter:
+    """Spends allowance from this gateway's leases; refills a lease from the store when it runs short.
+
+    Concurrent spends on one bucket share one refill: the first starts it, the others await the same one
+    and then look at the lease again. The grant is added to the lease as it is when the grant arrives
+    (spends ran meanwhile), so no allowance is lost or counted twice, and a burst takes one lease from the
+    shared bucket at a time instead of one per request.
+    """
+
     def __init__(self, store: BucketStore, *, lease_fraction: float = 0.05) -> None:
         self.store = store
         self._fallback = MemoryBuckets()  # while the shared store is away: limits per gateway, not none
         self._lease_fraction = lease_fraction
         self._leases: dict[str, int] = {}
+        self._refills: dict[str, asyncio.Task[tuple[int, int, float]]] = {}
 
     async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> None:
         """Spend ``amount`` of a per-minute allowance or raise LimitExceeded."""
         if amount > per_minute:
             raise LimitExceeded(f"{what}: Limit {per_minute}, Requested {amount}", 60.0)
-        have = self._leases.get(bucket, 0)
-        if have < amount:
-            lease = max(amount - have, math.ceil(per_minute * self._lease_fraction))
+        while True:
+            have = self._leases.get(bucket, 0)
+            if have >= amount:  # the common case: no await, so nothing can change the lease in between
+                self._leases[bucket] = have - amount
+                return
+            refill = self._refills.get(bucket)
+            if refill is None:
+                want = max(amount - have, math.ceil(per_minute * self._lease_fraction))
+                refill = self._start_refill(bucket, per_minute, want)
+            # Shielded: a request cancelled while waiting must not cancel the refill the others wait for.
+            granted, wanted, wait = await asyncio.shield(refill)
+            if granted < wanted and self._leases.get(bucket, 0) < amount:
+                # The shared bucket is empty: another refill now would get nothing either.
+                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0))
+            # Else the refill got all it asked for, but spends ahead of this one (or a refill sized for a
+            # smaller amount) left too little: look again, and refill again if need be.
+
+    def _start_refill(self, bucket: str, per_minute: int, want: int) -> asyncio.Task[tuple[int, int, float]]:
+        task = asyncio.get_running_loop().create_task(self._refill(bucket, per_minute, want))
+        task.add_done_callback(_retrieve)
+        if not task.done():  # (an eager task factory may have finished it already)
+            self._refills[bucket] = task
+        return task
+
+    async def _refill(self, bucket: str, per_minute: int, want: int) -> tuple[int, int, float]:
+        """Take ``want`` from the store into the lease: (granted, wanted, seconds until the rest refills)."""
+        try:
             try:
                 async with asyncio.timeout(STORE_TIMEOUT_S):
-                    granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, lease)
+                    granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
             except (RedisError, OSError, TimeoutError):
-                granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, lease)
-            have += granted
-            if have < amount:
-                self._leases[bucket] = have
-                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0))
-        self._leases[bucket] = have - amount
+                granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
+            self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
+            return granted, want, wait
+        finally:
+            if self._refills.get(bucket) is asyncio.current_task():
+                del self._refills[bucket]
+
+
+def _retrieve(task: asyncio.Task[tuple[int, int, float]]) -> None:
+    """Mark a refill's exception as seen: its waiters may all have been cancelled."""
+    if not task.cancelled():
+        task.exception()

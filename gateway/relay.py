@@ -31,11 +31,20 @@ class Accounting(Protocol):
         """Fields to add to the usage the client receives (its cost)."""
         ...
 
+    def usage_arrived(self, usage: dict[str, Any]) -> None:
+        """A stream's usage is in hand and about to be forwarded (its record can be made durable now)."""
+        ...
+
+    def streamed(self, tokens: int) -> None:
+        """A stream has sent ``tokens`` completion tokens so far."""
+        ...
+
     def done(
-        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, events: int
+        self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, streamed_tokens: int
     ) -> None:
         """Called once per relayed answer: the engine's usage (None if it never came), the perf_counter
-        of the first streamed byte, how it ended, and how many SSE data events were forwarded."""
+        of the first streamed byte, how it ended, and how many completion tokens streamed to the client (by
+        its events: the estimate when the usage never came)."""
         ...
 
 
@@ -58,6 +67,7 @@ async def relay_whole(
         raise UpstreamFailed(f"engine {engine_id} broke off the response: {exc}") from None
     except asyncio.CancelledError:
         upstream.abort()  # the client went away: stop the engine's work too
+        accounting.done(None, None, "aborted", 0)  # ... which took its prompt all the same
         raise
     if upstream.status != 200:
         return engine_error(engine_id, upstream.status, data, headers, metrics)
@@ -82,10 +92,15 @@ async def relay_stream(
     headers: dict[str, str],
     forward_usage_event: bool,
     read_timeout_s: float,
+    stall_timeout_s: float,
     metrics: GatewayMetrics,
     accounting: Accounting,
     on_first_byte: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
+    """Relay an SSE stream. The client's response starts with the engine's first bytes: until then nothing
+    has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
+    engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
+    most; a stream that breaks off ends with an error event and is billed for what was sent."""
     # On gateway.lean_http's connections the stream is written there; else it is aiohttp's.
     response = (
         request.stream_response(headers)
@@ -96,32 +111,43 @@ async def relay_stream(
     response.headers["Cache-Control"] = "no-cache"
     tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
+    timeout = read_timeout_s  # (a prompt may wait in the engine's queue; its health covers a dead engine)
     try:
-        await response.prepare(cast(web.Request, request))
-        while (data := await upstream.next_batch(read_timeout_s)) is not None:
+        while (data := await upstream.next_batch(timeout)) is not None:
             if first_byte is None:
                 first_byte = time.perf_counter()
                 if on_first_byte is not None:
                     on_first_byte()
+                await response.prepare(cast(web.Request, request))
+                timeout = stall_timeout_s
             out = tap.feed(data)
+            if tap.usage is not None:
+                accounting.usage_arrived(tap.usage)  # billed before the last byte reaches the client
+            else:
+                accounting.streamed(tap.token_events)
             if out:
                 await response.write(out)
         rest = tap.flush()
+        await response.prepare(cast(web.Request, request))  # (an engine that sent no byte at all)
         if rest:
             await response.write(rest)
         await response.write_eof()
     except UpstreamError as exc:
-        # Bytes already reached the client: end the stream with an error event, never retry.
         metrics.upstream_error(engine_id, type(exc).__name__)
+        if first_byte is None:  # nothing reached the client: another engine may answer
+            if isinstance(exc, UpstreamTimeout):
+                raise UpstreamTimedOut(f"engine {engine_id} sent nothing within {timeout:g}s") from None
+            raise UpstreamFailed(f"engine {engine_id} failed before its first token: {exc}") from None
+        # Tokens already reached the client: end the stream with an error event, never retry.
         error = UpstreamFailed(f"engine {engine_id} broke off the stream: {exc}")
         await _try_write(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
-        accounting.done(tap.usage, first_byte, "failed", tap.events)
+        accounting.done(tap.usage, first_byte, "failed", tap.token_events)
         return response
     except (ConnectionResetError, asyncio.CancelledError):
         upstream.abort()  # the client went away: stop the engine's work too
-        accounting.done(tap.usage, first_byte, "aborted", tap.events)
+        accounting.done(tap.usage, first_byte, "aborted", tap.token_events)
         raise
-    accounting.done(tap.usage, first_byte, "completed", tap.events)
+    accounting.done(tap.usage, first_byte, "completed", tap.token_events)
     return response
 
 

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
@@ -75,6 +75,7 @@ class Gateway:
         self.limiter = RemoteShareLimiter(config.gateway.routing.max_remote_share)
         self.resilience = r = config.gateway.resilience
         for engine in fleet:
+            engine.down_quiet_s = r.unhealthy_silence_s
             engine.breaker = CircuitBreaker(
                 failures=r.breaker_failures,
                 cooldown_s=r.breaker_cooldown_s,
@@ -87,7 +88,7 @@ class Gateway:
 
     async def chat_completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
-        caller = await self.billing.identify(request.headers.get("Authorization"))
+        caller = await self._caller(request)
         body = await self.prepare.read_json(request)
         return await self._admit_and_serve(
             request, received, caller, await self.prepare.chat(request, body, caller.tenant)
@@ -95,16 +96,26 @@ class Gateway:
 
     async def completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
-        caller = await self.billing.identify(request.headers.get("Authorization"))
+        caller = await self._caller(request)
         body = await self.prepare.read_json(request)
         p = await self.prepare.completion(request, body, caller.tenant)
         return await self._admit_and_serve(request, received, caller, p)
+
+    async def _caller(self, request: ClientRequest) -> Caller:
+        """Who sent the request, known before its body is read: gateway.lean_http checks the key once the
+        headers are in and hands the verdict on (``caller``: the Caller, or its look-up still under way
+        when the body came whole first); aiohttp's requests are identified here (aiohttp reads no body
+        before the handler does)."""
+        known = getattr(request, "caller", None)
+        if known is None:
+            return await self.billing.identify(request.headers.get("Authorization"))
+        return known if isinstance(known, Caller) else cast(Caller, await known)
 
     async def _admit_and_serve(
         self, request: ClientRequest, received: float, caller: Caller, p: Prepared
     ) -> web.StreamResponse:
         p.key_id = caller.key_id
-        await self.billing.admit(caller, len(p.token_ids), p.max_tokens)
+        await self.billing.admit(caller, len(p.token_ids), p.output_budget)
         return await self._serve(request, received, p)
 
     async def models(self, request: ClientRequest) -> web.Response:
@@ -290,10 +301,22 @@ class Gateway:
         held = predicted if pull else cached.get(computing.id, 0) * block_size
         computing_cached = min(held, len(p.token_ids))
         pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
+        account = RequestAccount(
+            p,
+            engine,
+            billing=self.billing,
+            metrics=self.metrics,
+            access_log=self.settings.access_log,
+            received=received,
+            predicted=predicted,
+            settle=pending.settle,
+        )
+        exchanges: list[Response] = []  # (two when a stale pooled connection is retried)
         engine.inflight += 1
         engine.breaker.on_dispatch()
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
+            account.dispatched()
             try:
                 upstream = await self.clients.pool(engine.url).request(
                     "POST",
@@ -301,6 +324,7 @@ class Gateway:
                     self._upstream_body(p, engine, prefill, pull),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
                     header_timeout=self._header_timeout_s(p),
+                    started=lambda response: _track(engine, response, exchanges),
                 )
             except UpstreamError as exc:
                 self.metrics.upstream_error(engine.id, type(exc).__name__)
@@ -309,6 +333,9 @@ class Gateway:
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
                 raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}"), engine.id) from None
+            except asyncio.CancelledError:
+                account.done(None, None, "aborted", 0)  # the client left; the engine had taken the prompt
+                raise
             if prefill is not None and upstream.status == 502:
                 await self._raise_if_transfer_failed(upstream, engine, prefill)
             if upstream.status >= 500:
@@ -332,19 +359,9 @@ class Gateway:
                 headers["x-kvgate-prefill-engine"] = computing.id
                 headers["x-kvgate-decode-engine"] = engine.id
                 self.metrics.disaggregated(engine.region, path, computing.id, engine.id)
-            account = RequestAccount(
-                p,
-                engine,
-                billing=self.billing,
-                metrics=self.metrics,
-                access_log=self.settings.access_log,
-                received=received,
-                predicted=predicted,
-                settle=pending.settle,
-            )
             timeout = self.settings.read_timeout_s
-            if upstream.status != 200 or not p.stream:
-                try:
+            try:
+                if upstream.status != 200 or not p.stream:
                     return await relay_whole(
                         upstream,
                         engine_id=engine.id,
@@ -353,25 +370,28 @@ class Gateway:
                         metrics=self.metrics,
                         accounting=account,
                     )
-                except (UpstreamFailed, UpstreamTimedOut) as exc:
-                    # The body broke off, but nothing has reached the client yet: another engine may answer.
-                    engine.breaker.on_failure()
-                    raise _Retryable(exc, engine.id) from None
-            return await relay_stream(
-                request,
-                upstream,
-                engine_id=engine.id,
-                headers=headers,
-                forward_usage_event=p.client_wants_usage,
-                read_timeout_s=timeout,
-                metrics=self.metrics,
-                accounting=account,
-                on_first_byte=pending.settle,  # the prefill is done once tokens flow
-            )
+                return await relay_stream(
+                    request,
+                    upstream,
+                    engine_id=engine.id,
+                    headers=headers,
+                    forward_usage_event=p.client_wants_usage,
+                    read_timeout_s=timeout,
+                    stall_timeout_s=self.resilience.stall_timeout_s,
+                    metrics=self.metrics,
+                    accounting=account,
+                    on_first_byte=pending.settle,  # the prefill is done once tokens flow
+                )
+            except (UpstreamFailed, UpstreamTimedOut) as exc:
+                # It broke off before anything reached the client: another engine may answer.
+                engine.breaker.on_failure()
+                raise _Retryable(exc, engine.id) from None
         finally:
             engine.inflight -= 1
             engine.breaker.on_abandon()
             pending.settle()
+            engine.exchanges.difference_update(exchanges)
+            account.void()  # (nothing, when the answer was accounted for)
 
     async def _raise_if_transfer_failed(
         self, upstream: Response, engine: EngineState, prefill: EngineState
@@ -418,6 +438,12 @@ class Gateway:
         else:
             self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
+
+
+def _track(engine: EngineState, response: Response, exchanges: list[Response]) -> None:
+    """Note an exchange with ``engine``, to be failed at once if the engine is declared unhealthy."""
+    exchanges.append(response)
+    engine.exchanges.add(response)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ class SseUsageTap:
         self._tail = b""
         self.usage: dict[str, Any] | None = None
         self.saw_done = False
-        self.events = 0  # data events forwarded: about one per token, the estimate when usage never came
+        self.events = 0  # data events forwarded
+        self._wordless = 0  # of those, the chat role announcement and [DONE]: no completion token in them
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
@@ -35,14 +36,23 @@ class SseUsageTap:
             return b""
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         complete, self._tail = buf[:end], buf[end:]
+        if not self.events:
+            self._wordless += _announces_role_only(complete)
         if b"[DONE]" in complete:
             self.saw_done = True
+            self._wordless += 1
         if b'"usage"' not in complete:
             self.events += complete.count(b"data:")
             return complete
         out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
         self.events += out.count(b"data:")
         return out
+
+    @property
+    def token_events(self) -> int:
+        """Forwarded events that carry a completion token (about one each): what a stream that ended before
+        the engine's usage is billed for."""
+        return max(self.events - self._wordless, 0)
 
     def flush(self) -> bytes:
         """Whatever is left when the stream ends (an engine that did not end its last event)."""
@@ -73,6 +83,13 @@ class SseUsageTap:
             return event
         chunk["usage"] = {**usage, **extras}
         return b"data: " + orjson.dumps(chunk) + (b"\r\n\r\n" if event.endswith(b"\r\n\r\n") else b"\n\n")
+
+
+def _announces_role_only(data: bytes) -> bool:
+    """Whether the first event of ``data`` is a chat stream's opening chunk: the role, empty content."""
+    ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n")) if i >= 0]
+    first = data[: min(ends)] if ends else data
+    return b'"role"' in first and (b'"content":""' in first or b'"content"' not in first)
 
 
 def _split_events(data: bytes) -> list[bytes]:

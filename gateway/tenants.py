@@ -2,8 +2,11 @@
 
 Keys live in Redis (``{prefix}:keys``, a hash from key digest to tenant) when the gateway has Redis, else
 in a keys file of JSON lines that ``kvgate keys create`` appends to and the gateway re-reads when it
-changes. The gateway keeps what it has verified in process: a key it has never seen costs one Redis read,
-later requests none (revocations reach it within ``cache_ttl_s``).
+changes. The gateway keeps what it has verified in process: a key it has never seen costs one Redis read
+(however many requests bring it at once), later requests none (revocations reach it within
+``cache_ttl_s``). Only the store's answer is a verdict: while the store is unreachable, keys this gateway
+verified before keep working for a bounded while, and any other key gets "cannot verify now"
+(``KeyStoreUnavailable``: a 503 with Retry-After), never "no such key".
 """
 
 from __future__ import annotations
@@ -174,31 +177,108 @@ async def create_key(store: KeyStore, tenant: str, name: str = "") -> tuple[str,
     return key, record
 
 
-class Authenticator:
-    """Bearer key -> key record, with verified keys (and recent refusals) remembered in process."""
+class KeyStoreUnavailable(Exception):
+    """The key store did not answer (Redis away, its pool exhausted, too slow): no verdict on the key."""
 
-    def __init__(self, store: KeyStore, *, cache_ttl_s: float = 60.0, negative_ttl_s: float = 5.0) -> None:
+
+Lookup = asyncio.Task[KeyRecord | None]
+
+
+class Authenticator:
+    """Bearer key -> key record, with verified keys (and the store's recent refusals) remembered in process.
+
+    A cache hit is a dict lookup. A miss reads the store once per key digest however many requests wait on
+    it. A store failure raises KeyStoreUnavailable and is never remembered, except that with ``fail_open``
+    a key verified before (not since found revoked) is still accepted for up to ``max_stale_s`` past its
+    cache entry: Redis being away is then no outage for known clients, at the price that a key revoked while
+    this gateway cannot reach Redis works on it until it can again (or that much longer at most).
+    """
+
+    def __init__(
+        self,
+        store: KeyStore,
+        *,
+        cache_ttl_s: float = 60.0,
+        negative_ttl_s: float = 5.0,
+        fail_open: bool = True,
+        max_stale_s: float = 900.0,
+        lookup_timeout_s: float = 1.0,
+        max_entries: int = 100_000,
+    ) -> None:
         self.store = store
         self._ttl = cache_ttl_s
         self._negative_ttl = negative_ttl_s
-        self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
+        self._fail_open = fail_open
+        self._max_stale = max_stale_s
+        self._lookup_timeout = lookup_timeout_s
+        self._max_entries = max_entries
+        self._verified: dict[str, tuple[KeyRecord, float]] = {}  # digest -> (record, fresh until)
+        # Kept apart from the verified keys, so that a flood of made-up keys cannot push out the ones that
+        # must keep working while the store is away.
+        self._refused: dict[str, float] = {}  # digest -> refused until
+        self._lookups: dict[str, Lookup] = {}  # digest -> the store read in flight
 
     async def check(self, key: str) -> KeyRecord | None:
+        """The key's record; None if the store has no such key; KeyStoreUnavailable if it cannot say."""
         key_digest = digest(key)
         now = time.monotonic()
-        hit = self._cache.get(key_digest)
+        hit = self._verified.get(key_digest)
         if hit is not None and hit[1] > now:
             return hit[0]
+        refused_until = self._refused.get(key_digest)
+        if refused_until is not None and refused_until > now:
+            return None
+        lookup = self._lookups.get(key_digest) or self._start_lookup(key_digest)
         try:
-            async with asyncio.timeout(1.0):
-                record = await self.store.get(key_digest)
-        except (RedisError, OSError, TimeoutError):
-            # The store is away: keys verified before keep working; new ones wait for it.
-            return hit[0] if hit is not None else None
-        if len(self._cache) > 100_000:
-            self._cache.clear()
-        self._cache[key_digest] = (record, now + (self._ttl if record else self._negative_ttl))
-        return record
+            # Shielded: a request cancelled while waiting must not cancel the read the others wait for.
+            return await asyncio.shield(lookup)
+        except KeyStoreUnavailable:
+            if hit is not None and self._fail_open and time.monotonic() < hit[1] + self._max_stale:
+                return hit[0]
+            raise
+
+    def _start_lookup(self, key_digest: str) -> Lookup:
+        task = asyncio.get_running_loop().create_task(self._lookup(key_digest))
+        task.add_done_callback(_retrieve)
+        if not task.done():  # (an eager task factory may have finished it already)
+            self._lookups[key_digest] = task
+        return task
+
+    async def _lookup(self, key_digest: str) -> KeyRecord | None:
+        try:
+            try:
+                async with asyncio.timeout(self._lookup_timeout):
+                    record = await self.store.get(key_digest)
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise KeyStoreUnavailable(str(exc) or type(exc).__name__) from exc
+            now = time.monotonic()
+            if record is None:
+                self._verified.pop(key_digest, None)  # revoked: not even a fallback while the store is away
+                if len(self._refused) >= self._max_entries:
+                    self._refused.clear()
+                self._refused[key_digest] = now + self._negative_ttl
+            else:
+                self._refused.pop(key_digest, None)
+                if len(self._verified) >= self._max_entries:
+                    self._prune(now)
+                self._verified[key_digest] = (record, now + self._ttl)
+            return record
+        finally:
+            if self._lookups.get(key_digest) is asyncio.current_task():
+                del self._lookups[key_digest]
+
+    def _prune(self, now: float) -> None:
+        """Forget the verified keys that could not be used any more, or all of them if that is not enough."""
+        horizon = now - self._max_stale if self._fail_open else now
+        self._verified = {d: entry for d, entry in self._verified.items() if entry[1] > horizon}
+        if len(self._verified) >= self._max_entries:
+            self._verified.clear()
+
+
+def _retrieve(task: Lookup) -> None:
+    """Mark a look-up's exception as seen: its waiters may all have been cancelled."""
+    if not task.cancelled():
+        task.exception()
 
 
 class MemoryKeyStore:

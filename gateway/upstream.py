@@ -3,17 +3,28 @@
 aiohttp's ClientSession costs ~0.2 ms of CPU per request here, most of the gateway's budget; this client
 writes the request in one call, parses the response with httptools' C parser, and hands body bytes to the
 caller in batches. A body consumer that falls behind pauses the socket (bounded memory for slow clients).
+
+``https://`` engines get TLS (verified against the process's one engine context, ``engine_tls_context``);
+the handshake happens once per pooled connection, so plain ``http://`` and reused TLS connections pay
+nothing per request. A refused certificate is an ``UpstreamConnectError``, like a refused connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
+import ssl
+import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import cast
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import httptools
+
+from region_map.config import ConfigError
 
 _PAUSE_ABOVE = 1 << 20  # buffered, unconsumed body bytes above which the socket stops reading
 _RESUME_BELOW = 1 << 16
@@ -40,6 +51,10 @@ class UpstreamClosed(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     pass
+
+
+class UpstreamEngineDown(UpstreamError):
+    """The engine was declared unhealthy while this exchange waited on it in silence."""
 
 
 class _Connection(asyncio.Protocol):
@@ -157,6 +172,7 @@ class Response:
         "complete",
         "headers",
         "keep_alive",
+        "last_received",
         "received_any",
         "status",
     )
@@ -167,6 +183,7 @@ class Response:
         self.keep_alive = False
         self.complete = False
         self.received_any = False
+        self.last_received = time.monotonic()  # of the last body bytes (or of the request, before any)
         self._headers: asyncio.Future[None] = loop.create_future()
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -184,6 +201,7 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         self.received_any = True
+        self.last_received = time.monotonic()
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _PAUSE_ABOVE and not self._paused and self._connection is not None:
@@ -254,6 +272,15 @@ class Response:
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def engine_down(self, reason: str, quiet_s: float) -> None:
+        """The engine was declared unhealthy: unless bytes arrived in the last ``quiet_s`` seconds (it is
+        still answering this one), drop the exchange and fail whoever waits on it (their request fails over,
+        or their stream ends), instead of waiting out a timeout on an engine known to be down."""
+        if self.complete or time.monotonic() - self.last_received < quiet_s:
+            return
+        self.abort()
+        self._fail(UpstreamEngineDown(f"engine declared unhealthy while this request waited: {reason}"))
+
     def abort(self) -> None:
         """Drop the exchange: the connection is closed (the engine sees a disconnect) and not reused."""
         if not self.complete and self._connection is not None:
@@ -267,9 +294,17 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 
 class UpstreamPool:
-    """Keep-alive connections to one engine (host, port)."""
+    """Keep-alive connections to one engine (host, port), over TLS when given ``ssl_context``."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0, max_idle: int = 512) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout: float = 5.0,
+        max_idle: int = 512,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
@@ -277,6 +312,10 @@ class UpstreamPool:
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
         self._host_header = f"Host: {host}:{port}\r\n".encode()
+        # Decided once: a plain pool's connect is exactly what it was before TLS existed.
+        self._connect_kwargs: dict[str, Any] = (
+            {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": host}
+        )
 
     @property
     def open_connections(self) -> int:
@@ -296,10 +335,17 @@ class UpstreamPool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
+            # The timeout covers the TLS handshake too: an engine that accepts and then stalls is down.
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port, **self._connect_kwargs
+                )
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out") from None
+        except ssl.SSLError as exc:  # before OSError, its base: a refused certificate is no socket error
+            raise UpstreamConnectError(
+                f"TLS handshake with {self.host}:{self.port} failed: {_tls_reason(exc)}"
+            ) from None
         except OSError as exc:
             raise UpstreamConnectError(
                 f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}"
@@ -321,8 +367,10 @@ class UpstreamPool:
         headers: list[tuple[str, str]] | None = None,
         *,
         header_timeout: float | None = None,
+        started: Callable[[Response], None] | None = None,
     ) -> Response:
-        """Send a request; returns once the response's status and headers have arrived."""
+        """Send a request; returns once the response's status and headers have arrived. ``started`` gets
+        the response as soon as the request is on its way (to fail it early: ``Response.engine_down``)."""
         payload = self.build_head(method, path, headers or [], len(body)) + body
         loop = asyncio.get_running_loop()
         for attempt in range(2):
@@ -336,6 +384,8 @@ class UpstreamPool:
                 conn = await self._connect()
             response = Response(loop)
             conn.start(response, payload)
+            if started is not None:
+                started(response)
             timer = None
             if header_timeout is not None:
                 timer = loop.call_later(header_timeout, _expire, response._headers)
@@ -367,17 +417,33 @@ class UpstreamPool:
 
 
 class UpstreamClients:
-    """One pool per engine base URL (http://host:port)."""
+    """One pool per engine base URL (http://host:port or https://host:port).
 
-    def __init__(self, *, connect_timeout: float = 5.0) -> None:
+    ``ssl_context`` verifies every ``https://`` engine (``engine_tls_context``); None: the system's CAs.
+    """
+
+    def __init__(self, *, connect_timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None) -> None:
         self._pools: dict[str, UpstreamPool] = {}
         self._connect_timeout = connect_timeout
+        self._ssl_context = ssl_context
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        """The context for TLS to engines; the gateway's other clients to engines share it."""
+        if self._ssl_context is None:
+            self._ssl_context = engine_tls_context()
+        return self._ssl_context
 
     def pool(self, base_url: str) -> UpstreamPool:
         pool = self._pools.get(base_url)
         if pool is None:
-            host, port = split_base_url(base_url)
-            pool = self._pools[base_url] = UpstreamPool(host, port, connect_timeout=self._connect_timeout)
+            host, port, tls = split_base_url(base_url)
+            pool = self._pools[base_url] = UpstreamPool(
+                host,
+                port,
+                connect_timeout=self._connect_timeout,
+                ssl_context=self.ssl_context if tls else None,
+            )
         return pool
 
     def close(self) -> None:
@@ -386,10 +452,57 @@ class UpstreamClients:
         self._pools.clear()
 
 
-def split_base_url(base_url: str) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
+def split_base_url(base_url: str) -> tuple[str, int, bool]:
+    """(host, port, whether over TLS) of an engine's ``http://`` or ``https://`` base URL."""
     parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"engine URL must be http://host[:port], got {base_url!r}")
-    return parts.hostname, parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine URL must be http://host[:port] or https://host[:port], got {base_url!r}")
+    tls = parts.scheme == "https"
+    return parts.hostname, parts.port or (443 if tls else 80), tls
+
+
+def engine_tls_context(
+    *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
+    """The client context for TLS to engines: certificates and host names always verified, against the CAs
+    in ``ca_file`` (PEM) or else the system's; ``cert_file``/``key_file``: the gateway's own certificate for
+    engines that demand one (mutual TLS). Unusable files are a ``ConfigError`` naming the setting."""
+    if ca_file is None and cert_file is None and key_file is None:
+        return _system_context()
+    files = {
+        "engine_tls_ca_file": ca_file,
+        "engine_tls_cert_file": cert_file,
+        "engine_tls_key_file": key_file,
+    }
+    for setting, path in files.items():
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"gateway.{setting}: no such file: {path}")
+    if key_file is not None and cert_file is None:
+        raise ConfigError("gateway.engine_tls_key_file: needs gateway.engine_tls_cert_file (the certificate)")
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise ConfigError(
+            f"gateway.engine_tls_ca_file: no CA certificates (PEM) in {ca_file}: {exc}"
+        ) from None
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ValueError) as exc:
+            key = f" with the key in {key_file}" if key_file else ""
+            raise ConfigError(
+                f"gateway.engine_tls_cert_file: cannot use {cert_file}{key} as the client certificate: {exc}"
+            ) from None
+    return context
+
+
+@functools.cache
+def _system_context() -> ssl.SSLContext:
+    # Loading the system's CA store costs ~20 ms: once per process, shared by every gateway in it.
+    return ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate refused: {exc.verify_message}"
+    return exc.reason or str(exc)

@@ -7,6 +7,7 @@ region = "eu-west"                 # the region of the gateway reading this file
 name = "eu-west"
 engines = [
   { name = "e0", url = "http://10.0.0.5:8000", role = "both", kv_capacity_blocks = 4096 },
+  { name = "e1", url = "https://e1.eu-west.internal:8443" },   # TLS: see gateway.engine_tls_*
 ]
 
 [rtt_ms]                           # symmetric; a missing pair uses default_rtt_ms
@@ -67,11 +68,23 @@ class EngineConfig(_Strict):
         description="whether it pulls cached K/V from its region's peers and serves them; None: from /health",
     )
 
+    @field_validator("url", mode="before")
+    @classmethod
+    def _http_or_https(cls, url: Any) -> Any:
+        # Said before pydantic's own parse, whose message for ftp://, unix:// ... does not say what to write.
+        if isinstance(url, str) and "://" in url and url.split("://", 1)[0].lower() not in ("http", "https"):
+            raise ValueError(
+                f"an engine URL is http://host[:port] or https://host[:port] (TLS), not {url.split('://')[0]}://"
+            )
+        return url
+
     @field_validator("url")
     @classmethod
     def _no_path(cls, url: HttpUrl) -> HttpUrl:
         if url.path not in (None, "", "/"):
             raise ValueError("give the engine's base URL without a path (the gateway appends /v1/...)")
+        if url.query or url.fragment or url.username or url.password:
+            raise ValueError("give the engine's base URL alone: scheme, host and port (no query, user or #)")
         return url
 
     @property

@@ -9,10 +9,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, Role, TopologyConfig
+
+
+class InFlight(Protocol):
+    """An exchange in progress with an engine (the gateway's upstream response)."""
+
+    def engine_down(self, reason: str, quiet_s: float) -> None:
+        """The engine was declared unhealthy: give up on it unless it answered within ``quiet_s``."""
+        ...
 
 
 @dataclass(slots=True)
@@ -48,6 +56,10 @@ class EngineState:
     inflight: int = 0
     pending_prefill_tokens: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # The exchanges in flight there, failed at once (unless still answering) when it is declared unhealthy:
+    # a frozen engine's requests fail over in seconds instead of waiting out their timeouts.
+    exchanges: set[InFlight] = field(default_factory=set)
+    down_quiet_s: float = 1.0
 
     @property
     def available(self) -> bool:
@@ -132,6 +144,10 @@ class EngineState:
         self.last_error = error
         if self.consecutive_failures >= unhealthy_after:
             self.healthy = False
+            # Every failed check of an unhealthy engine looks again: an exchange that was still answering at
+            # the last one may have fallen silent since.
+            for exchange in list(self.exchanges):
+                exchange.engine_down(error, self.down_quiet_s)
 
     def describe(self) -> dict[str, Any]:
         total, waiting = self.queue_estimate()

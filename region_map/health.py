@@ -1,4 +1,9 @@
-"""Polls every engine's ``/health`` in the background and keeps the fleet's health and load current."""
+"""Polls every engine's ``/health`` in the background and keeps the fleet's health and load current.
+
+``https://`` engines are checked over TLS with the session's connector, which the gateway builds with the
+same context as its requests (``gateway.upstream.engine_tls_context``): an engine the requests would
+refuse is never reported healthy.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ class HealthPoller:
                     payload = {}  # a stock server's empty 200 still means healthy
         except (aiohttp.ClientError, TimeoutError, RuntimeError, OSError) as exc:
             was_healthy = engine.healthy
-            engine.mark_failure(str(exc) or type(exc).__name__, unhealthy_after=self.unhealthy_after)
+            engine.mark_failure(_describe(exc), unhealthy_after=self.unhealthy_after)
             if was_healthy and not engine.healthy:
                 log.warning("engine %s is unhealthy: %s", engine.id, engine.last_error)
             return False
@@ -72,3 +77,11 @@ class HealthPoller:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        # aiohttp's own text buries the reason in a repr of the ssl error; say it as the request path does.
+        reason = getattr(exc.certificate_error, "verify_message", None) or exc.certificate_error
+        return f"TLS handshake with {exc.host}:{exc.port} failed: certificate refused: {reason}"
+    return str(exc) or type(exc).__name__

@@ -62,6 +62,42 @@ class Firehose:
         return response
 
 
+def cut_stream(tokens: int) -> web.Application:
+    """Streams a chat answer's role chunk and ``tokens`` one-token chunks, then drops the connection (no
+    usage, no [DONE]): an engine that dies mid-stream."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+        for _ in range(tokens):
+            await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    return _app(stream)
+
+
+def stalls_after(tokens: int) -> web.Application:
+    """Streams a chat answer's role chunk and ``tokens`` one-token chunks, then stays silent with the
+    connection open (its ``/health`` still fine): a stuck sequence on a live engine."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+        for _ in range(tokens):
+            await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return _app(stream)
+
+
 def _app(handler: Any) -> web.Application:
     app = web.Application()
     app.router.add_get("/health", _health)

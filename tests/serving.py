@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ssl
+
 from aiohttp import web
 
 
-async def serve(runner: web.AppRunner) -> str:
-    """Set ``runner`` up, listen on a free port of 127.0.0.1, and return the base URL. The caller keeps the
-    runner (and its own runner options) and cleans it up."""
+async def serve(runner: web.AppRunner, *, ssl_context: ssl.SSLContext | None = None) -> str:
+    """Set ``runner`` up, listen on a free port of 127.0.0.1, and return the base URL (``https://`` when
+    served over TLS with ``ssl_context``). The caller keeps the runner (and its own runner options) and
+    cleans it up."""
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
+    scheme = "http" if ssl_context is None else "https"
+    return f"{scheme}://127.0.0.1:{runner.addresses[0][1]}"

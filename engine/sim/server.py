@@ -18,6 +18,7 @@ import functools
 import random
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections import deque
@@ -462,16 +463,21 @@ def _new_event_loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-def serve(config: SimEngineConfig, *, sock: socket.socket | None = None) -> int:
+def serve(
+    config: SimEngineConfig, *, sock: socket.socket | None = None, ssl_context: ssl.SSLContext | None = None
+) -> int:
     """Run the simulator until SIGINT or SIGTERM (on uvloop when installed); returns the exit status.
 
-    ``sock``: an already bound socket to serve on instead of ``config.host``/``config.port``.
+    ``sock``: an already bound socket to serve on instead of ``config.host``/``config.port``;
+    ``ssl_context``: serve https:// with it.
     """
     with asyncio.Runner(loop_factory=_new_event_loop_factory()) as runner:
-        return runner.run(_serve(config, sock))
+        return runner.run(_serve(config, sock, ssl_context))
 
 
-async def _serve(config: SimEngineConfig, sock: socket.socket | None) -> int:
+async def _serve(
+    config: SimEngineConfig, sock: socket.socket | None, ssl_context: ssl.SSLContext | None
+) -> int:
     app = build_app(config)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
@@ -480,9 +486,9 @@ async def _serve(config: SimEngineConfig, sock: socket.socket | None) -> int:
     try:
         site: web.BaseSite
         if sock is not None:
-            site = web.SockSite(runner, sock, backlog=2048)
+            site = web.SockSite(runner, sock, backlog=2048, ssl_context=ssl_context)
         else:
-            site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+            site = web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context)
         await site.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -493,7 +499,7 @@ async def _serve(config: SimEngineConfig, sock: socket.socket | None) -> int:
         url_host = f"[{host}]" if ":" in host else host
         print(
             f"kvgate sim-engine {config.engine_id}: SIMULATED engine serving {config.model!r} "
-            f"on http://{url_host}:{port}",
+            f"on {'http' if ssl_context is None else 'https'}://{url_host}:{port}",
             file=sys.stderr,
             flush=True,
         )

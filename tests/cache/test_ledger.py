@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import stat
 import time
 from collections.abc import AsyncIterator
 from decimal import Decimal
@@ -144,6 +145,15 @@ async def test_redis_ledger_stream_holds_each_record_once(
 
 
 # -- the spool ------------------------------------------------------------------------------------------
+
+
+def test_the_spool_stays_private_after_a_replay_clears_part_of_it(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s.spool")
+    spool.append([record(1), record(2), record(3)])
+    assert stat.S_IMODE(spool.path.stat().st_mode) == 0o600
+    spool.clear(2)
+    assert stat.S_IMODE(spool.path.stat().st_mode) == 0o600
+    assert [r.record_id for r in spool.read()] == ["r3"]
 
 
 def test_spool_survives_a_torn_last_record(tmp_path: Path) -> None:

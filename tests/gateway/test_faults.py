@@ -24,7 +24,7 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
-from tests.faulty_engines import Firehose, black_hole, server_error
+from tests.faulty_engines import Firehose, black_hole, server_error, stalls_after
 from tests.harness import MODEL, ClusterFactory, _start
 from tests.redis_process import RedisProcess
 
@@ -227,6 +227,77 @@ async def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_streami
     assert sum(1 for o in outcomes if o[3] == f"eu-west/{victim.name}") > len(
         broken
     )  # it served before dying
+
+
+# -- engines that freeze ---------------------------------------------------------------------------------
+
+
+async def test_a_stream_whose_engine_falls_silent_ends_at_the_stall_deadline_billed_for_what_it_sent(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/stuck": stalls_after(tokens=3)},
+        engine_options={"eu-west/stuck": {"kv_events": False}},
+        resilience={"stall_timeout_s": 0.5},
+        prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
+    )
+    assert cluster.session is not None
+    async with asyncio.timeout(10):  # (the engine-silence timeout is 600 s)
+        status, text, _ = await stream_text(cluster.session, cluster.url, chat(max_tokens=50))
+    assert status == 200 and text.count('"content":"x"') == 3
+    assert text.rstrip().endswith("}") and "upstream_error" in text.splitlines()[-2]  # an error event ends it
+    await cluster.gateway.billing.writer.flush()
+    [rec] = await cluster.gateway.billing.ledger.records()
+    assert rec.status == "failed" and rec.completion_tokens == 3 and rec.cost_picodollars > 0
+
+
+async def test_a_frozen_engine_fails_its_requests_over_as_soon_as_it_is_declared_unhealthy() -> None:
+    """SIGSTOP of an engine process: its silent requests do not wait out the first-byte (30 s) and engine
+    silence (600 s) timeouts; a waiting answer is served by another engine, a running stream ends."""
+    engines = _sim_engines(2)
+    frozen: EngineProcess | None = None
+    try:
+        await wait_healthy(engines)
+        config = parse_config(
+            {
+                "region": "eu-west",
+                "regions": [
+                    {
+                        "name": "eu-west",
+                        "engines": [{"name": e.name, "url": e.url, "model": MODEL} for e in engines],
+                    }
+                ],
+                "gateway": {"health_interval_s": 0.1, "health_timeout_s": 0.3, "unhealthy_after": 2},
+            }
+        )
+        app = build_app(config)
+        runner, url = await _start(app)
+        async with aiohttp.ClientSession() as session:
+            session_header = {"x-session-affinity": "conversation-1"}
+            body = {**chat("a long story", max_tokens=100_000), "stream": True}
+            stream = await session.post(url + "/v1/chat/completions", json=body, headers=session_header)
+            await stream.content.readany()
+            frozen = next(e for e in engines if f"eu-west/{e.name}" == stream.headers["x-kvgate-engine"])
+            os.kill(frozen.process.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            # The session still points at the frozen engine, which has not missed a health check yet.
+            async with asyncio.timeout(10):
+                async with session.post(
+                    url + "/v1/chat/completions", json=chat("next turn", max_tokens=5), headers=session_header
+                ) as r:
+                    answer = await r.json()
+                    assert r.status == 200 and answer["usage"]["completion_tokens"] == 5
+                    assert r.headers["x-kvgate-engine"] != stream.headers["x-kvgate-engine"]
+                rest = (await stream.content.read()).decode()
+            assert time.monotonic() - started < 8
+            assert '"upstream_error"' in rest and "[DONE]" not in rest  # the stream ended with an error event
+            stream.close()
+        await runner.cleanup()
+    finally:
+        if frozen is not None:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+        stop_engines(engines)
 
 
 # -- Redis away ------------------------------------------------------------------------------------------

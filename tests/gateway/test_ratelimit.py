@@ -54,3 +54,60 @@ async def test_without_redis_the_limit_holds_per_gateway() -> None:
     with pytest.raises(LimitExceeded):
         await limiter.spend("k:rpm", 3, 1, "RPM")
     await unreachable.aclose()
+
+
+# -- concurrent spends on one bucket --------------------------------------------------------------------
+
+
+class CountingBuckets(MemoryBuckets):
+    """In-process buckets that count what they grant and, like any store across a network, let other
+    requests run while a take is on its way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.granted = 0
+        self.takes = 0
+
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+        self.takes += 1
+        await asyncio.sleep(0)  # the answer comes back in a later turn of the event loop
+        granted, wait = await super().take(bucket, capacity, per_s, want)
+        self.granted += granted
+        return granted, wait
+
+
+async def test_concurrent_spends_through_redis_neither_refuse_nor_drain_the_shared_bucket(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    limiter = RateLimiter(RedisBuckets(redis_client, redis_keys.prefix))
+    results = await asyncio.gather(
+        *(limiter.spend("key1:rpm", 600, 1, "requests per min (RPM)") for _ in range(64)),
+        return_exceptions=True,
+    )
+    assert [r for r in results if r is not None] == []  # no LimitExceeded for 64 of 600
+    tokens = float(await redis_client.hget(f"{redis_keys.prefix}:rl:{{key1:rpm}}", "tokens") or 0)
+    lease = 600 // 20
+    # Other gateways still find (at least) all but what this one spent plus one lease in reserve.
+    assert tokens >= 600 - 64 - lease
+
+
+async def test_concurrent_spends_neither_lose_nor_double_count_allowance() -> None:
+    store = CountingBuckets()
+    limiter = RateLimiter(store)
+    results = await asyncio.gather(
+        *(limiter.spend("k:tpm", 600, 7, "tokens per min (TPM)") for _ in range(64)),
+        return_exceptions=True,
+    )
+    assert [r for r in results if r is not None] == []  # 448 of 600
+    # Everything taken from the store was spent or is still held as this gateway's lease.
+    assert store.granted == 64 * 7 + limiter._leases["k:tpm"]
+    assert store.granted <= 64 * 7 + 30  # and at most one lease more than was spent
+    # Spending on until refused takes the rest of the bucket, and still loses and doubles nothing.
+    spent = 64 * 7
+    with pytest.raises(LimitExceeded) as refused:
+        while True:
+            await limiter.spend("k:tpm", 600, 7, "tokens per min (TPM)")
+            spent += 7
+    assert store.granted == spent + limiter._leases["k:tpm"]
+    assert spent > 600 - 2 * 7  # refused only once the store had less than one request's worth left
+    assert refused.value.retry_after_s >= 1.0

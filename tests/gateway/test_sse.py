@@ -49,3 +49,23 @@ def test_the_usage_event_gains_the_annotation_and_events_are_counted() -> None:
     assert events[0] == CHUNK.strip() and events[3] == DONE.strip()
     assert tap.usage == USAGE  # billing reads the engine's own usage, not the annotated copy
     assert tap.events == 4
+
+
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+
+
+def test_token_events_leave_out_the_role_announcement_and_done() -> None:
+    """A stream cut short is billed one completion token per event carrying one: the chat role chunk that
+    opens a stream and the closing [DONE] carry none."""
+    tap = SseUsageTap(forward_usage_event=False)
+    tap.feed(ROLE + CHUNK[:20])
+    tap.feed(CHUNK[20:] + CHUNK)
+    assert tap.token_events == 2
+    tap.feed(DONE)
+    assert tap.token_events == 2
+    completions = SseUsageTap(forward_usage_event=False)  # legacy completions announce no role
+    completions.feed(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n' * 3)
+    assert completions.token_events == 3
+    first_has_content = SseUsageTap(forward_usage_event=False)
+    first_has_content.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n' + CHUNK)
+    assert first_has_content.token_events == 2

@@ -20,6 +20,7 @@ from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from gateway.billing import usage_counts
 from gateway.tenants import create_key
+from tests.faulty_engines import cut_stream
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
 
@@ -279,10 +280,29 @@ async def test_a_stream_the_client_abandons_is_billed_for_what_it_received(
     await asyncio.sleep(0.3)  # ... and no second record follows
     [rec] = await ledger.records()
     assert rec.status == "aborted" and rec.estimated
-    assert 5 <= rec.completion_tokens < 200 and rec.prompt_tokens > 0
+    assert 4 <= rec.completion_tokens < 200 and rec.prompt_tokens > 0  # (the first event was the role chunk)
     assert rec.cost_picodollars == PRICES.cost_picodollars(
         rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens
     )
+
+
+async def test_a_chat_stream_cut_by_its_engine_is_billed_for_its_tokens_not_its_role_chunk(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/cut": cut_stream(tokens=5)},
+        engine_options={"eu-west/cut": {"kv_events": False}},
+        prices={MODEL: PRICE},
+    )
+    assert cluster.session is not None
+    async with cluster.session.post(cluster.url + "/v1/chat/completions", json=chat("hi", stream=True)) as r:
+        text = (await r.read()).decode()
+    assert r.status == 200 and text.count('"content":"x"') == 5 and "upstream_error" in text
+    await cluster.gateway.billing.writer.flush()
+    [rec] = await cluster.gateway.billing.ledger.records()
+    assert rec.status == "failed" and rec.estimated
+    assert rec.completion_tokens == 5  # the role chunk carried no token
 
 
 async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:

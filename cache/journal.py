@@ -1,0 +1,222 @@
+"""A write-ahead journal of billable requests, so that a gateway that dies (``kill -9``, a crash, the OOM
+killer) still bills what its engines did.
+
+Each request an engine accepts leaves entries in an append-only local file, each one ``os.write`` call
+(no fsync: a process that dies loses nothing the kernel already holds, and a machine that dies takes the
+gateway's in-memory ledger queue with it either way):
+
+- ``open``: at dispatch, the record the request would get if nothing more were known (its prompt, the cache
+  the router predicted, no completion tokens);
+- ``progress``: now and then while a stream runs, the completion tokens sent so far;
+- ``final``: the request's real usage record, written *before* the last byte of its answer leaves;
+- ``void``: nothing is billable (the engine failed before answering; another engine may take it over).
+
+A gateway that starts replays the journal it finds: a ``final`` is written to the ledger again (the ledger
+counts a record id once), an ``open`` with no end becomes an estimated record (status ``interrupted``) with
+the last ``progress``. The file is cut into segments; a segment is deleted once every request with an entry
+in it (and in every older segment) is in the ledger or its spool, so the journal holds about the requests in
+flight. One process at a time may use a journal (an exclusive lock beside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from cache.ledger import UsageRecord
+
+SEGMENT_BYTES = 1 << 20  # about 2,000 requests a segment
+INTERRUPTED = "interrupted"  # the status of a record rebuilt from an ``open`` entry
+
+_OPEN, _PROGRESS, _FINAL, _VOID = "o", "p", "f", "v"
+
+# (model, prompt tokens, cached tokens, completion tokens) -> pico-dollars, at today's prices
+CostFn = Callable[[str, int, int, int], int]
+
+
+class JournalLocked(RuntimeError):
+    """Another process holds this journal: two gateways must not share a spool path."""
+
+
+class UsageJournal:
+    def __init__(self, base: str | Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
+        base = Path(base)
+        self.directory = base.parent
+        self._stem = base.name + ".journal."
+        self._segment_bytes = segment_bytes
+        self._lock_fd: int | None = None
+        self._fd: int | None = None
+        self._segment = 0
+        self._written = 0
+        self._pending: dict[str, list[int]] = {}  # record id -> segments it has entries in, while unsettled
+        self._unsettled: dict[int, int] = {}  # segment -> requests with an entry in it not yet settled
+        self.entries = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self, cost: CostFn) -> list[UsageRecord]:
+        """Lock the journal and read what an earlier process left: the records it owes the ledger. Those
+        segments stay until ``forget_replayed`` (call it once the records are in the ledger or the spool)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock_path = self.directory / (self._stem + "lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JournalLocked(
+                f"another gateway process is using the usage journal at {lock_path}; give each gateway "
+                "(and each worker) a spool_path of its own"
+            ) from None
+        self._lock_fd = fd
+        self._replayed = self._segments()
+        records = owed_records(self._read(self._replayed), cost)
+        self._segment = (self._replayed[-1] + 1) if self._replayed else 0
+        self._open_segment()
+        return records
+
+    def forget_replayed(self) -> None:
+        """The records ``start`` returned are safe elsewhere: drop the segments they came from."""
+        for segment in self._replayed:
+            with contextlib.suppress(FileNotFoundError):
+                self._path(segment).unlink()
+        self._replayed = []
+
+    def close(self) -> None:
+        """Stop writing; with nothing unsettled the journal is removed, else it stays for the next start."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if not self._pending:
+            for segment in self._segments():
+                with contextlib.suppress(FileNotFoundError):
+                    self._path(segment).unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- entries (each one write; never raise into the request path) ----------------------------------------
+
+    def opened(self, estimate: UsageRecord) -> None:
+        """An engine is about to get the request: ``estimate`` is what it costs if nothing more is heard."""
+        self._append(estimate.record_id, [_OPEN, estimate.record_id, estimate.to_dict()])
+
+    def progressed(self, record_id: str, completion_tokens: int) -> None:
+        self._append(record_id, [_PROGRESS, record_id, completion_tokens])
+
+    def finished(self, record: UsageRecord) -> None:
+        self._append(record.record_id, [_FINAL, record.record_id, record.to_dict()])
+
+    def voided(self, record_id: str) -> None:
+        """Nothing of the request is billable; it is settled at once."""
+        self._append(record_id, [_VOID, record_id])
+        self.settled([record_id])
+
+    def settled(self, record_ids: Iterable[str]) -> None:
+        """These requests' records are in the ledger or the spool: their entries are no longer needed."""
+        for record_id in record_ids:
+            segments = self._pending.pop(record_id, None)
+            for segment in segments or ():
+                self._unsettled[segment] -= 1
+        self._drop_settled_segments()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # -- files ----------------------------------------------------------------------------------------
+
+    def _append(self, record_id: str, entry: list[Any]) -> None:
+        if self._fd is None:
+            return
+        data = msgpack.packb(entry)
+        os.write(self._fd, data)
+        self.entries += 1
+        self._written += len(data)
+        segments = self._pending.setdefault(record_id, [])
+        if not segments or segments[-1] != self._segment:
+            segments.append(self._segment)
+            self._unsettled[self._segment] = self._unsettled.get(self._segment, 0) + 1
+        if self._written >= self._segment_bytes:
+            os.close(self._fd)
+            self._segment += 1
+            self._open_segment()
+            self._drop_settled_segments()
+
+    def _open_segment(self) -> None:
+        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._written = os.fstat(self._fd).st_size
+        self._unsettled.setdefault(self._segment, 0)
+
+    def _drop_settled_segments(self) -> None:
+        """Delete the oldest segments, in order, while none of their requests is unsettled (an older segment
+        must never outlive a newer one: a replay would then see an ``open`` without its ``void``)."""
+        for segment in sorted(self._unsettled):
+            if segment == self._segment or self._unsettled[segment] > 0:
+                return
+            del self._unsettled[segment]
+            with contextlib.suppress(FileNotFoundError):
+                self._path(segment).unlink()
+
+    def _path(self, segment: int) -> Path:
+        return self.directory / f"{self._stem}{segment:08d}"
+
+    def _segments(self) -> list[int]:
+        found = []
+        for path in self.directory.glob(self._stem + "*"):
+            suffix = path.name[len(self._stem) :]
+            if suffix.isdigit():
+                found.append(int(suffix))
+        return sorted(found)
+
+    def _read(self, segments: list[int]) -> list[list[Any]]:
+        entries: list[list[Any]] = []
+        for segment in segments:
+            unpacker = msgpack.Unpacker(raw=False)
+            unpacker.feed(self._path(segment).read_bytes())
+            with contextlib.suppress(ValueError, TypeError, msgpack.UnpackException):
+                entries.extend(e for e in unpacker if isinstance(e, list) and len(e) >= 2)
+            # (an entry cut short by the crash ends the segment: everything before it is whole)
+        return entries
+
+
+def owed_records(entries: Iterable[list[Any]], cost: CostFn) -> list[UsageRecord]:
+    """The records a journal's entries owe the ledger, in the order their requests first appear."""
+    opened: dict[str, UsageRecord] = {}
+    state: dict[str, UsageRecord | None] = {}  # record id -> its record (None: void, or only progress seen)
+    for entry in entries:
+        kind, record_id = entry[0], str(entry[1])
+        try:
+            if kind == _OPEN:
+                opened[record_id] = UsageRecord.from_dict(entry[2])
+                state[record_id] = opened[record_id]
+            elif kind == _PROGRESS and record_id in opened:
+                tokens = int(entry[2])
+                base = opened[record_id]
+                state[record_id] = replace(
+                    base,
+                    completion_tokens=tokens,
+                    cost_picodollars=cost(base.model, base.prompt_tokens, base.cached_tokens, tokens),
+                )
+            elif kind == _FINAL:
+                state[record_id] = UsageRecord.from_dict(entry[2])
+                opened.pop(record_id, None)
+            elif kind == _VOID:
+                state[record_id] = None
+                opened.pop(record_id, None)
+        except (TypeError, ValueError, IndexError):
+            continue  # an entry this version cannot read: skip it rather than lose the rest
+    return [record for record in state.values() if record is not None]
+
+
+def estimate(record_id: str, **fields: Any) -> UsageRecord:
+    """The record an ``open`` entry carries: estimated, status ``interrupted``, stamped now."""
+    return UsageRecord(record_id=record_id, status=INTERRUPTED, estimated=True, ts=time.time(), **fields)

@@ -1,0 +1,121 @@
+"""The usage journal: what a gateway that died owes the ledger, and a journal that stays about the requests
+in flight."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from cache.journal import INTERRUPTED, JournalLocked, UsageJournal, estimate
+from cache.ledger import UsageRecord
+
+
+def cost(model: str, prompt: int, cached: int, completion: int) -> int:
+    return prompt * 10 + completion * 100
+
+
+def opened(i: int, prompt: int = 50) -> UsageRecord:
+    return estimate(f"r{i}", tenant="acme", model="m", prompt_tokens=prompt, cached_tokens=16,
+                    completion_tokens=0, cost_picodollars=cost("m", prompt, 16, 0))  # fmt: skip
+
+
+def final(i: int, completion: int = 7) -> UsageRecord:
+    return UsageRecord(f"r{i}", "acme", "m", 50, 16, completion, cost("m", 50, 16, completion))
+
+
+def die(journal: UsageJournal) -> None:
+    """What the kernel does for a process killed with -9: its files close, nothing else happens."""
+    for fd in (journal._fd, journal._lock_fd):
+        if fd is not None:
+            os.close(fd)
+
+
+def restart(base: Path) -> list[UsageRecord]:
+    journal = UsageJournal(base)
+    owed = journal.start(cost)
+    journal.forget_replayed()
+    journal.close()
+    return owed
+
+
+def test_a_dead_gateway_owes_its_finished_and_its_interrupted_requests(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool")
+    assert journal.start(cost) == []
+    answered = final(1)
+    journal.opened(opened(1))  # answered, record not yet in the ledger
+    journal.finished(answered)
+    journal.opened(opened(2))  # a stream, 12 tokens in when the process died
+    journal.progressed("r2", 5)
+    journal.progressed("r2", 12)
+    journal.opened(opened(3))  # its engine failed before answering: nothing to bill
+    journal.voided("r3")
+    journal.opened(opened(4))  # failed over: voided on one engine, opened again on the next
+    journal.voided("r4")
+    journal.opened(opened(4, prompt=60))
+    journal.opened(opened(5))  # written to the ledger already: replaying it is harmless (ids count once)
+    journal.finished(final(5))
+    journal.settled(["r5"])
+    die(journal)
+    owed = {r.record_id: r for r in restart(tmp_path / "gw.spool")}
+    assert set(owed) == {"r1", "r2", "r4", "r5"}
+    assert owed["r1"] == answered  # the very record, its time included (the ledger's seen-set is per day)
+    assert owed["r2"].status == INTERRUPTED and owed["r2"].estimated
+    assert (owed["r2"].prompt_tokens, owed["r2"].completion_tokens) == (50, 12)
+    assert owed["r2"].cost_picodollars == cost("m", 50, 16, 12)
+    assert owed["r4"].prompt_tokens == 60 and owed["r4"].completion_tokens == 0
+    assert restart(tmp_path / "gw.spool") == []  # once replayed, owed no more
+
+
+def test_a_torn_last_entry_loses_only_itself(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool")
+    journal.start(cost)
+    journal.opened(opened(1))
+    journal.finished(final(1))
+    journal.opened(opened(2))
+    die(journal)
+    [segment] = list(tmp_path.glob("gw.spool.journal.0*"))
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-5])  # the crash cut r2's open short
+    assert [r.record_id for r in restart(tmp_path / "gw.spool")] == ["r1"]
+
+
+def test_segments_go_once_their_requests_are_settled_and_never_out_of_order(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool", segment_bytes=600)
+    journal.start(cost)
+    segments = lambda: sorted(p.name for p in tmp_path.glob("gw.spool.journal.0*"))  # noqa: E731
+    journal.opened(opened(1))  # r1 stays open: its segment must stay, and so must every later one
+    for i in range(2, 12):
+        journal.opened(opened(i))
+        journal.finished(final(i))
+        journal.settled([f"r{i}"])
+    kept = segments()
+    assert len(kept) > 2
+    for path in tmp_path.glob("gw.spool.journal.0*"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    journal.voided("r1")
+    assert len(segments()) == 1  # only the one being written
+    journal.close()
+    assert segments() == []  # nothing owed: no journal left behind
+
+
+def test_the_journal_is_bounded_by_the_requests_in_flight(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool", segment_bytes=4096)
+    journal.start(cost)
+    for i in range(5000):
+        journal.opened(opened(i))
+        journal.finished(final(i))
+        journal.settled([f"r{i}"])
+    size = sum(p.stat().st_size for p in tmp_path.glob("gw.spool.journal.0*"))
+    assert size <= 2 * 4096 and journal.pending == 0
+
+
+def test_two_processes_cannot_share_a_journal(tmp_path: Path) -> None:
+    first = UsageJournal(tmp_path / "gw.spool")
+    first.start(cost)
+    with pytest.raises(JournalLocked, match="spool_path of its own"):
+        UsageJournal(tmp_path / "gw.spool").start(cost)
+    first.close()
+    UsageJournal(tmp_path / "gw.spool").start(cost)  # free again once the first is closed
