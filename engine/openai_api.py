@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages, uint32_array
 
 RequestKind = Literal["chat", "completion"]
@@ -333,6 +334,10 @@ def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
         raise OpenAIError("logprobs are not supported", param="logprobs")
     if kind == "chat" and data.get("top_logprobs") is not None:
         raise OpenAIError("logprobs are not supported", param="top_logprobs")
+    # Nor does this engine call tools: an answer that ignored them would be a different one.
+    tools_field = tools_requested(data)
+    if tools_field is not None:
+        raise OpenAIError("tool calling is not supported by this engine", param=tools_field)
 
 
 # The prompt's ids packed by ``cache.tokens.pack_token_ids``: what kvgate's gateway sends engines that report

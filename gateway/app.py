@@ -32,6 +32,7 @@ from gateway.kv_events import KvEventConsumer
 from gateway.lean_http import LeanHandler, LeanRequest
 from gateway.ledger_writer import LedgerWriter
 from gateway.metrics import GatewayMetrics
+from gateway.operator import access_middleware, public_health, start_operator_site
 from gateway.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
 from gateway.routing import POLICIES
 from gateway.service import Gateway
@@ -48,6 +49,7 @@ log = logging.getLogger("kvgate.app")
 GATEWAY = web.AppKey("gateway", Gateway)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
+OPERATOR_APP = web.AppKey("operator", web.Application)  # served on gateway.operator_port, when set
 REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -157,7 +159,10 @@ def build_app(config: KvgateConfig) -> web.Application:
             "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
         },
     )
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware(metrics)])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[_error_middleware(metrics), access_middleware(billing)],
+    )
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
@@ -166,10 +171,20 @@ def build_app(config: KvgateConfig) -> web.Application:
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/usage", usage.tenant_usage)
     app.router.add_get("/v1/admin/usage", usage.admin_usage)
-    app.router.add_get("/health", gateway.health)
-    app.router.add_get("/metrics", _metrics_handler(metrics))
-    add_dashboard_routes(app, dashboard)
+    app.router.add_get("/health", public_health(gateway))
+    if settings.operator_port is None:
+        _add_operator_routes(app, gateway, dashboard)
+    else:  # (the Prometheus convention: the operator's endpoints on a port of their own)
+        operator = web.Application(middlewares=[_error_middleware(metrics)])
+        operator.router.add_get("/health", gateway.health)
+        _add_operator_routes(operator, gateway, dashboard)
+        app[OPERATOR_APP] = operator
     return app
+
+
+def _add_operator_routes(app: web.Application, gateway: Gateway, dashboard: DashboardSampler) -> None:
+    app.router.add_get("/metrics", _metrics_handler(gateway.metrics))
+    add_dashboard_routes(app, dashboard)
 
 
 def redis_client(url: str, max_connections: int) -> aioredis.Redis:
@@ -234,7 +249,13 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     )
     consumers: list[asyncio.Task[None]] = []
     billing = gateway.billing
+    operator: web.AppRunner | None = None
     try:
+        if OPERATOR_APP in app:
+            operator = await start_operator_site(
+                app[OPERATOR_APP], settings.operator_host, settings.operator_port or 0
+            )
+            gateway.operator_url = "http://{}:{}".format(*operator.addresses[0][:2])
         # Replays first what an earlier run left: its spool, and the requests its journal still owed.
         await billing.writer.start(billing.cost_picodollars)
         app[DASHBOARD].start()
@@ -261,6 +282,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await poller.stop()
+        if operator is not None:
+            await operator.cleanup()
         await app[DASHBOARD].stop()
         await billing.writer.stop()  # every record is in the ledger or the spool
         await state.stop()

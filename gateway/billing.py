@@ -114,24 +114,30 @@ class Billing:
 
     # -- limits ------------------------------------------------------------------------------------------
 
-    async def admit(self, caller: Caller, prompt_tokens: int, max_tokens: int) -> None:
-        """Charge the caller's rate limits, or raise 429. Tokens count as prompt + max_tokens at admission
-        (OpenAI's convention): what the answer could cost is known before it is generated."""
+    async def admit_request(self, caller: Caller) -> None:
+        """Charge one request against the caller's requests per minute, or raise 429. Called before the body
+        is validated: a request refused as invalid costs its sender as much as any other."""
         tenant = caller.tenant
         rpm = tenant.requests_per_minute or self.auth.requests_per_minute
+        if rpm:
+            await self._spend(caller, "rpm", rpm, 1, "requests per min (RPM)")
+
+    async def admit_tokens(self, caller: Caller, prompt_tokens: int, max_tokens: int) -> None:
+        """Charge the caller's tokens per minute, or raise 429. Tokens count as prompt + max_tokens at
+        admission (OpenAI's convention): what the answer could cost is known before it is generated."""
+        tenant = caller.tenant
         tpm = tenant.tokens_per_minute or self.auth.tokens_per_minute
-        bucket = caller.key_id or tenant.name
+        if tpm:
+            await self._spend(caller, "tpm", tpm, prompt_tokens + max_tokens, "tokens per min (TPM)")
+
+    async def _spend(self, caller: Caller, kind: str, per_minute: int, amount: int, what: str) -> None:
+        bucket = f"{caller.key_id or caller.tenant.name}:{kind}"
         try:
-            if rpm:
-                await self.limiter.spend(f"{bucket}:rpm", rpm, 1, "requests per min (RPM)")
-            if tpm:
-                await self.limiter.spend(
-                    f"{bucket}:tpm", tpm, prompt_tokens + max_tokens, "tokens per min (TPM)"
-                )
+            await self.limiter.spend(bucket, per_minute, amount, what)
         except LimitExceeded as exc:
             retry = max(1, math.ceil(exc.retry_after_s))
             raise RateLimited(
-                f"Rate limit reached for tenant {tenant.name} on {exc}. Please try again in {retry}s.",
+                f"Rate limit reached for tenant {caller.tenant.name} on {exc}. Please try again in {retry}s.",
                 headers={"Retry-After": str(retry)},
             ) from None
 

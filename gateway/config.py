@@ -176,6 +176,14 @@ class GatewaySettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    operator_host: str = Field(default="127.0.0.1", description="where operator_port listens")
+    operator_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="/metrics, /health and /dashboard without keys on a port of their own (and no longer "
+        "/metrics and /dashboard on the public port); None: on the public port, admin keys only with auth on",
+    )
     gateway_id: str | None = Field(
         default=None, description="unique per gateway; default <region>-<host>-<pid>"
     )
@@ -200,6 +208,8 @@ class GatewaySettings(BaseModel):
         description="max_tokens of a request naming none (sent to the engine: its own default may differ)",
     )
     max_session_id_length: int = Field(default=256, ge=1, le=4096)
+    max_messages: int = Field(default=4096, ge=1, description="messages in one chat request")
+    max_content_parts: int = Field(default=4096, ge=1, description="content parts in one chat request")
     session_ttl_s: float = Field(default=3600.0, gt=0)
     approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
     pending_ttl_s: float = Field(

@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_block_hashes
+from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
@@ -24,6 +25,7 @@ from region_map.fleet import Fleet
 
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
+THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
 
@@ -63,6 +65,7 @@ class Prepared:
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
     max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
     choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
+    tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
 
     @property
     def output_budget(self) -> int:
@@ -110,16 +113,47 @@ class RequestPreparer:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
-        parsed = parse_chat(body)
-        try:
-            text = render_messages(self.tokenizer, body["messages"])
-        except ChatContentError as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
+        self._check_counts(body)
+        if _heavy(request):
+            parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_chat, body)
+        else:
+            parsed, text = self._parse_chat(body)
         tokens = await self.encode(text)
         return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
 
+    def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
+        parsed = parse_chat(body)
+        try:
+            return parsed, render_messages(self.tokenizer, body["messages"])
+        except ChatContentError as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
+
+    def _check_counts(self, body: Any) -> None:
+        """Bounds that cost nothing to check, before validation whose cost grows with what they bound: a body
+        of a quarter million empty messages is small on the wire and would take seconds to validate."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list):
+            return  # (validation says what is wrong)
+        limit = self.settings.max_messages
+        if len(messages) > limit:
+            raise InvalidRequest(
+                f"messages has {len(messages)} items; this gateway allows at most {limit}", param="messages"
+            )
+        parts = sum(
+            len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+        )
+        if parts > self.settings.max_content_parts:
+            raise InvalidRequest(
+                f"the messages have {parts} content parts; this gateway allows at most "
+                f"{self.settings.max_content_parts}",
+                param="messages",
+            )
+
     async def completion(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
-        parsed = parse_completion(body)
+        if _heavy(request):  # (a prompt of a million token ids takes 0.2 s to validate)
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_completion, body)
+        else:
+            parsed = parse_completion(body)
         prompt: Any = parsed.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -146,8 +180,16 @@ class RequestPreparer:
     ) -> Prepared:
         s = self.settings
         model = parsed.model
-        if not self.fleet.serving(model):
+        engines = self.fleet.serving(model)
+        if not engines:
             raise ModelNotFound(f"The model '{model}' does not exist", param="model")
+        tools_field = tools_requested(body)
+        if tools_field is not None and not any(e.config.tools for e in engines):
+            raise InvalidRequest(
+                f"{tools_field}: tool calling is not supported for model '{model}' (no engine serving it is "
+                "configured with tools = true)",
+                param=tools_field,
+            )
         max_tokens, budget_param = self._output_budget(body, path)
         if max_tokens > s.max_output_tokens:
             raise InvalidRequest(
@@ -182,6 +224,7 @@ class RequestPreparer:
             record_id=f"{self._record_prefix}{next(self._record_seq):x}",
             max_tokens=max_tokens,
             choices=_choices(body),
+            tools=tools_field is not None,
         )
 
     def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str]:
@@ -242,6 +285,12 @@ class RequestPreparer:
                 code="invalid_header",
             )
         return raw
+
+
+def _heavy(request: ClientRequest) -> bool:
+    """Whether validating the request's body would stall the event loop (a few ms and up): then it is
+    validated on a worker thread, and other requests go on meanwhile."""
+    return (request.content_length or 0) > THREAD_VALIDATE_BYTES
 
 
 def _choices(body: dict[str, Any]) -> int:

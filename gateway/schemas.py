@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from gateway.errors import InvalidRequest
 
@@ -48,8 +58,16 @@ class TextPart(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _says_something(cls, content: Any, info: ValidationInfo) -> Any:
+        # As OpenAI: only an assistant's message may go without content (it then carries tool calls).
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("missing", "field required")
+        return content
 
 
 class ChatCompletionRequest(_Common):
@@ -97,8 +115,8 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
 
 # What the gateway alone tells an engine: where to fetch K/V from (an engine would connect to any URL a client
 # named), which leading blocks are hashed in the shared, salt-less namespace (another tenant's cache), and the
-# packed prompt ids (an engine prefers them to the prompt the gateway routed and billed).
-GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks", "prompt_token_ids_hex")
+# prompt's ids, packed or not (an engine prefers them to the prompt the gateway routed and billed).
+GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks", "prompt_token_ids_hex", "prompt_token_ids")
 
 
 def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:

@@ -82,6 +82,7 @@ class Gateway:
                 max_cooldown_s=r.breaker_max_cooldown_s,
             )
         self.started = int(time.time())
+        self.operator_url: str | None = None  # the operator listener's, once it listens (gateway.operator)
         self._seq = 0
 
     # -- endpoints -------------------------------------------------------------------------------------
@@ -89,6 +90,7 @@ class Gateway:
     async def chat_completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
         caller = await self._caller(request)
+        await self.billing.admit_request(caller)
         body = await self.prepare.read_json(request)
         return await self._admit_and_serve(
             request, received, caller, await self.prepare.chat(request, body, caller.tenant)
@@ -97,6 +99,7 @@ class Gateway:
     async def completions(self, request: ClientRequest) -> web.StreamResponse:
         received = time.perf_counter()
         caller = await self._caller(request)
+        await self.billing.admit_request(caller)
         body = await self.prepare.read_json(request)
         p = await self.prepare.completion(request, body, caller.tenant)
         return await self._admit_and_serve(request, received, caller, p)
@@ -115,7 +118,7 @@ class Gateway:
         self, request: ClientRequest, received: float, caller: Caller, p: Prepared
     ) -> web.StreamResponse:
         p.key_id = caller.key_id
-        await self.billing.admit(caller, len(p.token_ids), p.output_budget)
+        await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
         return await self._serve(request, received, p)
 
     async def models(self, request: ClientRequest) -> web.Response:
@@ -126,7 +129,14 @@ class Gateway:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: ClientRequest) -> web.Response:
+        return self.health_response(details=True)
+
+    def health_response(self, details: bool) -> web.Response:
+        """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
         healthy = sum(1 for e in self.fleet if e.healthy)
+        status = 200 if healthy else 503
+        if not details:
+            return _json({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
         body = {
             "status": "ok" if healthy else "no_healthy_engine",
             "gateway_id": self.state.gateway_id,
@@ -136,7 +146,7 @@ class Gateway:
             "engines_total": len(self.fleet),
             "engines": [e.describe() for e in self.fleet],
         }
-        return _json(body, status=200 if healthy else 503)
+        return _json(body, status=status)
 
     # -- routing ---------------------------------------------------------------------------------------
 
@@ -166,6 +176,8 @@ class Gateway:
     async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> web.StreamResponse:
         binding = await self.state.lookup_session(p.tenant, p.session_id) if p.session_id else None
         engines = self.fleet.serving(p.model)
+        if p.tools:
+            engines = [e for e in engines if e.config.tools]
         cached = self.state.lookup(p.hashes)
         self._seq += 1
         route = RouteRequest(

@@ -311,7 +311,8 @@ class UpstreamPool:
         self._max_idle = max_idle
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
-        self._host_header = f"Host: {host}:{port}\r\n".encode()
+        named = f"[{host}]" if ":" in host else host  # an IPv6 literal is bracketed in a Host header
+        self._host_header = f"Host: {named}:{port}\r\n".encode()
         # Decided once: a plain pool's connect is exactly what it was before TLS existed.
         self._connect_kwargs: dict[str, Any] = (
             {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": host}

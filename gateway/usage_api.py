@@ -19,6 +19,8 @@ from cache.ledger import DayTotals, day_of, days_between
 from gateway.billing import Billing
 from gateway.errors import InvalidRequest, PermissionDenied, Unavailable
 
+MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name
+
 
 class UsageApi:
     def __init__(self, billing: Billing) -> None:
@@ -73,7 +75,11 @@ def day_range(query: Mapping[str, str]) -> tuple[str, str]:
 def _day(raw: str | None, param: str) -> str | None:
     if raw is None or raw == "":
         return None
-    if raw.isdigit():
+    if raw.isascii() and raw.isdigit():
+        if len(raw) > 12 or int(raw) > MAX_UNIX_S:  # (the length first: int() of a huge string is slow)
+            raise InvalidRequest(
+                f"{param} is past the year 9999; Unix seconds go up to {MAX_UNIX_S}", param=param
+            )
         return day_of(float(raw))
     try:
         return dt.date.fromisoformat(raw).isoformat()

@@ -67,6 +67,10 @@ class EngineConfig(_Strict):
         default=None,
         description="whether it pulls cached K/V from its region's peers and serves them; None: from /health",
     )
+    tools: bool = Field(
+        default=False,
+        description="it calls tools (e.g. vLLM with --enable-auto-tool-choice): requests with tools go there",
+    )
 
     @field_validator("url", mode="before")
     @classmethod

@@ -107,14 +107,15 @@ def _app(handler: Any) -> web.Application:
 
 
 class Recorder:
-    """Answers every completion with a fixed two-token answer and keeps the headers it was sent."""
+    """Answers every completion with a fixed two-token answer and keeps the headers and bodies it was sent."""
 
     def __init__(self) -> None:
         self.headers: list[CIMultiDict[str]] = []
+        self.bodies: list[dict[str, Any]] = []
         self.app = _app(self.answer)
 
     async def answer(self, request: web.Request) -> web.Response:
-        await request.read()
+        self.bodies.append(await request.json())
         self.headers.append(request.headers.copy())
         usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}

@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import json
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,6 +117,18 @@ def test_the_good_request_works(gw: BackgroundCluster) -> None:
         ),
         ({**GOOD, "cache_shared_blocks": 4}, "cache_shared_blocks"),
         ({**GOOD, "prompt_token_ids_hex": "00000001"}, "prompt_token_ids_hex"),  # a prompt not routed
+        ({**GOOD, "prompt_token_ids": [1, 2, 3]}, "prompt_token_ids"),  # engines would read it, not messages
+        # A message that must say something (OpenAI: content is required but for an assistant's tool calls).
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+        (
+            {"model": MODEL, "messages": [{"role": "system"}, {"role": "user", "content": "x"}]},
+            "messages.0.content",
+        ),
+        # Tools: the engines behind this gateway cannot call them; a 200 that ignored them would be wrong.
+        ({**GOOD, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({**GOOD, "tool_choice": "required"}, "tool_choice"),
+        ({**GOOD, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
         (
             {
                 "model": MODEL,
@@ -320,11 +333,12 @@ def gw_billed() -> Iterator[BackgroundCluster]:
         regions={"eu-west": 1},
         max_body_bytes=64 * 1024,
         auth={"enabled": True, "requests_per_minute": 100_000},
-        tenants={"acme": {}},
+        tenants={"acme": {}, "ops": {"admin": True}},
         prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
     )
     store = cluster.cluster.gateway.billing.keys
     cluster.key = asyncio.run_coroutine_threadsafe(create_key(store, "acme"), cluster.loop).result(10)[0]  # type: ignore[attr-defined]
+    cluster.admin_key = asyncio.run_coroutine_threadsafe(create_key(store, "ops"), cluster.loop).result(10)[0]  # type: ignore[attr-defined]
     yield cluster
     cluster.close()
 
@@ -359,3 +373,46 @@ def test_fuzzed_requests_with_billing_never_get_a_5xx(
             assert usage["cost"] >= 0
     else:
         assert_openai_error(status, data)
+
+
+query_values = st.one_of(
+    st.text(max_size=40),
+    st.integers(-(10**30), 10**30).map(str),
+    st.dates().map(str),
+    st.sampled_from(["", "today", "2026-02-30", "9999-12-31", "0001-01-01", "1e9", "²", "٣", " 1", "1 "]),
+)
+authorizations = st.one_of(
+    st.sampled_from(["admin", "tenant", "none"]),
+    header_values,
+    header_values.map(lambda v: "Bearer " + v),
+    st.sampled_from(["Bearer", "Bearer ", "bearer kvg-", "Basic kvg-x", "Bearer kvg-" + "x" * 4000]),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(
+        ["/v1/usage", "/v1/admin/usage", "/v1/models", "/health", "/metrics", "/dashboard", "/dashboard/data"]
+    ),
+    query=st.dictionaries(st.sampled_from(["start", "end", "tenant", "x"]), query_values, max_size=3),
+    authorization=authorizations,
+)
+def test_fuzzed_usage_admin_and_operator_reads_never_get_a_5xx(
+    gw_billed: BackgroundCluster, path: str, query: dict[str, str], authorization: str
+) -> None:
+    headers = {}
+    if authorization == "admin":
+        headers["Authorization"] = f"Bearer {gw_billed.admin_key}"  # type: ignore[attr-defined]
+    elif authorization == "tenant":
+        headers["Authorization"] = f"Bearer {gw_billed.key}"  # type: ignore[attr-defined]
+    elif authorization != "none" and authorization.strip():
+        headers["Authorization"] = authorization.strip()
+    target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+    status, _, data = gw_billed.request("GET", target, headers=headers)
+    if status < 300:
+        assert authorization in ("admin", "tenant") or path == "/health", (target, authorization)
+        assert path not in ("/metrics", "/dashboard", "/dashboard/data") or authorization == "admin"
+    else:
+        error = assert_openai_error(status, data)
+        if status == 401:
+            assert "kvg-" + "x" * 40 not in error["message"]  # a key is never echoed whole

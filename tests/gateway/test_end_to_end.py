@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from cache.tokens import render_chat
+from tests.faulty_engines import Recorder
 from tests.harness import MODEL, ClusterFactory
 from tests.models import make_tokenizer_dir
 
@@ -213,6 +214,26 @@ async def test_engines_that_take_packed_ids_read_the_same_prompt(make_cluster: C
     assert status == 200, direct
     assert through["choices"][0]["text"] == direct["choices"][0]["text"]
     assert through["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] == len(prompt)
+
+
+async def test_tool_calls_go_only_to_engines_configured_for_them(make_cluster: ClusterFactory) -> None:
+    recorder = Recorder()
+    cluster = await make_cluster(
+        {"eu-west": 2},
+        extra_engines={"eu-west/tools": recorder.app},
+        engine_options={"eu-west/tools": {"kv_events": False, "tools": True}},
+    )
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {**chat([{"role": "user", "content": "weather in Oslo?"}], max_tokens=8), "tools": tools}
+    for i in range(4):
+        status, answer, headers = await cluster.post("/v1/chat/completions", {**body, "user": f"u{i}"})
+        assert status == 200 and headers["x-kvgate-engine"] == "eu-west/tools", answer
+    assert all(sent["tools"] == tools for sent in recorder.bodies) and len(recorder.bodies) == 4
+    status, _, headers = await cluster.post(
+        "/v1/chat/completions", {**body, "tools": None, "tool_choice": "none"}
+    )
+    assert status == 200  # no tools asked for: any engine
 
 
 async def test_a_client_that_leaves_aborts_its_engine_request(make_cluster: ClusterFactory) -> None:

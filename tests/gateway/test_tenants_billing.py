@@ -196,6 +196,35 @@ async def test_rate_limit_answers_429_with_retry_after(make_cluster: ClusterFact
     assert status == 200  # other tenants are not affected
 
 
+async def test_requests_refused_as_invalid_count_against_the_request_limit(
+    make_cluster: ClusterFactory,
+) -> None:
+    """A key that floods the gateway with bodies it must validate and refuse pays for each of them."""
+    cluster, keys = await billed_cluster(make_cluster)
+    bad = {"model": MODEL, "messages": [{"role": "user"}]}  # no content: 400 after validation
+    for _ in range(2):
+        status, body, _ = await cluster.post("/v1/chat/completions", bad, headers=bearer(keys["tiny"]))
+        assert status == 400, body
+    status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(keys["tiny"]))
+    assert status == 429 and "RPM" in body["error"]["message"]
+
+
+async def test_a_huge_message_count_is_refused_before_it_is_validated(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster({"eu-west": 1}, max_messages=1000)
+    many = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 200_000}
+    status, body, _ = await cluster.post("/v1/chat/completions", many)
+    assert (
+        status == 400 and body["error"]["param"] == "messages" and "at most 1000" in body["error"]["message"]
+    )
+    parts = [{"type": "text", "text": "x"}] * 5000
+    status, body, _ = await cluster.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+    )
+    assert status == 400 and "content parts" in body["error"]["message"]
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("still fine"))
+    assert status == 200
+
+
 async def test_token_limit_counts_prompt_and_max_tokens(make_cluster: ClusterFactory) -> None:
     tenants = {"small": {"tokens_per_minute": 1000}}
     cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True}, tenants=tenants)

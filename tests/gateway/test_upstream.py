@@ -186,3 +186,31 @@ async def test_a_response_cut_short_is_an_error() -> None:
         await response.read(idle_timeout=5)
     assert not info.value.before_response
     server.close()
+
+
+async def test_an_ipv6_engine_gets_a_bracketed_host_header() -> None:
+    seen: list[str] = []
+
+    async def host(request: web.Request) -> web.Response:
+        seen.append(request.headers["Host"])
+        return web.Response(body=b"ok")
+
+    app = web.Application()
+    app.router.add_get("/host", host)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "::1", 0)
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        pytest.skip("no IPv6 loopback on this machine")
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    pool = UpstreamPool("::1", port)
+    try:
+        response = await pool.request("GET", "/host")
+        assert response.status == 200 and await response.read() == b"ok"  # (aiohttp refuses a bare ::1:port)
+        assert seen == [f"[::1]:{port}"]
+    finally:
+        pool.close()
+        await runner.cleanup()
