@@ -107,13 +107,13 @@ class UsageJournal:
 
     def opened(self, estimate: UsageRecord) -> None:
         """An engine is about to get the request: ``estimate`` is what it costs if nothing more is heard."""
-        self._append(estimate.record_id, [_OPEN, estimate.record_id, estimate.to_dict()])
+        self._append(estimate.record_id, [_OPEN, estimate.record_id, vars(estimate)])
 
     def progressed(self, record_id: str, completion_tokens: int) -> None:
         self._append(record_id, [_PROGRESS, record_id, completion_tokens])
 
     def finished(self, record: UsageRecord) -> None:
-        self._append(record.record_id, [_FINAL, record.record_id, record.to_dict()])
+        self._append(record.record_id, [_FINAL, record.record_id, vars(record)])
 
     def voided(self, record_id: str) -> None:
         """Nothing of the request is billable; it is settled at once."""
@@ -122,11 +122,13 @@ class UsageJournal:
 
     def settled(self, record_ids: Iterable[str]) -> None:
         """These requests' records are in the ledger or the spool: their entries are no longer needed."""
+        emptied = False
         for record_id in record_ids:
-            segments = self._pending.pop(record_id, None)
-            for segment in segments or ():
+            for segment in self._pending.pop(record_id, ()):
                 self._unsettled[segment] -= 1
-        self._drop_settled_segments()
+                emptied = emptied or (self._unsettled[segment] == 0 and segment != self._segment)
+        if emptied:
+            self._drop_settled_segments()
 
     @property
     def pending(self) -> int:
@@ -159,7 +161,7 @@ class UsageJournal:
     def _drop_settled_segments(self) -> None:
         """Delete the oldest segments, in order, while none of their requests is unsettled (an older segment
         must never outlive a newer one: a replay would then see an ``open`` without its ``void``)."""
-        for segment in sorted(self._unsettled):
+        for segment in sorted(self._unsettled):  # (a handful: the segments of the requests in flight)
             if segment == self._segment or self._unsettled[segment] > 0:
                 return
             del self._unsettled[segment]
