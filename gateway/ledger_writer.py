@@ -17,9 +17,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from cache.journal import CostFn, UsageJournal
+from cache.journal import CostFn, JournalLocked, UsageJournal
 from cache.ledger import UsageLedger, UsageRecord
 from cache.spool import Spool
+from region_map.config import ConfigError
 
 log = logging.getLogger("kvgate.ledger")
 
@@ -140,7 +141,12 @@ class LedgerWriter:
         prices the estimated ones), then start writing."""
         self.degraded = not await self.replay()
         if self.journal is not None:
-            owed = await asyncio.to_thread(self.journal.start, cost or _free)
+            try:
+                owed = await asyncio.to_thread(self.journal.start, cost or _free)
+            except JournalLocked as exc:
+                raise ConfigError(f"gateway.spool_path: {exc}") from None
+            except OSError as exc:
+                raise ConfigError(f"gateway.spool_path: cannot keep the usage journal there: {exc}") from None
             if owed:
                 await self._write_or_spool(owed)
                 log.warning("billed %d requests an earlier gateway process left unrecorded", len(owed))

@@ -20,6 +20,7 @@ from aiohttp.typedefs import Middleware
 from gateway.billing import Billing
 from gateway.errors import PermissionDenied
 from gateway.service import Gateway
+from region_map.config import ConfigError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -65,5 +66,10 @@ async def start_operator_site(app: web.Application, host: str, port: int) -> web
     """Serve ``app`` (the operator endpoints, no keys) on ``host:port``; the caller cleans the runner up."""
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = exc.strerror or exc
+        raise ConfigError(f"gateway.operator_port: cannot listen on {host}:{port}: {reason}") from None
     return runner
