@@ -147,7 +147,8 @@ class EdgeSettings(BaseModel):
     per_client_exempt: list[str] = Field(
         default_factory=lambda: ["127.0.0.0/8", "::1/128"],
         description="client networks (CIDR) without a per-client cap, only the total one: loopback (a local "
-        "proxy, health checker or benchmark) and trusted reverse proxies, whose connections carry many clients",
+        "proxy, health checker or benchmark) and trusted reverse proxies, whose connections carry many "
+        "clients",
     )
 
     @field_validator("per_client_exempt")

@@ -15,41 +15,206 @@ pipelined right behind another in the same read is refused with a 400 and the co
 
 The handlers are the application's own (``gateway.service``): they read a ``LeanRequest`` as they would an
 aiohttp request, and stream through a ``LeanStream``, a ``web.StreamResponse`` that writes here.
+
+The edge (``[gateway.edge]``, an ``Edge`` every connection shares): a request's line and headers must arrive
+within ``header_timeout_s`` of its first byte and its body at ``body_min_rate`` after ``body_timeout_s``, or
+it gets a 408 and the connection closes; a connection with nothing in progress closes after
+``idle_timeout_s``. One timer per connection does all of it, lazily: it fires at the earliest deadline it was
+armed for and re-arms itself for the deadline of whatever the connection is doing by then, so a busy
+keep-alive connection costs no timer operation per request. ``ConnectionLimits`` counts connections in all
+and per client address and refuses past either cap with a 503 on accept. With authentication on, a
+request's key is checked once its headers are here, before its body is read: a refused request never has
+its body buffered (it is read and dropped, as a body over the size limit is), and the caller found is
+handed to the handler (``LeanRequest.caller``). ``gateway.server`` applies the same deadlines and caps to
+the connections aiohttp serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from email.utils import formatdate
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
+from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
+
+if TYPE_CHECKING:
+    from gateway.billing import Caller
+    from gateway.config import EdgeSettings
 
 log = logging.getLogger("kvgate.lean_http")
 
 MAX_HEADER_BYTES = 8190  # per header line, as aiohttp; larger requests go to aiohttp, which answers 431
 MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together
 MAX_HEADERS = 128  # as aiohttp
-KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default for an idle keep-alive connection
 BACKLOG_PAUSE_BYTES = 1 << 20  # pipelined bytes held while a request is answered, before reading pauses
 LINGER_S, LINGER_MAX_BYTES = 10.0, 64 << 20  # how long and how much of a refused body is read and dropped
+REFUSAL_RETRY_AFTER_S = 1  # a connection refused at a cap: one of the client's own may be free by then
+
+# What a connection is reading, for its deadline (LeanConnection._deadline).
+_IDLE, _HEAD, _BODY, _LINGER = 0, 1, 2, 3
+_NEVER = float("inf")
+
+_T = TypeVar("_T")
 
 # A handler of a hot endpoint: the request -> the whole answer (web.Response) or a finished LeanStream.
 LeanHandler = Callable[["LeanRequest"], Awaitable[web.StreamResponse]]
+# Billing.identify: the Authorization header -> the caller, or a GatewayError (401, 503).
+Identify = Callable[[str | None], Coroutine[Any, Any, "Caller"]]
+
+
+class RequestTimedOut(GatewayError):
+    """The request's head or body did not arrive in time: the rest of it is never read, so the connection
+    closes after this answer."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def response(self) -> web.Response:
+        response = super().response()
+        response.force_close()  # aiohttp then says Connection: close (the lean server always does)
+        return response
+
+
+class Edge:
+    """What every client connection of the public port shares: the ``[gateway.edge]`` deadlines, the
+    connection caps, the key check before a body is read (None: authentication is off), and the count of
+    requests that did not arrive in time (by phase: header or body)."""
+
+    __slots__ = ("body_rate", "body_s", "header_s", "identify", "idle_s", "limits", "timed_out")
+
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        limits: ConnectionLimits,
+        *,
+        identify: Identify | None = None,
+        timed_out: Callable[[str], None] = lambda phase: None,
+    ) -> None:
+        self.header_s = settings.header_timeout_s
+        self.body_s = settings.body_timeout_s
+        self.body_rate = float(settings.body_min_rate)
+        self.idle_s = settings.idle_timeout_s
+        self.limits = limits
+        self.identify = identify
+        self.timed_out = timed_out
+
+    def body_deadline(self, began: float, received: int) -> float:
+        """When a body begun at ``began`` with ``received`` bytes so far is late (mod_reqtimeout's rule)."""
+        return began + self.body_s + (received / self.body_rate if self.body_rate else 0.0)
+
+
+class ConnectionLimits:
+    """Open client connections, in all and per client address (an IPv4 address, an IPv6 /64), and the
+    refusal past either cap: a 503 with Retry-After written on accept and the connection closed, without
+    waiting for a request. O(1) a connection: a counter, and a dict entry per address with connections open.
+    Clients in ``exempt`` networks (loopback, trusted proxies) count only towards the total."""
+
+    def __init__(
+        self,
+        *,
+        max_total: int,
+        max_per_client: int,
+        exempt: Iterable[str] = (),
+        refused: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        self.open = 0
+        self._exempt = [ipaddress.ip_network(n, strict=False) for n in exempt]
+        self._per_client: dict[str, int] = {}
+        self._keys: dict[str, str] = {}  # peer address -> its client key ("" when exempt), remembered
+        self._refused = refused
+        self._answers: dict[str, tuple[int, bytes]] = {}  # reason -> (second, the 503), built once a second
+
+    def admit(self, transport: asyncio.BaseTransport, peer: Any) -> str | None:
+        """The connection's client key ("": not counted per client) to ``release`` when it closes; None if
+        it was refused (answered and closed here)."""
+        if self.open >= self.max_total:
+            self._refuse(transport, "total")
+            return None
+        client = self._client(peer)
+        if client:
+            count = self._per_client.get(client, 0)
+            if count >= self.max_per_client:
+                self._refuse(transport, "per_client")
+                return None
+            self._per_client[client] = count + 1
+        self.open += 1
+        return client
+
+    def release(self, client: str) -> None:
+        self.open -= 1
+        if client:
+            count = self._per_client[client] - 1
+            if count:
+                self._per_client[client] = count
+            else:
+                del self._per_client[client]
+
+    def clients(self) -> int:
+        """Client addresses with connections open (exempt ones aside)."""
+        return len(self._per_client)
+
+    def _client(self, peer: Any) -> str:
+        if not isinstance(peer, tuple | list) or not peer:
+            return ""  # a Unix socket: nobody to tell apart
+        host = str(peer[0])
+        key = self._keys.get(host)
+        if key is None:
+            if len(self._keys) >= 65536:  # a flood from many addresses: remember afresh
+                self._keys.clear()
+            key = self._keys[host] = self._key(host)
+        return key
+
+    def _key(self, host: str) -> str:
+        try:
+            address = ipaddress.ip_address(host.partition("%")[0])
+        except ValueError:
+            return host
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack socket's IPv4 client
+        if any(address in network for network in self._exempt):
+            return ""
+        if isinstance(address, ipaddress.IPv6Address):
+            return str(ipaddress.IPv6Network((address, 64), strict=False))  # one client's /64
+        return str(address)
+
+    def _refuse(self, transport: asyncio.BaseTransport, reason: str) -> None:
+        self._refused(reason)
+        now = int(time.time())
+        answer = self._answers.get(reason)
+        if answer is None or answer[0] != now:
+            if reason == "total":
+                message = f"the gateway is at its limit of {self.max_total} open connections; retry shortly"
+            else:
+                message = (
+                    f"too many connections from your address (at most {self.max_per_client} at a time); "
+                    "reuse them, or retry shortly"
+                )
+            error = Unavailable(
+                message, code="too_many_connections", headers={"Retry-After": str(REFUSAL_RETRY_AFTER_S)}
+            )
+            answer = self._answers[reason] = (now, whole_response(error.response(), keep_alive=False))
+        cast(asyncio.WriteTransport, transport).write(answer[1])
+        transport.close()  # after the write is flushed
 
 
 class LeanRequest:
-    """What the gateway's handlers read of a request: headers, the peer's address and the body."""
+    """What the gateway's handlers read of a request: headers, the peer's address and the body; and, with
+    authentication on, its ``caller``, identified before the body was read (the look-up still under way
+    when the body was complete first)."""
 
-    __slots__ = ("_body", "_connection", "headers", "method", "path", "remote")
+    __slots__ = ("_body", "_connection", "caller", "headers", "method", "path", "remote")
 
     def __init__(
         self,
@@ -58,6 +223,7 @@ class LeanRequest:
         headers: CIMultiDictProxy[str],
         body: bytes,
         remote: str | None,
+        caller: Caller | asyncio.Task[Caller] | None = None,
     ) -> None:
         self._connection = connection
         self.method = "POST"
@@ -65,6 +231,7 @@ class LeanRequest:
         self.headers = headers
         self._body = body
         self.remote = remote
+        self.caller = caller
 
     @property
     def content_length(self) -> int:
@@ -122,19 +289,22 @@ class LeanConnection(asyncio.Protocol):
         routes: Mapping[str, LeanHandler],
         *,
         max_body_bytes: int,
-        hand_off: Callable[[], asyncio.Protocol],
+        hand_off: Callable[[str], asyncio.Protocol],
         registry: set[LeanConnection],
         answered: Callable[[str, int], None],
+        edge: Edge,
     ) -> None:
         self._routes = routes
         self._max_body = max_body_bytes
-        self._hand_off_factory = hand_off
+        self._hand_off_factory = hand_off  # given the connection's client key: its slot moves to aiohttp
         self._registry = registry
         self._answered = answered
+        self._edge = edge
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self._remote: str | None = None
+        self._client: str | None = None  # the slot ConnectionLimits gave it (None: refused, or handed on)
         # The request being parsed.
         self._url = b""
         self._headers: list[tuple[str, str]] = []
@@ -142,9 +312,11 @@ class LeanConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._handler: LeanHandler | None = None
+        self._caller: Caller | None = None  # identified before its body was read
         # Every chunk read since the request being parsed began, while it may still go to aiohttp (None
         # once it is ours, or when it began in the middle of a read and cannot be handed over).
         self._raw: list[bytes] | None = None
+        self._raw_bytes = 0
         self._chunk = b""
         self._chunk_fresh = False  # no request has ended yet in the chunk being parsed
         # Parsing stopped: hand the connection to aiohttp, or answer a refusal, once the queue is answered.
@@ -159,24 +331,45 @@ class LeanConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._closing = False  # close once the queue is answered
         self._drain: asyncio.Future[None] | None = None
+        # Reading is paused while too much is held (backlogged) or while a key is being checked (verdict).
         self._reading_paused = False
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._backlogged = False
+        self._verdict: asyncio.Task[Caller] | None = None  # the key check of the request being parsed last
+        self._verdict_parsing = False  # ... and that request is still being parsed
+        self._continue_pending = False  # its Expect: 100-continue, answered once its key is good
+        # The deadline (see _deadline): what is being read, since when.
+        self._reading = _IDLE
+        self._idle_since = 0.0
+        self._began = 0.0  # the request's first byte
+        self._body_began = 0.0  # the end of its headers
+        self._linger_until = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = _NEVER
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self._client = self._edge.limits.admit(transport, peer)
+        if self._client is None:
+            self._stopped = True  # refused: answered and closing; nothing it sends is read
+            return
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        peer = self.transport.get_extra_info("peername")
         self._remote = str(peer[0]) if isinstance(peer, tuple | list) and peer else None
         self._registry.add(self)
-        self._arm_idle_timer()
+        self._idle_since = self._loop.time()
+        self._arm(self._idle_since + self._edge.idle_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._registry.discard(self)
         self.transport = None
+        if self._client is not None:
+            self._edge.limits.release(self._client)
+            self._client = None
         self._queue.clear()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        self._disarm()
+        if self._verdict is not None:
+            self._verdict.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client left: its handler stops its engine request and accounts for it
         if self._drain is not None and not self._drain.done():
@@ -193,23 +386,24 @@ class LeanConnection(asyncio.Protocol):
         self._drain = None
 
     def data_received(self, data: bytes) -> None:
-        if self._idle_timer is not None and not self._refusal_sent:  # (after a refusal it bounds the linger)
-            self._idle_timer.cancel()
-            self._idle_timer = None
         if self._stopped:
             if self._handing_off and self._raw is not None:
                 self._raw.append(data)  # aiohttp reads it after the hand-off
+                self._raw_bytes += len(data)
                 self._pause_if_backlogged()
             return
         if self._raw is not None:
             self._raw.append(data)
+            self._raw_bytes += len(data)
         self._chunk, self._chunk_fresh = data, True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:  # a callback's _Stop, an upgrade, or a malformed request
             self._stop(exc)
             return
-        if self._raw is not None and sum(map(len, self._raw)) > MAX_HEAD_BYTES:
+        finally:
+            self._chunk = b""  # not kept: a connection that then idles or stalls would hold up to a read
+        if self._raw is not None and self._raw_bytes > MAX_HEAD_BYTES:
             self._stop(None)  # a head without end: aiohttp refuses it its own way
 
     def eof_received(self) -> bool:
@@ -224,7 +418,14 @@ class LeanConnection(asyncio.Protocol):
         self._body = []
         self._body_bytes = 0
         self._handler = None
-        self._raw = [self._chunk] if self._chunk_fresh else None
+        self._caller = None
+        if self._chunk_fresh:
+            self._raw, self._raw_bytes = [self._chunk], len(self._chunk)
+        else:
+            self._raw = None
+        self._reading = _HEAD
+        self._began = self._loop.time()
+        self._arm(self._began + self._edge.header_s)  # (mostly a no-op: an earlier timer re-arms itself)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -253,12 +454,16 @@ class LeanConnection(asyncio.Protocol):
             raise _Stop  # aiohttp's request
         self._handler = handler
         self._raw = None  # ours from here on
+        self._reading = _BODY
+        self._body_began = self._loop.time()
         length = self._header("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
             self._refuse_body(
                 PayloadTooLarge(f"request body of {length} bytes exceeds the {self._max_body}-byte limit")
             )
             return
+        if self._edge.identify is not None and not self._identify(self._edge.identify, expect is not None):
+            return  # refused, or the key's verdict is on its way (and the 100 Continue with it)
         if expect is not None and not self._queue and self._task is None:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -276,6 +481,7 @@ class LeanConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._chunk_fresh = False
+        self._reading = _IDLE
         if self._discarding:
             raise _Stop  # the refused body is all read: nothing more is parsed on this connection
         handler = self._handler
@@ -283,7 +489,11 @@ class LeanConnection(asyncio.Protocol):
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         headers = CIMultiDictProxy(CIMultiDict(self._headers))
-        request = LeanRequest(self, self._path(), headers, body, self._remote)
+        caller: Caller | asyncio.Task[Caller] | None = self._caller
+        if self._verdict_parsing and self._verdict is not None:
+            caller = self._verdict  # the body came whole before the key's verdict: the handler awaits it
+            self._verdict_parsing = self._continue_pending = False
+        request = LeanRequest(self, self._path(), headers, body, self._remote, caller)
         self._queue.append((handler, request, self._parser.should_keep_alive()))
         self._queued_bytes += len(body)
         if self._task is None:
@@ -291,9 +501,10 @@ class LeanConnection(asyncio.Protocol):
         else:
             self._pause_if_backlogged()
 
-    def _refuse_body(self, error: PayloadTooLarge) -> None:
-        """Refuse the request whose body is too large, but read the body on (dropping it) before closing: a
-        client still sending when the connection closes gets a reset, not the 413."""
+    def _refuse_body(self, error: GatewayError) -> None:
+        """Refuse the request whose headers are read (body too large, key refused), but read its body on
+        (dropping it) before closing: a client still sending when the connection closes gets a reset, not
+        the answer."""
         self._refusal = (self._path(), error)
         self._discarding = 1
         self._body = []
@@ -305,6 +516,52 @@ class LeanConnection(asyncio.Protocol):
 
     def _header(self, name: str) -> str | None:
         return next((v for k, v in self._headers if k.lower() == name), None)
+
+    # -- the key, before the body ----------------------------------------------------------------------
+
+    def _identify(self, identify: Identify, expects_continue: bool) -> bool:
+        """Check the key of the request whose headers are read. True: good, and known at once (a cached
+        key); False: refused (its body will be dropped), or the verdict is on its way: reading pauses until
+        it comes, so that at most the rest of the read in hand is buffered meanwhile."""
+        authorization = self._header("authorization")
+        coroutine = identify(authorization)
+        try:
+            awaited = coroutine.send(None)  # as far as it goes without waiting
+        except StopIteration as done:
+            self._caller = done.value
+            return True
+        except GatewayError as exc:
+            # Kept without its traceback, whose frames would hold this read's bytes as long as the connection.
+            self._refuse_body(exc.with_traceback(None))
+            return False
+        except Exception:
+            # It could not even start outside a task (asyncio.timeout needs one): identify in a task.
+            log.debug("identifying in a task", exc_info=True)
+            verdict = self._loop.create_task(identify(authorization))
+        else:
+            verdict = self._loop.create_task(_carry_on(coroutine, awaited))
+        self._verdict, self._verdict_parsing, self._continue_pending = verdict, True, expects_continue
+        verdict.add_done_callback(self._on_verdict)
+        self._hold_reading()
+        return False
+
+    def _on_verdict(self, verdict: asyncio.Task[Caller]) -> None:
+        cancelled = verdict.cancelled()
+        error = None if cancelled else verdict.exception()  # (retrieved here: its handler may never run)
+        if verdict is not self._verdict or self.transport is None:
+            return  # an earlier request's: its handler awaits it
+        parsing, expects_continue = self._verdict_parsing, self._continue_pending
+        self._verdict, self._verdict_parsing, self._continue_pending = None, False, False
+        if parsing and not cancelled:
+            if error is None:
+                self._caller = verdict.result()
+                if expects_continue and not self._queue and self._task is None:
+                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            elif isinstance(error, GatewayError):
+                self._refuse_body(error.with_traceback(None))  # (kept as long as the connection)
+            else:
+                log.error("identifying a request failed", exc_info=error)  # its handler identifies again
+        self._release_reading()
 
     # -- answering -------------------------------------------------------------------------------------
 
@@ -340,9 +597,8 @@ class LeanConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        if self._reading_paused:
-            self._reading_paused = False
-            transport.resume_reading()
+        self._backlogged = False
+        self._release_reading()
         if self._handing_off:
             self._hand_off(transport)
         elif self._refusal is not None:
@@ -350,7 +606,8 @@ class LeanConnection(asyncio.Protocol):
         elif self._closing:
             self._close()
         else:
-            self._arm_idle_timer()
+            self._idle_since = self._loop.time()
+            self._arm(self._deadline())
 
     def _send_refusal(self) -> None:
         """Answer the refusal (once) and close, or, while its body is still being dropped, close after that
@@ -363,7 +620,9 @@ class LeanConnection(asyncio.Protocol):
             self._answered(endpoint, error.status)
             self._write_whole(error.response(), keep_alive=False)
         if self._discarding and not self._stopped:
-            self._idle_timer = self._loop.call_later(LINGER_S, self._close)
+            self._reading = _LINGER
+            self._linger_until = self._loop.time() + LINGER_S
+            self._arm(self._linger_until)
         else:
             self._close()
 
@@ -374,9 +633,10 @@ class LeanConnection(asyncio.Protocol):
         if self._refusal_sent:
             self._close()  # the refused body has been read
             return
+        self._reading = _IDLE  # nothing more is read; what is left is answered once the queue is
         if self._refusal is None:
             if self._raw is not None:
-                self._handing_off = True
+                self._handing_off = True  # (aiohttp times the request's body from the hand-off)
             else:
                 reason = (
                     "a request pipelined behind another cannot be handed over; send it on its own connection"
@@ -392,23 +652,16 @@ class LeanConnection(asyncio.Protocol):
         raw = b"".join(self._raw or ())
         self._registry.discard(self)
         self.transport = None
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        protocol = self._hand_off_factory()
+        self._disarm()
+        client, self._client = self._client, None  # its slot goes with it: aiohttp's handler releases it
+        protocol = self._hand_off_factory(client or "")
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         if raw:
             protocol.data_received(raw)
 
     def _write_whole(self, response: web.StreamResponse, keep_alive: bool) -> None:
-        body = response.body if isinstance(response, web.Response) else None
-        data = bytes(body) if isinstance(body, bytes | bytearray) else b""
-        framing = [b"Content-Length: %d\r\n" % len(data)]
-        if "Content-Type" not in response.headers:
-            framing.append(b"Content-Type: application/octet-stream\r\n")
-        if not keep_alive:
-            framing.append(b"Connection: close\r\n")
-        self.write(_head(response, *framing) + data)
+        self.write(whole_response(response, keep_alive))
 
     def write(self, data: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -421,19 +674,98 @@ class LeanConnection(asyncio.Protocol):
             await asyncio.shield(self._drain)
 
     def _pause_if_backlogged(self) -> None:
-        held = self._queued_bytes + (sum(map(len, self._raw)) if self._raw else 0)
-        if held > BACKLOG_PAUSE_BYTES and self.transport is not None and not self._reading_paused:
+        held = self._queued_bytes + (self._raw_bytes if self._raw else 0)
+        if held > BACKLOG_PAUSE_BYTES:
+            self._backlogged = True
+            self._hold_reading()
+
+    def _hold_reading(self) -> None:
+        if self.transport is not None and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
+
+    def _release_reading(self) -> None:
+        """Resume reading unless something still holds it. The wait was this server's doing, so the
+        request being read gets its deadline afresh."""
+        if (
+            not self._reading_paused
+            or self._backlogged
+            or self._verdict is not None
+            or self.transport is None
+        ):
+            return
+        self._reading_paused = False
+        self.transport.resume_reading()
+        self._began = self._body_began = self._loop.time()
+        self._arm(self._deadline())
 
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
-    def _arm_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = self._loop.call_later(KEEPALIVE_TIMEOUT_S, self._close)
+    # -- deadlines -------------------------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        """When what the connection is doing now is overdue (``_NEVER``: while a request is answered, or
+        while this server holds reading)."""
+        reading = self._reading
+        if reading == _IDLE:
+            return self._idle_since + self._edge.idle_s if self._task is None else _NEVER
+        if reading == _LINGER:
+            return self._linger_until
+        if self._reading_paused:
+            return _NEVER
+        if reading == _HEAD:
+            return self._began + self._edge.header_s
+        return self._edge.body_deadline(self._body_began, self._body_bytes + self._discarding)
+
+    def _arm(self, when: float) -> None:
+        """Have the timer fire by ``when``. A timer already due earlier stays: it re-arms itself for the
+        deadline in force when it fires, which spares a re-arm per request on a busy connection."""
+        if self._timer_at <= when or when == _NEVER:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, _NEVER
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, _NEVER
+        if self.transport is None:
+            return
+        deadline = self._deadline()
+        if self._loop.time() < deadline:
+            self._arm(deadline)
+        elif self._reading in (_HEAD, _BODY):
+            self._read_timed_out()
+        else:
+            self._close()  # idle past idle_timeout_s, or a refused body's linger is over
+
+    def _read_timed_out(self) -> None:
+        """The request being read is late: answer 408 once the requests before it are, then close."""
+        phase = "header" if self._reading == _HEAD else "body"
+        self._edge.timed_out(phase)
+        self._reading = _IDLE
+        self._raw = None  # answered here, never handed to aiohttp
+        if self._refusal is None:
+            if phase == "header":
+                message = f"the request's headers did not arrive within {self._edge.header_s:g} s"
+            else:
+                message = (
+                    f"the request body arrived too slowly (under {self._edge.body_rate:.0f} bytes/s after "
+                    f"its first {self._edge.body_s:g} s)"
+                )
+            self._refusal = (
+                self._path() if self._handler is not None else "unmatched",
+                RequestTimedOut(message),
+            )
+        self._discarding = 0  # (a refusal already due is answered, and then the connection closes)
+        self._stop(None)
 
     # -- shutdown --------------------------------------------------------------------------------------
 
@@ -453,6 +785,50 @@ class LeanConnection(asyncio.Protocol):
                 task.cancel()
                 await asyncio.wait({task})
         self._close()
+
+
+class _CarryOn:
+    """Awaiting this carries on a coroutine that was started outside any task and stopped at ``awaited``
+    (a future it waits on): the task awaiting it takes over from there, as Python 3.12's eager tasks do."""
+
+    __slots__ = ("_awaited", "_coroutine")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, _T], awaited: Any) -> None:
+        self._coroutine = coroutine
+        self._awaited = awaited
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coroutine, awaited = self._coroutine, self._awaited
+        while True:
+            try:
+                yield awaited  # the task waits on it as the coroutine would have
+            except BaseException as exc:  # a cancellation: delivered where the coroutine waits
+                try:
+                    awaited = coroutine.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    awaited = coroutine.send(None)
+                except StopIteration as done:
+                    return done.value
+
+
+async def _carry_on(coroutine: Coroutine[Any, Any, _T], awaited: Any) -> _T:
+    return cast(_T, await _CarryOn(coroutine, awaited))
+
+
+def whole_response(response: web.StreamResponse, keep_alive: bool) -> bytes:
+    """A whole answer's bytes as this server writes it: with a Content-Length, and ``Connection: close``
+    unless the connection is kept alive."""
+    body = response.body if isinstance(response, web.Response) else None
+    data = bytes(body) if isinstance(body, bytes | bytearray) else b""
+    framing = [b"Content-Length: %d\r\n" % len(data)]
+    if "Content-Type" not in response.headers:
+        framing.append(b"Content-Type: application/octet-stream\r\n")
+    if not keep_alive:
+        framing.append(b"Connection: close\r\n")
+    return _head(response, *framing) + data
 
 
 _SKIPPED = frozenset({"content-length", "transfer-encoding", "connection", "date"})  # this server's to set

@@ -70,16 +70,19 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
             except OSError:
                 time.sleep(0.2)
         assert health is not None, "the demo gateway never answered"
-        assert health["engines_total"] == (4 if engines == "pd" else 2)
-        engine_ports = [int(e["url"].rsplit(":", 1)[1]) for e in health["engines"]]
-
         api_key, printed = "unused", ""
         if engines == "auth":  # the tour prints a key per demo tenant; requests without one are refused
+            assert health == {"status": "ok"}  # (engines and their addresses are for admin keys)
             assert demo.stdout is not None
             while "export KVGATE_API_KEY=" not in printed:
                 printed += demo.stdout.readline()
             api_key = printed.split("export KVGATE_API_KEY=")[1].split()[0]
             assert printed.count("kvg-") >= 2
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {api_key}"}
+            )
+            with urllib.request.urlopen(request, timeout=5) as r:  # acme's key is an admin's
+                health = json.loads(r.read())
             anonymous = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="kvg-nope", max_retries=0
             )
@@ -87,6 +90,8 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
                 anonymous.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
                 )
+        assert health["engines_total"] == (4 if engines == "pd" else 2)
+        engine_ports = [int(e["url"].rsplit(":", 1)[1]) for e in health["engines"]]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
         messages = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hello"}]
         headers = {"x-session-affinity": "demo-test"}
