@@ -116,7 +116,8 @@ class EdgeSettings(BaseModel):
         default=10.0,
         gt=0,
         description="request line and headers must arrive within this of the request's "
-        "first byte; else 408 and the connection closes",
+        "first byte, else 408 and the connection closes; a new connection's first byte within this of "
+        "the accept, else it is closed",
     )
     body_timeout_s: float = Field(
         default=20.0,

@@ -86,6 +86,20 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class RequestTimedOut(GatewayError):
+    """The request's head or body did not arrive in time: the rest of it is never read, so the connection
+    closes after this answer."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def response(self) -> web.Response:
+        response = super().response()
+        response.force_close()  # aiohttp then says Connection: close (the lean server always does)
+        return response
+
+
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"

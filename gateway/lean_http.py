@@ -44,7 +44,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
+from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, RequestTimedOut, Unavailable
 
 if TYPE_CHECKING:
     from gateway.billing import Caller
@@ -69,20 +69,6 @@ _T = TypeVar("_T")
 LeanHandler = Callable[["LeanRequest"], Awaitable[web.StreamResponse]]
 # Billing.identify: the Authorization header -> the caller, or a GatewayError (401, 503).
 Identify = Callable[[str | None], Coroutine[Any, Any, "Caller"]]
-
-
-class RequestTimedOut(GatewayError):
-    """The request's head or body did not arrive in time: the rest of it is never read, so the connection
-    closes after this answer."""
-
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-
-    def response(self) -> web.Response:
-        response = super().response()
-        response.force_close()  # aiohttp then says Connection: close (the lean server always does)
-        return response
 
 
 class Edge:
@@ -340,6 +326,7 @@ class LeanConnection(asyncio.Protocol):
         # The deadline (see _deadline): what is being read, since when.
         self._reading = _IDLE
         self._idle_since = 0.0
+        self._served = False  # a whole request has been read on this connection
         self._began = 0.0  # the request's first byte
         self._body_began = 0.0  # the end of its headers
         self._linger_until = 0.0
@@ -358,7 +345,7 @@ class LeanConnection(asyncio.Protocol):
         self._remote = str(peer[0]) if isinstance(peer, tuple | list) and peer else None
         self._registry.add(self)
         self._idle_since = self._loop.time()
-        self._arm(self._idle_since + self._edge.idle_s)
+        self._arm(self._idle_since + self._edge.header_s)  # a new connection owes its first request soon
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._registry.discard(self)
@@ -482,6 +469,7 @@ class LeanConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._chunk_fresh = False
         self._reading = _IDLE
+        self._served = True
         if self._discarding:
             raise _Stop  # the refused body is all read: nothing more is parsed on this connection
         handler = self._handler
@@ -710,7 +698,11 @@ class LeanConnection(asyncio.Protocol):
         while this server holds reading)."""
         reading = self._reading
         if reading == _IDLE:
-            return self._idle_since + self._edge.idle_s if self._task is None else _NEVER
+            if self._task is not None:
+                return _NEVER
+            # Until its first request, a connection gets the header deadline from accept (as nginx's
+            # client_header_timeout): a client that connects and sends nothing holds a slot 10 s, not 75.
+            return self._idle_since + (self._edge.idle_s if self._served else self._edge.header_s)
         if reading == _LINGER:
             return self._linger_until
         if self._reading_paused:

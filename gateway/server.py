@@ -26,13 +26,12 @@ from aiohttp.web_request import BaseRequest
 from gateway.app import GATEWAY, build_app, lean_routes
 from gateway.billing import spool_path
 from gateway.config import KvgateConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, RequestTimedOut
 from gateway.lean_http import (
     ConnectionLimits,
     Edge,
     LeanConnection,
     LeanHandler,
-    RequestTimedOut,
     whole_response,
 )
 from gateway.loop import install_best_loop, raise_open_file_limit
@@ -101,12 +100,19 @@ class _EdgeRequestHandler(_JsonErrorRequestHandler):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._client is None:
+        fresh = self._client is None  # (a handed-over connection has sent a request already)
+        if fresh:
             self._client = self._edge.limits.admit(transport, transport.get_extra_info("peername"))
             if self._client is None:
                 self._refused = True  # answered 503 and closing: aiohttp never starts on it
                 return
         super().connection_made(transport)
+        if fresh:  # its first request is owed within the header deadline of the accept, as on lean_http's
+            self._loop.call_at(self._loop.time() + self._edge.header_s, self._first_request_due)
+
+    def _first_request_due(self) -> None:
+        if self.transport is not None and self._reading == _IDLE and self._request_count == 0:
+            self.force_close()  # it sent nothing: no request to answer
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused:
@@ -341,8 +347,14 @@ def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:
 
 
 def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
-    """Worker ``index``'s configuration: its own gateway id and ledger spool, the same port."""
-    update = {"gateway_id": f"{config.gateway_id}-w{index}", "spool_path": f"{spool_path(config)}.w{index}"}
+    """Worker ``index``'s configuration: its own gateway id, ledger spool (and journal) and operator port
+    (``operator_port + index``: each worker's metrics are its own to scrape), the same public port."""
+    update: dict[str, object] = {
+        "gateway_id": f"{config.gateway_id}-w{index}",
+        "spool_path": f"{spool_path(config)}.w{index}",
+    }
+    if config.gateway.operator_port:
+        update["operator_port"] = config.gateway.operator_port + index
     gateway = config.gateway.model_copy(update=update)
     return dataclasses.replace(config, gateway=gateway)
 

@@ -141,8 +141,17 @@ def test_every_subcommand_has_help() -> None:
         assert result.stdout.startswith(f"usage: kvgate {name}") and "Traceback" not in result.stderr
 
 
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too."""
+    while True:
+        first = free_port()
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", first + 1)) != 0:
+                return first
+
+
 def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
-    engine_port, port = free_port(), free_port()
+    engine_port, port, operator = free_port(), free_port(), _two_free_ports()
     engine = subprocess.Popen(
         [sys.executable, "-m", "engine.sim", "--port", str(engine_port), "--model", "kvgate-sim"],
         stderr=subprocess.DEVNULL,
@@ -151,7 +160,7 @@ def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
     config.write_text(
         f'region = "r"\n[[regions]]\nname = "r"\n'
         f'engines = [{{ name = "e0", url = "http://127.0.0.1:{engine_port}" }}]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
     )
     gateway = subprocess.Popen(
         [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=subprocess.DEVNULL
@@ -176,6 +185,12 @@ def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
         )
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.status == 200
+        # Each worker has an operator port of its own (operator_port + its index), whose metrics are its own.
+        workers = set()
+        for p in (operator, operator + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=5) as r:
+                workers.add(json.loads(r.read())["gateway_id"])
+        assert workers == ids
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(30) == 0
         assert not _port_open(port)

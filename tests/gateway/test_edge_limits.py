@@ -195,6 +195,18 @@ async def test_a_partial_request_line_gets_408_at_its_deadline(
     assert timeouts(cluster, "header") == 1
 
 
+@pytest.mark.parametrize("mode", ["lean", "aiohttp"])
+async def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline(
+    make_cluster: ClusterFactory, mode: str
+) -> None:
+    """A connection holds a file descriptor: one that never sends its first request frees it at the header
+    deadline (as nginx's client_header_timeout), not at the keep-alive idle timeout."""
+    cluster = await gateway(make_cluster, mode, edge={**DEADLINES, "idle_timeout_s": 60})
+    client = await Client.connect(cluster)
+    assert await served_meanwhile(cluster, client.until_closed(within_s=8)) == []  # closed, nothing said
+    assert limits(cluster).open == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_dripped_header_gets_408_at_its_deadline(make_cluster: ClusterFactory, mode: str) -> None:
     """A byte every 0.2 s: each one arrives in time, the head as a whole does not (1 s)."""
