@@ -23,11 +23,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -42,6 +40,40 @@ _OPEN, _PROGRESS, _FINAL, _VOID = "o", "p", "f", "v"
 CostFn = Callable[[str, int, int, int], int]
 
 
+class Dispatched(NamedTuple):
+    """An ``open`` entry: a request as it leaves for an engine (positional on disk: one per request)."""
+
+    record_id: str
+    tenant: str
+    model: str
+    key_id: str
+    region: str
+    engine: str
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int  # as the router predicted
+    ts: float
+
+    def estimate(self, completion_tokens: int, cost: CostFn) -> UsageRecord:
+        """Its record when all that is known is this and the completion tokens last noted."""
+        return UsageRecord(
+            record_id=self.record_id,
+            tenant=self.tenant,
+            model=self.model,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=completion_tokens,
+            cost_picodollars=cost(self.model, self.prompt_tokens, self.cached_tokens, completion_tokens),
+            status=INTERRUPTED,
+            key_id=self.key_id,
+            region=self.region,
+            engine=self.engine,
+            request_id=self.request_id,
+            estimated=True,
+            ts=self.ts,
+        )
+
+
 class JournalLocked(RuntimeError):
     """Another process holds this journal: two gateways must not share a spool path."""
 
@@ -51,6 +83,7 @@ class UsageJournal:
         base = Path(base)
         self.directory = base.parent
         self._stem = base.name + ".journal."
+        self._lock_path = self.directory / (self._stem + "lock")
         self._segment_bytes = segment_bytes
         self._lock_fd: int | None = None
         self._fd: int | None = None
@@ -66,16 +99,22 @@ class UsageJournal:
         """Lock the journal and read what an earlier process left: the records it owes the ledger. Those
         segments stay until ``forget_replayed`` (call it once the records are in the ledger or the spool)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        lock_path = self.directory / (self._stem + "lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise JournalLocked(
-                f"another gateway process is using the usage journal at {lock_path}; give each gateway "
-                "(and each worker) a spool_path of its own"
-            ) from None
+        while True:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise JournalLocked(
+                    f"another gateway process is using the usage journal at {self._lock_path}; give each "
+                    "gateway (and each worker) a spool_path of its own"
+                ) from None
+            try:
+                if os.stat(self._lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the lock file was removed by a process closing meanwhile: lock the new one
         self._lock_fd = fd
         self._replayed = self._segments()
         records = owed_records(self._read(self._replayed), cost)
@@ -100,14 +139,17 @@ class UsageJournal:
                 with contextlib.suppress(FileNotFoundError):
                     self._path(segment).unlink()
         if self._lock_fd is not None:
+            if not self._pending:  # (removed while still locked: a process that opened it re-checks)
+                with contextlib.suppress(FileNotFoundError):
+                    self._lock_path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
 
     # -- entries (each one write; never raise into the request path) ----------------------------------------
 
-    def opened(self, estimate: UsageRecord) -> None:
-        """An engine is about to get the request: ``estimate`` is what it costs if nothing more is heard."""
-        self._append(estimate.record_id, [_OPEN, estimate.record_id, vars(estimate)])
+    def opened(self, request: Dispatched) -> None:
+        """An engine is about to get the request: what it costs if nothing more is heard is its prompt."""
+        self._append(request.record_id, (_OPEN, *request))
 
     def progressed(self, record_id: str, completion_tokens: int) -> None:
         self._append(record_id, [_PROGRESS, record_id, completion_tokens])
@@ -136,7 +178,7 @@ class UsageJournal:
 
     # -- files ----------------------------------------------------------------------------------------
 
-    def _append(self, record_id: str, entry: list[Any]) -> None:
+    def _append(self, record_id: str, entry: list[Any] | tuple[Any, ...]) -> None:
         if self._fd is None:
             return
         data = msgpack.packb(entry)
@@ -192,22 +234,16 @@ class UsageJournal:
 
 def owed_records(entries: Iterable[list[Any]], cost: CostFn) -> list[UsageRecord]:
     """The records a journal's entries owe the ledger, in the order their requests first appear."""
-    opened: dict[str, UsageRecord] = {}
+    opened: dict[str, Dispatched] = {}
     state: dict[str, UsageRecord | None] = {}  # record id -> its record (None: void, or only progress seen)
     for entry in entries:
         kind, record_id = entry[0], str(entry[1])
         try:
             if kind == _OPEN:
-                opened[record_id] = UsageRecord.from_dict(entry[2])
-                state[record_id] = opened[record_id]
+                opened[record_id] = Dispatched(*entry[1:])
+                state[record_id] = opened[record_id].estimate(0, cost)
             elif kind == _PROGRESS and record_id in opened:
-                tokens = int(entry[2])
-                base = opened[record_id]
-                state[record_id] = replace(
-                    base,
-                    completion_tokens=tokens,
-                    cost_picodollars=cost(base.model, base.prompt_tokens, base.cached_tokens, tokens),
-                )
+                state[record_id] = opened[record_id].estimate(int(entry[2]), cost)
             elif kind == _FINAL:
                 state[record_id] = UsageRecord.from_dict(entry[2])
                 opened.pop(record_id, None)
@@ -217,8 +253,3 @@ def owed_records(entries: Iterable[list[Any]], cost: CostFn) -> list[UsageRecord
         except (TypeError, ValueError, IndexError):
             continue  # an entry this version cannot read: skip it rather than lose the rest
     return [record for record in state.values() if record is not None]
-
-
-def estimate(record_id: str, **fields: Any) -> UsageRecord:
-    """The record an ``open`` entry carries: estimated, status ``interrupted``, stamped now."""
-    return UsageRecord(record_id=record_id, status=INTERRUPTED, estimated=True, ts=time.time(), **fields)

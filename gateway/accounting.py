@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cache.journal import INTERRUPTED
+from cache.journal import Dispatched
 from cache.ledger import UsageRecord
 from gateway.billing import Billing, usage_counts
 from gateway.metrics import GatewayMetrics
@@ -75,8 +75,20 @@ class RequestAccount:
         """The request is about to leave for the engine: from now on a crash still bills its prompt."""
         journal = self.billing.journal
         if journal is not None:
+            p, engine = self.p, self.engine
             journal.opened(
-                self._record(len(self.p.token_ids), self.predicted, 0, INTERRUPTED, estimated=True)
+                Dispatched(
+                    p.record_id,
+                    p.tenant,
+                    p.model,
+                    p.key_id,
+                    engine.region,
+                    engine.id,
+                    p.request_id,
+                    len(p.token_ids),
+                    self.predicted,
+                    time.time(),
+                )
             )
 
     def streamed(self, tokens: int) -> None:

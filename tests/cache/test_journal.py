@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cache.journal import INTERRUPTED, JournalLocked, UsageJournal, estimate
+from cache.journal import INTERRUPTED, Dispatched, JournalLocked, UsageJournal
 from cache.ledger import UsageRecord
 
 
@@ -17,9 +17,8 @@ def cost(model: str, prompt: int, cached: int, completion: int) -> int:
     return prompt * 10 + completion * 100
 
 
-def opened(i: int, prompt: int = 50) -> UsageRecord:
-    return estimate(f"r{i}", tenant="acme", model="m", prompt_tokens=prompt, cached_tokens=16,
-                    completion_tokens=0, cost_picodollars=cost("m", prompt, 16, 0))  # fmt: skip
+def opened(i: int, prompt: int = 50) -> Dispatched:
+    return Dispatched(f"r{i}", "acme", "m", "key1", "eu-west", "eu-west/e0", f"req-{i}", prompt, 16, 1.7e9)
 
 
 def final(i: int, completion: int = 7) -> UsageRecord:
@@ -65,6 +64,12 @@ def test_a_dead_gateway_owes_its_finished_and_its_interrupted_requests(tmp_path:
     assert owed["r2"].status == INTERRUPTED and owed["r2"].estimated
     assert (owed["r2"].prompt_tokens, owed["r2"].completion_tokens) == (50, 12)
     assert owed["r2"].cost_picodollars == cost("m", 50, 16, 12)
+    assert (owed["r2"].key_id, owed["r2"].engine, owed["r2"].request_id, owed["r2"].ts) == (
+        "key1",
+        "eu-west/e0",
+        "req-2",
+        1.7e9,  # the time of its dispatch: replayed twice, it is the same record (and the same ledger day)
+    )
     assert owed["r4"].prompt_tokens == 60 and owed["r4"].completion_tokens == 0
     assert restart(tmp_path / "gw.spool") == []  # once replayed, owed no more
 
@@ -98,7 +103,7 @@ def test_segments_go_once_their_requests_are_settled_and_never_out_of_order(tmp_
     journal.voided("r1")
     assert len(segments()) == 1  # only the one being written
     journal.close()
-    assert segments() == []  # nothing owed: no journal left behind
+    assert segments() == [] and not list(tmp_path.iterdir())  # nothing owed: nothing left behind
 
 
 def test_the_journal_is_bounded_by_the_requests_in_flight(tmp_path: Path) -> None:
