@@ -260,11 +260,14 @@ class Gateway:
         return base * (0.5 + random.random())
 
     def _header_timeout_s(self, p: Prepared) -> float:
-        """How long an engine may take to start answering: a stream's first byte, or a whole answer."""
-        r, read_timeout = self.resilience, self.settings.read_timeout_s
+        """How long an engine may take to start answering: a stream's response header, or a whole answer.
+        A whole answer gets ``s_per_output_token`` for each token of its budget and is not cut at the
+        engine-silence limit: it is silent by nature until it is done, and cutting a long one short would
+        only have another engine start it over (a frozen engine is failed over by its health instead)."""
+        r = self.resilience
         if p.stream:
-            return min(r.first_byte_timeout_s, read_timeout)
-        return min(r.first_byte_timeout_s + p.max_tokens * r.s_per_output_token, read_timeout)
+            return min(r.first_byte_timeout_s, self.settings.read_timeout_s)
+        return r.first_byte_timeout_s + p.max_tokens * r.s_per_output_token
 
     # -- dispatch --------------------------------------------------------------------------------------
 

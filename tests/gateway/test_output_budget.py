@@ -77,3 +77,20 @@ async def test_tokens_per_minute_are_charged_by_the_budget_the_engine_will_use(
         )
         assert status in (400, 429), answer
         assert status == 429 or answer["error"]["param"] == "max_completion_tokens"
+
+
+async def test_a_long_whole_answer_is_not_cut_at_the_engine_silence_limit(
+    make_cluster: ClusterFactory,
+) -> None:
+    """A non-streamed answer is silent until it is done: its deadline comes from its budget, and cutting it
+    at read_timeout_s would only have every engine start it over (and bill nobody)."""
+    cluster = await make_cluster(
+        {"eu-west": 2},
+        sim={"decode_s_per_token": 0.01},
+        read_timeout_s=0.5,
+        resilience={"first_byte_timeout_s": 0.3, "s_per_output_token": 0.05},
+    )
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100}  # about 1 s of decoding
+    status, answer, headers = await cluster.post("/v1/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 100, answer
+    assert headers["x-kvgate-route"] != "failover"
