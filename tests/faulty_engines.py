@@ -62,17 +62,23 @@ class Firehose:
         return response
 
 
+async def _stream_tokens(request: web.Request, tokens: int) -> web.StreamResponse:
+    """Start a chat stream: its role chunk, then ``tokens`` one-token chunks."""
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+    for _ in range(tokens):
+        await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+    return response
+
+
 def cut_stream(tokens: int) -> web.Application:
     """Streams a chat answer's role chunk and ``tokens`` one-token chunks, then drops the connection (no
     usage, no [DONE]): an engine that dies mid-stream."""
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
-        for _ in range(tokens):
-            await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        response = await _stream_tokens(request, tokens)
         await asyncio.sleep(0.05)
         assert request.transport is not None
         request.transport.abort()
@@ -86,12 +92,7 @@ def stalls_after(tokens: int) -> web.Application:
     connection open (its ``/health`` still fine): a stuck sequence on a live engine."""
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
-        for _ in range(tokens):
-            await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await _stream_tokens(request, tokens)
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 

@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flood import MODEL, body, rss_mb, start_engines
+from bench_flood import one as flood_one
 from bench_gateway_overhead import pct
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
@@ -81,18 +82,8 @@ def start_gateway(
 
 
 async def one(pool: UpstreamPool, payload: bytes, key: str) -> tuple[float, float]:
-    """(time to first byte, time to the end) of one streamed answer; raises on any error."""
-    start = time.perf_counter()
-    headers = [("Content-Type", "application/json"), ("Authorization", f"Bearer {key}")]
-    response = await pool.request("POST", PATH, payload, headers, header_timeout=60)
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}")
-    first = await response.next_batch(60)
-    ttfb = time.perf_counter() - start
-    rest = await response.read(60)
-    if not (first or b"").endswith(b"[DONE]\n\n") and not rest.endswith(b"data: [DONE]\n\n"):
-        raise RuntimeError("stream ended without [DONE]")
-    return ttfb, time.perf_counter() - start
+    """(time to first byte, time to the end) of one streamed answer with ``key``; raises on any error."""
+    return await flood_one(pool, payload, (("Authorization", f"Bearer {key}"),))
 
 
 async def goodput(pool: UpstreamPool, key: str, concurrency: int, seconds: float) -> dict[str, float]:

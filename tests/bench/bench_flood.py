@@ -60,10 +60,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def one(pool: UpstreamPool, payload: bytes) -> tuple[float, float]:
+async def one(
+    pool: UpstreamPool, payload: bytes, extra_headers: tuple[tuple[str, str], ...] = ()
+) -> tuple[float, float]:
     """(time to first byte, time to the end) of one streamed answer; raises on any error."""
     start = time.perf_counter()
-    headers = [("Content-Type", "application/json")]
+    headers = [("Content-Type", "application/json"), *extra_headers]
     response = await pool.request("POST", "/v1/chat/completions", payload, headers, header_timeout=60)
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}")

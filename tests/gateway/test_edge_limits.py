@@ -9,16 +9,15 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import httptools
 import pytest
 
 from gateway.lean_http import ConnectionLimits
 from gateway.server import GatewayServer
 from gateway.tenants import create_key
 from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.raw_http import Replies, Reply
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CHAT_BODY = json.dumps(CHAT).encode()
@@ -28,46 +27,19 @@ DRIP_S = 0.2
 EIGHT_MIB = 8 << 20
 
 
-@dataclass
-class Reply:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
 class Client:
     """A raw HTTP/1.1 connection: bytes out as they are given, responses parsed as they come."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.replies: list[Reply] = []
         self.closed = False
-        self._current = Reply()
-        self._parser = httptools.HttpResponseParser(self)
+        self._replies = Replies()
+        self.replies = self._replies.done
 
     @classmethod
     async def connect(cls, cluster: Cluster) -> Client:
         host, port = cluster.url.removeprefix("http://").split(":")
         return cls(*await asyncio.open_connection(host, int(port)))
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self._current = Reply()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._current.headers[name.decode().lower()] = value.decode()
-
-    def on_headers_complete(self) -> None:
-        self._current.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self._current.body += body
-
-    def on_message_complete(self) -> None:
-        self.replies.append(self._current)
 
     async def send(self, data: bytes) -> None:
         self.writer.write(data)
@@ -81,7 +53,7 @@ class Client:
         if not data:
             self.closed = True
             return False
-        self._parser.feed_data(data)
+        self._replies.feed(data)
         return True
 
     async def replies_until(self, count: int, within_s: float = 10.0) -> list[Reply]:

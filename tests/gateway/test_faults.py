@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from cache.redis_keys import RedisKeys
 from cache.residency_redis import RedisResidencyIndex
@@ -163,24 +164,34 @@ def _sim_engines(count: int) -> list[EngineProcess]:
     return engines
 
 
+async def _gateway_before(
+    engines: list[EngineProcess], gateway: dict[str, Any]
+) -> tuple[web.Application, web.AppRunner, str]:
+    """A gateway in this process in front of ``engines`` (region eu-west): its app, runner and URL."""
+    config = parse_config(
+        {
+            "region": "eu-west",
+            "regions": [
+                {
+                    "name": "eu-west",
+                    "engines": [{"name": e.name, "url": e.url, "model": MODEL} for e in engines],
+                }
+            ],
+            "gateway": gateway,
+        }
+    )
+    app = build_app(config)
+    runner, url = await _start(app)
+    return app, runner, url
+
+
 async def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_streaming() -> None:
     engines = _sim_engines(4)
     try:
         await wait_healthy(engines)
-        config = parse_config(
-            {
-                "region": "eu-west",
-                "regions": [
-                    {
-                        "name": "eu-west",
-                        "engines": [{"name": e.name, "url": e.url, "model": MODEL} for e in engines],
-                    }
-                ],
-                "gateway": {"health_interval_s": 0.1, "routing": {"policy": "least_load"}},
-            }
+        app, runner, url = await _gateway_before(
+            engines, {"health_interval_s": 0.1, "routing": {"policy": "least_load"}}
         )
-        app = build_app(config)
-        runner, url = await _start(app)
         victim = engines[1]
         outcomes: list[tuple[bool, int, bool, str]] = []  # (stream, status, completed, engine)
         queue = list(range(300))
@@ -259,20 +270,9 @@ async def test_a_frozen_engine_fails_its_requests_over_as_soon_as_it_is_declared
     frozen: EngineProcess | None = None
     try:
         await wait_healthy(engines)
-        config = parse_config(
-            {
-                "region": "eu-west",
-                "regions": [
-                    {
-                        "name": "eu-west",
-                        "engines": [{"name": e.name, "url": e.url, "model": MODEL} for e in engines],
-                    }
-                ],
-                "gateway": {"health_interval_s": 0.1, "health_timeout_s": 0.3, "unhealthy_after": 2},
-            }
+        _, runner, url = await _gateway_before(
+            engines, {"health_interval_s": 0.1, "health_timeout_s": 0.3, "unhealthy_after": 2}
         )
-        app = build_app(config)
-        runner, url = await _start(app)
         async with aiohttp.ClientSession() as session:
             session_header = {"x-session-affinity": "conversation-1"}
             body = {**chat("a long story", max_tokens=100_000), "stream": True}

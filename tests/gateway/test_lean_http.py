@@ -9,54 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
-import httptools
 import pytest
 
 from cache.ledger import MemoryLedger
 from tests.harness import MODEL, Cluster, start_cluster
+from tests.raw_http import Replies, Reply
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MAX_BODY = 64 * 1024
-
-
-@dataclass
-class Reply:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Replies:
-    """HTTP/1.1 responses parsed off a byte stream, in order (1xx interim responses included)."""
-
-    def __init__(self) -> None:
-        self.done: list[Reply] = []
-        self._current = Reply()
-        self._parser = httptools.HttpResponseParser(self)
-
-    def feed(self, data: bytes) -> None:
-        self._parser.feed_data(data)
-
-    def on_message_begin(self) -> None:
-        self._current = Reply()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._current.headers[name.decode().lower()] = value.decode()
-
-    def on_headers_complete(self) -> None:
-        self._current.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self._current.body += body
-
-    def on_message_complete(self) -> None:
-        self.done.append(self._current)
 
 
 class Client:
