@@ -136,6 +136,12 @@ class EdgeSettings(BaseModel):
         gt=0,
         description="a keep-alive connection with no request in progress is closed after this",
     )
+    max_buffered_body_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="request bodies being read, on all connections together; past it a body gets 503 "
+        "server_busy (lean_http's connections)",
+    )
     max_connections: int = Field(
         default=10_000,
         ge=1,

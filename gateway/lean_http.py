@@ -76,7 +76,17 @@ class Edge:
     connection caps, the key check before a body is read (None: authentication is off), and the count of
     requests that did not arrive in time (by phase: header or body)."""
 
-    __slots__ = ("body_rate", "body_s", "header_s", "identify", "idle_s", "limits", "timed_out")
+    __slots__ = (
+        "body_budget",
+        "body_rate",
+        "body_s",
+        "buffered",
+        "header_s",
+        "identify",
+        "idle_s",
+        "limits",
+        "timed_out",
+    )
 
     def __init__(
         self,
@@ -90,6 +100,10 @@ class Edge:
         self.body_s = settings.body_timeout_s
         self.body_rate = float(settings.body_min_rate)
         self.idle_s = settings.idle_timeout_s
+        # Bytes of request bodies being read (not yet whole) on every connection together, and their cap:
+        # slow senders with keys the gateway accepts must not hold its memory either.
+        self.body_budget = settings.max_buffered_body_bytes
+        self.buffered = 0
         self.limits = limits
         self.identify = identify
         self.timed_out = timed_out
@@ -146,6 +160,10 @@ class ConnectionLimits:
                 self._per_client[client] = count
             else:
                 del self._per_client[client]
+
+    def note_refused(self, reason: str) -> None:
+        """Count a refusal made elsewhere (a body past the edge's body budget)."""
+        self._refused(reason)
 
     def clients(self) -> int:
         """Client addresses with connections open (exempt ones aside)."""
@@ -296,6 +314,7 @@ class LeanConnection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
         self._body: list[bytes] = []
+        self._held = 0  # of _body's bytes, counted in the edge's body budget
         self._body_bytes = 0
         self._handler: LeanHandler | None = None
         self._caller: Caller | None = None  # identified before its body was read
@@ -350,6 +369,7 @@ class LeanConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._registry.discard(self)
         self.transport = None
+        self._release_body()
         if self._client is not None:
             self._edge.limits.release(self._client)
             self._client = None
@@ -402,6 +422,7 @@ class LeanConnection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
+        self._release_body()
         self._body = []
         self._body_bytes = 0
         self._handler = None
@@ -464,7 +485,25 @@ class LeanConnection(asyncio.Protocol):
         if self._body_bytes > self._max_body:
             self._refuse_body(PayloadTooLarge(f"request body exceeds the {self._max_body}-byte limit"))
             return
+        edge = self._edge
+        if edge.buffered + len(body) > edge.body_budget:
+            edge.limits.note_refused("body_budget")
+            self._refuse_body(
+                Unavailable(
+                    "the gateway is reading too many request bodies at once; retry shortly",
+                    code="server_busy",
+                    headers={"Retry-After": "1"},
+                )
+            )
+            return
+        edge.buffered += len(body)
+        self._held += len(body)
         self._body.append(body)
+
+    def _release_body(self) -> None:
+        """The body being read is whole (now a request's) or dropped: out of the edge's body budget."""
+        self._edge.buffered -= self._held
+        self._held = 0
 
     def on_message_complete(self) -> None:
         self._chunk_fresh = False
@@ -475,6 +514,7 @@ class LeanConnection(asyncio.Protocol):
         handler = self._handler
         if handler is None:
             return
+        self._release_body()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         headers = CIMultiDictProxy(CIMultiDict(self._headers))
         caller: Caller | asyncio.Task[Caller] | None = self._caller
@@ -495,6 +535,7 @@ class LeanConnection(asyncio.Protocol):
         the answer."""
         self._refusal = (self._path(), error)
         self._discarding = 1
+        self._release_body()
         self._body = []
         if self._task is None:
             self._send_refusal()

@@ -467,3 +467,31 @@ async def test_requests_refused_before_their_bodies_hold_no_memory(make_cluster:
         assert not held
         refusals = [c._refusal for c in server(cluster).lean_connections]
         assert len(refusals) == 40 and all(r and r[1].__traceback__ is None for r in refusals)
+
+
+async def test_bodies_being_read_share_one_budget_even_with_good_keys(make_cluster: ClusterFactory) -> None:
+    """Authenticated slow senders cannot hold the gateway's memory: past max_buffered_body_bytes (of bodies
+    not yet whole, on all connections) a body gets 503 server_busy; bytes come back to the budget as bodies
+    complete or their connections close."""
+    cluster, key = await authed(make_cluster, edge={"max_buffered_body_bytes": 1 << 20})
+    edge = server(cluster).edge
+    assert edge is not None
+    auth = f"Authorization: Bearer {key}"
+    holders = []
+    for _ in range(3):  # 3 x 400 KiB of 512 KiB bodies: the third passes 1 MiB
+        client = await Client.connect(cluster)
+        holders.append(client)
+        await client.send(post("/v1/chat/completions", b"", auth, length=512 << 10) + b"x" * (400 << 10))
+    reply = (await holders[2].replies_until(1))[0]
+    assert reply.status == 503 and reply.json()["error"]["code"] == "server_busy"
+    assert reply.headers["retry-after"] == "1"
+    await cluster.wait_for(lambda: edge.buffered == 800 << 10)
+    assert cluster.gateway.metrics.connections_refused.labels("body_budget").value == 1
+    for client in holders:
+        client.close()
+    await cluster.wait_for(lambda: edge.buffered == 0)
+    client = await Client.connect(cluster)  # room again: a whole request goes through
+    await client.send(post("/v1/chat/completions", CHAT_BODY, auth))
+    assert (await client.replies_until(1))[0].status == 200
+    assert edge.buffered == 0  # (a whole body is the request's, out of the budget)
+    client.close()
