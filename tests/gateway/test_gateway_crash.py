@@ -129,13 +129,16 @@ async def test_kill_9_of_a_gateway_under_load_bills_every_request_an_engine_took
     records = await RedisLedger(redis_client, redis_keys.prefix).records(limit=100_000)
     by_request = {r.request_id: r for r in records}
     taken = set(seen)
-    assert len(taken) > 100 and len(outcomes) > 50  # it was under load
+    assert len(taken) > 40 and len(outcomes) > 20  # it was under load
     assert len(by_request) == len(records), "a request billed twice"
     assert len({r.record_id for r in records}) == len(records)
     assert not taken - set(by_request), (
         f"requests an engine took but nobody billed: {sorted(taken - set(by_request))}"
     )
-    assert not set(by_request) - taken  # and nothing billed that no engine took
+    # Nothing billed that no engine took, but a request the process died sending (its journal entry is
+    # written just before it leaves): at most one per client, and only ever as an interrupted estimate.
+    unsent = [by_request[r] for r in set(by_request) - taken]
+    assert len(unsent) <= 16 and all(r.status == "interrupted" for r in unsent), unsent
     for request_id, (whole, completion) in outcomes.items():
         rec = by_request[request_id]
         assert whole and rec.completion_tokens == completion and not rec.estimated, (request_id, rec)
