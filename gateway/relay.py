@@ -1,7 +1,9 @@
 """Carrying an engine's answer back to the client, whole or as a stream of SSE events.
 
 Each relay reports how the request ended exactly once through ``Accounting.done`` (also when the client
-left mid-stream), so that whatever accounts for the request never counts it twice or not at all.
+left, mid-stream or before any byte), so that whatever accounts for the request never counts it twice or not
+at all; except when the engine failed before anything reached the client: then the relay raises
+``UpstreamFailed``/``UpstreamTimedOut`` and the caller may send the request to another engine.
 """
 
 from __future__ import annotations
