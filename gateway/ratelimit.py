@@ -11,12 +11,15 @@ seconds until enough has refilled.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from gateway.single_flight import SingleFlight
 
 STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
 
@@ -92,7 +95,7 @@ class RateLimiter:
         self._fallback = MemoryBuckets()  # while the shared store is away: limits per gateway, not none
         self._lease_fraction = lease_fraction
         self._leases: dict[str, int] = {}
-        self._refills: dict[str, asyncio.Task[tuple[int, int, float]]] = {}
+        self._refills: SingleFlight[str, tuple[int, int, float]] = SingleFlight()  # one per bucket
 
     async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> None:
         """Spend ``amount`` of a per-minute allowance or raise LimitExceeded."""
@@ -103,41 +106,21 @@ class RateLimiter:
             if have >= amount:  # the common case: no await, so nothing can change the lease in between
                 self._leases[bucket] = have - amount
                 return
-            refill = self._refills.get(bucket)
-            if refill is None:
-                want = max(amount - have, math.ceil(per_minute * self._lease_fraction))
-                refill = self._start_refill(bucket, per_minute, want)
-            # Shielded: a request cancelled while waiting must not cancel the refill the others wait for.
-            granted, wanted, wait = await asyncio.shield(refill)
+            want = max(amount - have, math.ceil(per_minute * self._lease_fraction))  # (if it starts one)
+            refill = functools.partial(self._refill, bucket, per_minute, want)
+            granted, wanted, wait = await self._refills.run(bucket, refill)
             if granted < wanted and self._leases.get(bucket, 0) < amount:
                 # The shared bucket is empty: another refill now would get nothing either.
                 raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0))
             # Else the refill got all it asked for, but spends ahead of this one (or a refill sized for a
             # smaller amount) left too little: look again, and refill again if need be.
 
-    def _start_refill(self, bucket: str, per_minute: int, want: int) -> asyncio.Task[tuple[int, int, float]]:
-        task = asyncio.get_running_loop().create_task(self._refill(bucket, per_minute, want))
-        task.add_done_callback(_retrieve)
-        if not task.done():  # (an eager task factory may have finished it already)
-            self._refills[bucket] = task
-        return task
-
     async def _refill(self, bucket: str, per_minute: int, want: int) -> tuple[int, int, float]:
         """Take ``want`` from the store into the lease: (granted, wanted, seconds until the rest refills)."""
         try:
-            try:
-                async with asyncio.timeout(STORE_TIMEOUT_S):
-                    granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
-            except (RedisError, OSError, TimeoutError):
-                granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
-            self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
-            return granted, want, wait
-        finally:
-            if self._refills.get(bucket) is asyncio.current_task():
-                del self._refills[bucket]
-
-
-def _retrieve(task: asyncio.Task[tuple[int, int, float]]) -> None:
-    """Mark a refill's exception as seen: its waiters may all have been cancelled."""
-    if not task.cancelled():
-        task.exception()
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
+        except (RedisError, OSError, TimeoutError):
+            granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
+        self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
+        return granted, want, wait

@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.single_flight import SingleFlight
+
 KEY_PREFIX = "kvg-"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
@@ -181,9 +183,6 @@ class KeyStoreUnavailable(Exception):
     """The key store did not answer (Redis away, its pool exhausted, too slow): no verdict on the key."""
 
 
-Lookup = asyncio.Task[KeyRecord | None]
-
-
 class Authenticator:
     """Bearer key -> key record, with verified keys (and the store's recent refusals) remembered in process.
 
@@ -216,7 +215,7 @@ class Authenticator:
         # Kept apart from the verified keys, so that a flood of made-up keys cannot push out the ones that
         # must keep working while the store is away.
         self._refused: dict[str, float] = {}  # digest -> refused until
-        self._lookups: dict[str, Lookup] = {}  # digest -> the store read in flight
+        self._lookups: SingleFlight[str, KeyRecord | None] = SingleFlight()  # one store read per digest
 
     async def check(self, key: str) -> KeyRecord | None:
         """The key's record; None if the store has no such key; KeyStoreUnavailable if it cannot say."""
@@ -228,44 +227,31 @@ class Authenticator:
         refused_until = self._refused.get(key_digest)
         if refused_until is not None and refused_until > now:
             return None
-        lookup = self._lookups.get(key_digest) or self._start_lookup(key_digest)
         try:
-            # Shielded: a request cancelled while waiting must not cancel the read the others wait for.
-            return await asyncio.shield(lookup)
+            return await self._lookups.run(key_digest, lambda: self._lookup(key_digest))
         except KeyStoreUnavailable:
             if hit is not None and self._fail_open and time.monotonic() < hit[1] + self._max_stale:
                 return hit[0]
             raise
 
-    def _start_lookup(self, key_digest: str) -> Lookup:
-        task = asyncio.get_running_loop().create_task(self._lookup(key_digest))
-        task.add_done_callback(_retrieve)
-        if not task.done():  # (an eager task factory may have finished it already)
-            self._lookups[key_digest] = task
-        return task
-
     async def _lookup(self, key_digest: str) -> KeyRecord | None:
         try:
-            try:
-                async with asyncio.timeout(self._lookup_timeout):
-                    record = await self.store.get(key_digest)
-            except (RedisError, OSError, TimeoutError) as exc:
-                raise KeyStoreUnavailable(str(exc) or type(exc).__name__) from exc
-            now = time.monotonic()
-            if record is None:
-                self._verified.pop(key_digest, None)  # revoked: not even a fallback while the store is away
-                if len(self._refused) >= self._max_entries:
-                    self._refused.clear()
-                self._refused[key_digest] = now + self._negative_ttl
-            else:
-                self._refused.pop(key_digest, None)
-                if len(self._verified) >= self._max_entries:
-                    self._prune(now)
-                self._verified[key_digest] = (record, now + self._ttl)
-            return record
-        finally:
-            if self._lookups.get(key_digest) is asyncio.current_task():
-                del self._lookups[key_digest]
+            async with asyncio.timeout(self._lookup_timeout):
+                record = await self.store.get(key_digest)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise KeyStoreUnavailable(str(exc) or type(exc).__name__) from exc
+        now = time.monotonic()
+        if record is None:
+            self._verified.pop(key_digest, None)  # revoked: not even a fallback while the store is away
+            if len(self._refused) >= self._max_entries:
+                self._refused.clear()
+            self._refused[key_digest] = now + self._negative_ttl
+        else:
+            self._refused.pop(key_digest, None)
+            if len(self._verified) >= self._max_entries:
+                self._prune(now)
+            self._verified[key_digest] = (record, now + self._ttl)
+        return record
 
     def _prune(self, now: float) -> None:
         """Forget the verified keys that could not be used any more, or all of them if that is not enough."""
@@ -273,12 +259,6 @@ class Authenticator:
         self._verified = {d: entry for d, entry in self._verified.items() if entry[1] > horizon}
         if len(self._verified) >= self._max_entries:
             self._verified.clear()
-
-
-def _retrieve(task: Lookup) -> None:
-    """Mark a look-up's exception as seen: its waiters may all have been cancelled."""
-    if not task.cancelled():
-        task.exception()
 
 
 class MemoryKeyStore:
