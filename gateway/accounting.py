@@ -114,8 +114,11 @@ class RequestAccount:
         if not self.closed:
             self.closed = True
             self.settle()
-            if self.billing.journal is not None:
-                self.billing.journal.voided(self.p.record_id)
+            self._unbilled()
+
+    def _unbilled(self) -> None:
+        if self.billing.journal is not None:
+            self.billing.journal.voided(self.p.record_id)
 
     # -- the end -----------------------------------------------------------------------------------------
 
@@ -151,8 +154,7 @@ class RequestAccount:
             if first_byte is None and outcome != "aborted":
                 # The engine broke off before anything reached the client: nothing to bill.
                 self._log(outcome, now, first_byte, prompt, cached, completion, 0)
-                if self.billing.journal is not None:
-                    self.billing.journal.voided(p.record_id)
+                self._unbilled()
                 return
             # It ended before the engine's usage: bill what the engine did by the gateway's own counts (the
             # prompt it sent, the cache it predicted, one token per streamed event) — also when the client

@@ -16,13 +16,14 @@ pipelined right behind another in the same read is refused with a 400 and the co
 The handlers are the application's own (``gateway.service``): they read a ``LeanRequest`` as they would an
 aiohttp request, and stream through a ``LeanStream``, a ``web.StreamResponse`` that writes here.
 
-The edge (``[gateway.edge]``, an ``Edge`` every connection shares): a request's line and headers must arrive
+The edge (``gateway.edge``, an ``Edge`` every connection shares): a request's line and headers must arrive
 within ``header_timeout_s`` of its first byte and its body at ``body_min_rate`` after ``body_timeout_s``, or
 it gets a 408 and the connection closes; a connection with nothing in progress closes after
 ``idle_timeout_s``. One timer per connection does all of it, lazily: it fires at the earliest deadline it was
 armed for and re-arms itself for the deadline of whatever the connection is doing by then, so a busy
-keep-alive connection costs no timer operation per request. ``ConnectionLimits`` counts connections in all
-and per client address and refuses past either cap with a 503 on accept. With authentication on, a
+keep-alive connection costs no timer operation per request. The edge's ``ConnectionLimits`` admits each
+connection here (or refuses it past a cap with a 503 on accept), and bodies being read count against its
+body budget. With authentication on, a
 request's key is checked once its headers are here, before its body is read: a refused request never has
 its body buffered (it is read and dropped, as a body over the size limit is), and the caller found is
 handed to the handler (``LeanRequest.caller``). ``gateway.server`` applies the same deadlines and caps to
@@ -33,22 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
-from email.utils import formatdate
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.edge import Edge, Identify
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, RequestTimedOut, Unavailable
+from gateway.http_wire import head, whole_response
 
 if TYPE_CHECKING:
     from gateway.billing import Caller
-    from gateway.config import EdgeSettings
 
 log = logging.getLogger("kvgate.lean_http")
 
@@ -57,7 +56,6 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together
 MAX_HEADERS = 128  # as aiohttp
 BACKLOG_PAUSE_BYTES = 1 << 20  # pipelined bytes held while a request is answered, before reading pauses
 LINGER_S, LINGER_MAX_BYTES = 10.0, 64 << 20  # how long and how much of a refused body is read and dropped
-REFUSAL_RETRY_AFTER_S = 1  # a connection refused at a cap: one of the client's own may be free by then
 
 # What a connection is reading, for its deadline (LeanConnection._deadline).
 _IDLE, _HEAD, _BODY, _LINGER = 0, 1, 2, 3
@@ -67,150 +65,6 @@ _T = TypeVar("_T")
 
 # A handler of a hot endpoint: the request -> the whole answer (web.Response) or a finished LeanStream.
 LeanHandler = Callable[["LeanRequest"], Awaitable[web.StreamResponse]]
-# Billing.identify: the Authorization header -> the caller, or a GatewayError (401, 503).
-Identify = Callable[[str | None], Coroutine[Any, Any, "Caller"]]
-
-
-class Edge:
-    """What every client connection of the public port shares: the ``[gateway.edge]`` deadlines, the
-    connection caps, the key check before a body is read (None: authentication is off), and the count of
-    requests that did not arrive in time (by phase: header or body)."""
-
-    __slots__ = (
-        "body_budget",
-        "body_rate",
-        "body_s",
-        "buffered",
-        "header_s",
-        "identify",
-        "idle_s",
-        "limits",
-        "timed_out",
-    )
-
-    def __init__(
-        self,
-        settings: EdgeSettings,
-        limits: ConnectionLimits,
-        *,
-        identify: Identify | None = None,
-        timed_out: Callable[[str], None] = lambda phase: None,
-    ) -> None:
-        self.header_s = settings.header_timeout_s
-        self.body_s = settings.body_timeout_s
-        self.body_rate = float(settings.body_min_rate)
-        self.idle_s = settings.idle_timeout_s
-        # Bytes of request bodies being read (not yet whole) on every connection together, and their cap:
-        # slow senders with keys the gateway accepts must not hold its memory either.
-        self.body_budget = settings.max_buffered_body_bytes
-        self.buffered = 0
-        self.limits = limits
-        self.identify = identify
-        self.timed_out = timed_out
-
-    def body_deadline(self, began: float, received: int) -> float:
-        """When a body begun at ``began`` with ``received`` bytes so far is late (mod_reqtimeout's rule)."""
-        return began + self.body_s + (received / self.body_rate if self.body_rate else 0.0)
-
-
-class ConnectionLimits:
-    """Open client connections, in all and per client address (an IPv4 address, an IPv6 /64), and the
-    refusal past either cap: a 503 with Retry-After written on accept and the connection closed, without
-    waiting for a request. O(1) a connection: a counter, and a dict entry per address with connections open.
-    Clients in ``exempt`` networks (loopback, trusted proxies) count only towards the total."""
-
-    def __init__(
-        self,
-        *,
-        max_total: int,
-        max_per_client: int,
-        exempt: Iterable[str] = (),
-        refused: Callable[[str], None] = lambda reason: None,
-    ) -> None:
-        self.max_total = max_total
-        self.max_per_client = max_per_client
-        self.open = 0
-        self._exempt = [ipaddress.ip_network(n, strict=False) for n in exempt]
-        self._per_client: dict[str, int] = {}
-        self._keys: dict[str, str] = {}  # peer address -> its client key ("" when exempt), remembered
-        self._refused = refused
-        self._answers: dict[str, tuple[int, bytes]] = {}  # reason -> (second, the 503), built once a second
-
-    def admit(self, transport: asyncio.BaseTransport, peer: Any) -> str | None:
-        """The connection's client key ("": not counted per client) to ``release`` when it closes; None if
-        it was refused (answered and closed here)."""
-        if self.open >= self.max_total:
-            self._refuse(transport, "total")
-            return None
-        client = self._client(peer)
-        if client:
-            count = self._per_client.get(client, 0)
-            if count >= self.max_per_client:
-                self._refuse(transport, "per_client")
-                return None
-            self._per_client[client] = count + 1
-        self.open += 1
-        return client
-
-    def release(self, client: str) -> None:
-        self.open -= 1
-        if client:
-            count = self._per_client[client] - 1
-            if count:
-                self._per_client[client] = count
-            else:
-                del self._per_client[client]
-
-    def note_refused(self, reason: str) -> None:
-        """Count a refusal made elsewhere (a body past the edge's body budget)."""
-        self._refused(reason)
-
-    def clients(self) -> int:
-        """Client addresses with connections open (exempt ones aside)."""
-        return len(self._per_client)
-
-    def _client(self, peer: Any) -> str:
-        if not isinstance(peer, tuple | list) or not peer:
-            return ""  # a Unix socket: nobody to tell apart
-        host = str(peer[0])
-        key = self._keys.get(host)
-        if key is None:
-            if len(self._keys) >= 65536:  # a flood from many addresses: remember afresh
-                self._keys.clear()
-            key = self._keys[host] = self._key(host)
-        return key
-
-    def _key(self, host: str) -> str:
-        try:
-            address = ipaddress.ip_address(host.partition("%")[0])
-        except ValueError:
-            return host
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped  # a dual-stack socket's IPv4 client
-        if any(address in network for network in self._exempt):
-            return ""
-        if isinstance(address, ipaddress.IPv6Address):
-            return str(ipaddress.IPv6Network((address, 64), strict=False))  # one client's /64
-        return str(address)
-
-    def _refuse(self, transport: asyncio.BaseTransport, reason: str) -> None:
-        self._refused(reason)
-        now = int(time.time())
-        answer = self._answers.get(reason)
-        if answer is None or answer[0] != now:
-            if reason == "total":
-                message = f"the gateway is at its limit of {self.max_total} open connections; retry shortly"
-            else:
-                message = (
-                    f"too many connections from your address (at most {self.max_per_client} at a time); "
-                    "reuse them, or retry shortly"
-                )
-            error = Unavailable(
-                message, code="too_many_connections", headers={"Retry-After": str(REFUSAL_RETRY_AFTER_S)}
-            )
-            answer = self._answers[reason] = (now, whole_response(error.response(), keep_alive=False))
-        cast(asyncio.WriteTransport, transport).write(answer[1])
-        transport.close()  # after the write is flushed
 
 
 class LeanRequest:
@@ -263,7 +117,7 @@ class LeanStream(web.StreamResponse):
         if self.started:
             return
         self.started = True
-        self._connection.write(_head(self, b"Transfer-Encoding: chunked\r\n"))
+        self._connection.write(head(self, b"Transfer-Encoding: chunked\r\n"))
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -849,38 +703,3 @@ class _CarryOn:
 
 async def _carry_on(coroutine: Coroutine[Any, Any, _T], awaited: Any) -> _T:
     return cast(_T, await _CarryOn(coroutine, awaited))
-
-
-def whole_response(response: web.StreamResponse, keep_alive: bool) -> bytes:
-    """A whole answer's bytes as this server writes it: with a Content-Length, and ``Connection: close``
-    unless the connection is kept alive."""
-    body = response.body if isinstance(response, web.Response) else None
-    data = bytes(body) if isinstance(body, bytes | bytearray) else b""
-    framing = [b"Content-Length: %d\r\n" % len(data)]
-    if "Content-Type" not in response.headers:
-        framing.append(b"Content-Type: application/octet-stream\r\n")
-    if not keep_alive:
-        framing.append(b"Connection: close\r\n")
-    return _head(response, *framing) + data
-
-
-_SKIPPED = frozenset({"content-length", "transfer-encoding", "connection", "date"})  # this server's to set
-
-
-def _head(response: web.StreamResponse, *framing: bytes) -> bytes:
-    """A response's status line and headers, with this server's framing lines, the Date and the blank line."""
-    status = b"HTTP/1.1 %d %s\r\n" % (response.status, (response.reason or "").encode("latin-1"))
-    headers = "".join(f"{k}: {v}\r\n" for k, v in response.headers.items() if k.lower() not in _SKIPPED)
-    return b"".join((status, headers.encode("latin-1"), *framing, _date_line(), b"\r\n"))
-
-
-_date: tuple[int, bytes] = (0, b"")
-
-
-def _date_line() -> bytes:
-    """The Date header, formatted once a second."""
-    global _date
-    now = int(time.time())
-    if _date[0] != now:
-        _date = (now, f"Date: {formatdate(now, usegmt=True)}\r\n".encode("ascii"))
-    return _date[1]

@@ -26,14 +26,10 @@ from aiohttp.web_request import BaseRequest
 from gateway.app import GATEWAY, build_app, lean_routes
 from gateway.billing import spool_path
 from gateway.config import KvgateConfig
+from gateway.edge import ConnectionLimits, Edge
 from gateway.errors import GatewayError, RequestTimedOut
-from gateway.lean_http import (
-    ConnectionLimits,
-    Edge,
-    LeanConnection,
-    LeanHandler,
-    whole_response,
-)
+from gateway.http_wire import whole_response
+from gateway.lean_http import LeanConnection, LeanHandler
 from gateway.loop import install_best_loop, raise_open_file_limit
 from gateway.service import Gateway
 

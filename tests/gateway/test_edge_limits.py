@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.lean_http import ConnectionLimits
+from gateway.edge import ConnectionLimits
 from gateway.server import GatewayServer
 from gateway.tenants import create_key
 from tests.harness import MODEL, Cluster, ClusterFactory
