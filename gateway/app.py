@@ -216,11 +216,12 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
     else:
         keys = MemoryKeyStore()
     if redis is not None:
+        path = spool_path(config)
         try:
-            spool = Spool(spool_path(config))
+            spool = Spool(path)
         except OSError as exc:
             raise ConfigError(f"gateway.spool_path: cannot keep the ledger spool there: {exc}") from None
-        writer = LedgerWriter(RedisLedger(redis, prefix), spool, journal=UsageJournal(spool_path(config)))
+        writer = LedgerWriter(RedisLedger(redis, prefix), spool, journal=UsageJournal(path))
         limiter = RateLimiter(RedisBuckets(redis, prefix))
     else:
         writer = LedgerWriter(MemoryLedger())

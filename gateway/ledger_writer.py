@@ -80,9 +80,7 @@ class LedgerWriter:
         if not records:
             return True
         try:
-            for i in range(0, len(records), MAX_BATCH):
-                async with asyncio.timeout(self._write_timeout_s):
-                    await self.ledger.record_many(records[i : i + MAX_BATCH])
+            await self._write_all(records)
         except Exception as exc:  # still away
             log.debug("spool replay failed: %s", exc)
             return False
@@ -153,11 +151,15 @@ class LedgerWriter:
             self.journal.forget_replayed()
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
 
+    async def _write_all(self, records: list[UsageRecord]) -> None:
+        """Write ``records`` to the ledger, a batch (one round trip) at a time; raises if it fails."""
+        for i in range(0, len(records), MAX_BATCH):
+            async with asyncio.timeout(self._write_timeout_s):
+                await self.ledger.record_many(records[i : i + MAX_BATCH])
+
     async def _write_or_spool(self, records: list[UsageRecord]) -> None:
         try:
-            for i in range(0, len(records), MAX_BATCH):
-                async with asyncio.timeout(self._write_timeout_s):
-                    await self.ledger.record_many(records[i : i + MAX_BATCH])
+            await self._write_all(records)
         except Exception as exc:  # whatever failed, the spool keeps them
             log.warning("ledger write failed (%s); spooling %d records", exc, len(records))
             self.degraded = True
