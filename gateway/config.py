@@ -257,12 +257,14 @@ class GatewaySettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _default_within_the_cap(self) -> GatewaySettings:
+    def _consistent(self) -> GatewaySettings:
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
                 f"({self.max_output_tokens}): every request that names no max_tokens would be refused"
             )
+        if self.operator_port and self.operator_port == self.port:
+            raise ValueError(f"operator_port ({self.operator_port}) must differ from port: the public port")
         return self
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import pytest
 
+from gateway.config import parse_config
 from gateway.tenants import create_key
+from region_map.config import ConfigError
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 TENANTS = {"ops": {"admin": True}, "victim": {}, "snoop": {}}
@@ -81,3 +84,10 @@ async def test_without_auth_nothing_changes(make_cluster: ClusterFactory) -> Non
     for path in ("/metrics", "/dashboard", "/v1/models"):
         assert (await get(cluster.session, cluster.url + path))[0] == 200, path
     assert b"engines" in (await get(cluster.session, cluster.url + "/health"))[1]
+
+
+def test_an_operator_port_that_is_the_public_port_is_a_configuration_error() -> None:
+    topology = {"region": "r", "regions": [{"name": "r", "engines": [{"name": "e", "url": "http://h:1"}]}]}
+    with pytest.raises(ConfigError, match=r"operator_port \(8080\) must differ from port"):
+        parse_config({**topology, "gateway": {"port": 8080, "operator_port": 8080}})
+    assert parse_config({**topology, "gateway": {"port": 8080, "operator_port": 9464}}).gateway.operator_port
