@@ -46,6 +46,15 @@ class Role(StrEnum):
     BOTH = "both"
 
 
+class EngineKind(StrEnum):
+    """What serves behind an engine's URL: what the gateway may discover there and how it talks to it."""
+
+    KVGATE = "kvgate"  # kvgate's own engine: /health reports everything, events over HTTP
+    VLLM = "vllm"  # stock vLLM: /v1/models, /metrics, KV events over ZMQ, NixlConnector P/D
+    SGLANG = "sglang"  # stock SGLang: /v1/models, /metrics, KV events over ZMQ, bootstrap P/D
+    OPENAI = "openai"  # any other OpenAI server: model from /v1/models, approximate residency
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,15 +62,45 @@ class _Strict(BaseModel):
 class EngineConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     url: HttpUrl
+    kind: EngineKind = EngineKind.KVGATE
     role: Role = Role.BOTH
     kv_capacity_blocks: int = Field(default=0, ge=0, description="0: unknown, learnt from /health")
-    model: str | None = Field(default=None, description="None: learnt from /health")
-    block_size: int | None = Field(default=None, ge=1, description="None: learnt from /health")
-    kv_events: bool | None = Field(
-        default=None, description="whether it publishes KV events; None: detect from its /v1/kv_events"
+    model: str | None = Field(
+        default=None, description="None: learnt from /health (kvgate) or /v1/models (other kinds)"
     )
-    accepts_token_ids: bool = Field(
-        default=True, description="send prompt_token_ids (kvgate engines); False for stock OpenAI servers"
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="None: learnt from /health (kvgate), vllm:cache_config_info (vllm), else the gateway's",
+    )
+    kv_events: bool | None = Field(
+        default=None,
+        description="whether it publishes KV events; None: detect /v1/kv_events (kvgate), or yes when "
+        "kv_events_endpoint is set (vllm, sglang)",
+    )
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        description="vllm/sglang: the ZMQ address of its KV event publisher as the gateway reaches it "
+        "(tcp://host:5557: the engine binds, the gateway connects), or where the gateway binds for an engine "
+        "that connects (tcp://*:5557, as in vLLM's own notation)",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None, description="vllm: its replay ROUTER socket (tcp://host:5558); None: no replay"
+    )
+    kv_events_topic: str = Field(default="", description="the publisher's topic ('' takes every topic)")
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="data-parallel ranks behind the URL: rank r publishes on the endpoints' port + r",
+    )
+    bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="sglang prefill engines: the P/D bootstrap server's port"
+    )
+    accepts_token_ids: bool | None = Field(
+        default=None,
+        description="send the prompt as token ids where the engine reads them; None: by kind (kvgate: "
+        "always; vllm, sglang: /v1/completions only; openai: never)",
     )
     kv_pull: bool | None = Field(
         default=None,
@@ -71,6 +110,23 @@ class EngineConfig(_Strict):
         default=False,
         description="it calls tools (e.g. vLLM with --enable-auto-tool-choice): requests with tools go there",
     )
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"a ZMQ endpoint is tcp://host:port or ipc://path, not {value!r}")
+        if value is not None and value.startswith("tcp://") and not value.rsplit(":", 1)[-1].isdigit():
+            raise ValueError(f"a tcp:// ZMQ endpoint needs a port: {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _kind_fits(self) -> Self:
+        if self.kv_events_endpoint is not None and self.kind not in (EngineKind.VLLM, EngineKind.SGLANG):
+            raise ValueError(f"kv_events_endpoint is for kind vllm or sglang; this engine is {self.kind.value}")
+        if self.kind is EngineKind.OPENAI and self.kv_events:
+            raise ValueError("an engine of kind openai publishes no KV events the gateway can read")
+        return self
 
     @field_validator("url", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from region_map.breaker import CircuitBreaker
-from region_map.config import EngineConfig, Role, TopologyConfig
+from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
 
 
 class InFlight(Protocol):
@@ -83,22 +83,39 @@ class EngineState:
         return self.reported_role or self.config.role
 
     @property
+    def kind(self) -> EngineKind:
+        return self.config.kind
+
+    @property
     def kv_events(self) -> bool:
         if self.config.kv_events is not None:
             return self.config.kv_events
+        if self.kind in (EngineKind.VLLM, EngineKind.SGLANG):
+            return self.config.kv_events_endpoint is not None
         return bool(self.publishes_events)
+
+    def token_ids_on(self, path: str) -> bool:
+        """Whether a request to ``path`` may carry the prompt as token ids. kvgate engines read
+        ``prompt_token_ids`` everywhere; vLLM and SGLang read ids only as ``/v1/completions``' ``prompt``
+        (their chat endpoints have no token-id input and would silently ignore one)."""
+        accepts = self.config.accepts_token_ids
+        if self.kind is EngineKind.KVGATE:
+            return accepts is not False
+        if self.kind is EngineKind.OPENAI:
+            return bool(accepts) and path == "/v1/completions"
+        return accepts is not False and path == "/v1/completions"
 
     @property
     def kv_pull(self) -> bool:
         """Whether it can pull a prefix from a peer and serve its own to one (``/v1/kv/cached``)."""
         if self.config.kv_pull is not None:
             return self.config.kv_pull
-        return self.reported_kv_pull and self.config.accepts_token_ids
+        return self.reported_kv_pull and self.kind is EngineKind.KVGATE and self.config.accepts_token_ids is not False
 
     @property
     def packed_token_ids(self) -> bool:
         """Whether it takes the prompt's ids packed (``prompt_token_ids_hex``) rather than as JSON numbers."""
-        return self.config.accepts_token_ids and self.reported_token_ids_hex
+        return self.kind is EngineKind.KVGATE and self.token_ids_on("") and self.reported_token_ids_hex
 
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""
