@@ -21,7 +21,7 @@ from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from gateway.tenants import Tenant
-from region_map.fleet import Fleet
+from region_map.fleet import ChainKey, Fleet
 
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
@@ -57,15 +57,20 @@ class Prepared:
     stream: bool
     client_wants_usage: bool
     token_ids: np.ndarray
-    hashes: list[int]
+    chains: dict[ChainKey, list[int]]  # the prompt's block hashes in each engine's blocks (see chain_keys)
     cache_salt: str  # the tenant's salt (and the client's, if it sent one): engines get it as cache_salt
     home_region: str  # where the client is (see gateway.home)
-    shared_blocks: int = 0  # leading blocks of an operator-declared public prefix every tenant shares
+    shared_tokens: int = 0  # leading tokens of an operator-declared public prefix every tenant shares
     key_id: str = ""
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
     max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
     choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
     tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
+
+    @property
+    def hashes(self) -> list[int]:
+        """One chain, the same for every request of a conversation whatever engine takes it (route keys)."""
+        return self.chains[min(self.chains)] if self.chains else []
 
     @property
     def output_budget(self) -> int:
@@ -206,7 +211,7 @@ class RequestPreparer:
         cache_salt = tenant.cache_salt
         if parsed.cache_salt:
             cache_salt = f"{cache_salt}/{parsed.cache_salt}" if cache_salt else parsed.cache_salt
-        shared_blocks = self._shared_blocks(token_ids) if cache_salt else 0
+        shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id")),
             tenant=tenant.name,
@@ -217,10 +222,19 @@ class RequestPreparer:
             stream=bool(parsed.stream),
             client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
             token_ids=token_ids,
-            hashes=self.block_hashes(token_ids, model, cache_salt, shared_blocks),
+            chains={
+                key: self.block_hashes(
+                    token_ids,
+                    model,
+                    cache_salt,
+                    shared_tokens // key.block_size if key.public else 0,
+                    block_size=key.block_size,
+                )
+                for key in self.fleet.chain_keys(model, s.block_size)
+            },
             cache_salt=cache_salt,
             home_region=self.home.resolve(request.headers, request.remote),
-            shared_blocks=shared_blocks,
+            shared_tokens=shared_tokens,
             record_id=f"{self._record_prefix}{next(self._record_seq):x}",
             max_tokens=max_tokens,
             choices=_choices(body),
@@ -245,14 +259,14 @@ class RequestPreparer:
             requested = body[param] = self.settings.default_max_tokens
         return requested, param
 
-    def _shared_blocks(self, token_ids: np.ndarray) -> int:
-        """Full blocks of the longest declared shared prefix this prompt starts with."""
+    def _shared_tokens(self, token_ids: np.ndarray) -> int:
+        """Length of the longest declared shared prefix this prompt starts with."""
         best = 0
         for prefix in self._shared:
             n = len(prefix)
             if best < n <= len(token_ids) and np.array_equal(token_ids[:n], prefix):
                 best = n
-        return best // self.settings.block_size
+        return best
 
     def _seed(self, model: str, cache_salt: str) -> int:
         seed = self._seeds.get((model, cache_salt))
@@ -261,13 +275,19 @@ class RequestPreparer:
         return seed
 
     def block_hashes(
-        self, token_ids: TokenIds, model: str, cache_salt: str = "", shared_blocks: int = 0
+        self,
+        token_ids: TokenIds,
+        model: str,
+        cache_salt: str = "",
+        shared_blocks: int = 0,
+        *,
+        block_size: int | None = None,
     ) -> list[int]:
-        """The prompt's block hashes in the namespace of ``model`` and ``cache_salt`` (contract 1), its first
-        ``shared_blocks`` in the public one."""
+        """The prompt's block hashes in the namespace of ``model`` and ``cache_salt`` (contract 1), in blocks
+        of ``block_size`` (default: the gateway's), its first ``shared_blocks`` in the public one."""
         return namespaced_block_hashes(
             token_ids,
-            self.settings.block_size,
+            block_size or self.settings.block_size,
             self._seed(model, cache_salt),
             public_seed=self._seed(model, ""),
             shared_blocks=shared_blocks,

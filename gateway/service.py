@@ -17,22 +17,24 @@ import orjson
 from aiohttp import web
 
 from cache.sessions import SessionBinding
-from cache.tokens import Tokenizer, pack_token_ids
+from cache.tokens import Tokenizer
 from gateway.accounting import RequestAccount
 from gateway.billing import Billing, Caller
 from gateway.config import KvgateConfig
+from gateway.engine_body import engine_body
 from gateway.errors import GatewayError, NoCapacity, Overloaded, UpstreamFailed, UpstreamTimedOut
 from gateway.metrics import GatewayMetrics
+from gateway.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.prepare import ClientRequest, Prepared, RequestPreparer
 from gateway.relay import error_fields, relay_stream, relay_whole
 from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.routing.base import route_key, with_peers
-from gateway.routing.disaggregation import choose_prefill
+from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_only
 from gateway.routing.regional import RemoteShareLimiter
 from gateway.shared_state import SharedState
 from gateway.upstream import Response, UpstreamClients, UpstreamConnectError, UpstreamError
 from region_map.breaker import CircuitBreaker
-from region_map.config import Role
+from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
 
 PENDING_MAX_BLOCKS = 64  # blocks of a new prefix noted as "on its way" until the engine's events confirm
@@ -150,12 +152,23 @@ class Gateway:
 
     # -- routing ---------------------------------------------------------------------------------------
 
+    def _cached_tokens(self, p: Prepared, engines: list[EngineState]) -> dict[str, int]:
+        """Leading prompt tokens each engine holds, by the residency view: whole blocks of its own size, and
+        never the prompt's last token on an engine that always computes it (vLLM, SGLang)."""
+        default = self.settings.block_size
+        found = {key: self.state.lookup(chain) for key, chain in p.chains.items()}
+        out: dict[str, int] = {}
+        for e in engines:
+            key = e.chain_key(default)
+            blocks = found[key].get(e.id, 0) if key in found else 0
+            if blocks:
+                out[e.id] = min(blocks, e.cacheable_blocks(len(p.token_ids), key.block_size)) * key.block_size
+        return out
+
     def _candidates(self, engines: list[EngineState], cached: dict[str, int], home: str) -> list[Candidate]:
-        block_size = self.settings.block_size
         out = []
         for e in engines:
             total, waiting = e.queue_estimate()
-            precise = e.block_size in (None, block_size)  # another block size: its hashes are not ours
             out.append(
                 Candidate(
                     engine=e.id,
@@ -163,13 +176,15 @@ class Gateway:
                     healthy=e.available,
                     load=total,
                     waiting=waiting,
-                    cached_blocks=cached.get(e.id, 0) if precise else 0,
+                    cached_tokens=cached.get(e.id, 0),
                     rtt_s=self.fleet.rtt_s(e.region, home),
                     queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
                 )
             )
         if not self.policy.pulls_kv:
             return out
+        # Pulls move blocks between engines that name them alike: kvgate engines of the gateway's block size.
+        block_size = self.settings.block_size
         pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
         return with_peers(out, pulling) if pulling else out
 
@@ -178,11 +193,10 @@ class Gateway:
         engines = self.fleet.serving(p.model)
         if p.tools:
             engines = [e for e in engines if e.config.tools]
-        cached = self.state.lookup(p.hashes)
+        cached = self._cached_tokens(p, engines)
         self._seq += 1
         route = RouteRequest(
             prompt_tokens=len(p.token_ids),
-            block_size=self.settings.block_size,
             route_key=route_key(p.tenant, p.session_id, p.hashes, b"" if p.hashes else p.token_ids.tobytes()),
             seq=self._seq,
             session_engine=binding.engine if binding else None,
@@ -205,18 +219,28 @@ class Gateway:
             if decision is None:
                 break
             if attempt and decision.reason != "failover":
-                decision = RouteDecision(decision.engine, "failover", decision.cached_blocks)
+                decision = RouteDecision(decision.engine, "failover", decision.cached_tokens)
             engine = self.fleet.engines[decision.engine]
             prefill: EngineState | None = None
             if prefilling:
                 chosen = next(c for c in candidates if c.engine == engine.id)
                 if decision.kv_source is not None:  # what it will pull from a peer it need not prefill
-                    chosen = chosen._replace(cached_blocks=decision.pulled_blocks)
-                usable = self._candidates(
-                    [e for e in prefilling if e.id not in failed_prefill], cached, p.home_region
+                    chosen = chosen._replace(cached_tokens=decision.pulled_tokens)
+                # K/V moves only between engines of one kind: each kind has its own transfer protocol.
+                able = [e for e in prefilling if e.id not in failed_prefill and e.kind is engine.kind]
+                usable = self._candidates(able, cached, p.home_region)
+                local = not prefills_elsewhere_only(engine)
+                prefill_pick = choose_prefill(
+                    route, chosen, usable, self.settings.routing, local_allowed=local
                 )
-                prefill_pick = choose_prefill(route, chosen, usable, self.settings.routing)
                 prefill = self.fleet.engines[prefill_pick.engine] if prefill_pick else None
+                if prefill is None and not local:
+                    excluded.add(engine.id)
+                    last_error = NoCapacity(
+                        f"decode engine {engine.id} needs a prefill engine and none of its kind is available",
+                        headers={"Retry-After": "1"},
+                    )
+                    continue
             try:
                 return await self._dispatch(request, received, p, engine, decision, cached, prefill)
             except _Retryable as exc:
@@ -271,28 +295,38 @@ class Gateway:
 
     # -- dispatch --------------------------------------------------------------------------------------
 
-    def _upstream_body(
+    async def _handoff(
         self, p: Prepared, engine: EngineState, prefill: EngineState | None, pull: _Pull | None
-    ) -> bytes:
-        body = dict(p.body)
-        if prefill is not None:
-            body["kv_transfer_params"] = {"prefill_url": prefill.url, "prefill_engine": prefill.id}
-        elif pull is not None:
-            body["kv_transfer_params"] = {"pull_url": pull.source.url, "pull_engine": pull.source.id,
-                                          "pull_tokens": pull.tokens}  # fmt: skip
-        if p.cache_salt:  # vLLM's name too: engines keep each salt's prefix cache apart
-            body["cache_salt"] = p.cache_salt
-        if engine.config.accepts_token_ids:
-            if engine.packed_token_ids:  # hex digits: an engine reads them 5x faster than JSON numbers
-                body["prompt_token_ids_hex"] = pack_token_ids(p.token_ids)
-            else:
-                body["prompt_token_ids"] = p.token_ids
-            if p.shared_blocks:
-                body["cache_shared_blocks"] = p.shared_blocks
-        if p.stream:  # always ask for usage: billing needs the engine's cached_tokens
-            options = body.get("stream_options")
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    ) -> tuple[dict[str, Any] | None, SglangPrefill | None]:
+        """What the answering engine's body gains from P/D or a pull, per kind; a vLLM prefill runs here,
+        an SGLang one starts here (raises _Retryable when the prefill fails)."""
+        if pull is not None:
+            return {"kv_transfer_params": {"pull_url": pull.source.url, "pull_engine": pull.source.id,
+                                           "pull_tokens": pull.tokens}}, None  # fmt: skip
+        if prefill is None:
+            return None, None
+        if prefill.kind is EngineKind.KVGATE:
+            return {"kv_transfer_params": {"prefill_url": prefill.url, "prefill_engine": prefill.id}}, None
+        timeout = self._header_timeout_s(p)
+        body = engine_body(p, prefill, default_block_size=self.settings.block_size)
+        try:
+            if prefill.kind is EngineKind.VLLM:
+                pool = self.clients.pool(prefill.url)
+                params = await vllm_prefill(pool, p.path, body, p.request_id, timeout)
+                return {"kv_transfer_params": params}, None
+            bootstrap = sglang_bootstrap(prefill.url, prefill.config.bootstrap_port)
+            body.update(bootstrap)
+            return bootstrap, SglangPrefill(
+                self.clients.pool(prefill.url), p.path, body, p.request_id, timeout
+            )
+        except PrefillFailed as exc:
+            raise self._prefill_failed(prefill, exc) from None
+
+    def _prefill_failed(self, prefill: EngineState, exc: PrefillFailed) -> _Retryable:
+        prefill.breaker.on_failure()
+        self.metrics.upstream_error(prefill.id, "prefill_failed")
+        return _Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
+                          prefill_failed=True)  # fmt: skip
 
     async def _dispatch(
         self,
@@ -304,16 +338,14 @@ class Gateway:
         cached: dict[str, int],
         prefill: EngineState | None = None,
     ) -> web.StreamResponse:
-        block_size = self.settings.block_size
         pull = None
         if prefill is None and decision.kv_source is not None:
-            tokens = min(decision.pulled_blocks * block_size, len(p.token_ids) - 1)
+            tokens = min(decision.pulled_tokens, len(p.token_ids) - 1)
             pull = _Pull(self.fleet.engines[decision.kv_source], tokens)
-        held_blocks = max(decision.cached_blocks, decision.pulled_blocks if pull else 0)
-        predicted = min(held_blocks * block_size, len(p.token_ids))
+        predicted = min(max(decision.cached_tokens, decision.pulled_tokens if pull else 0), len(p.token_ids))
         # The prefill work lands where the prompt is computed: the prefill engine, or the engine itself.
         computing = prefill or engine
-        held = predicted if pull else cached.get(computing.id, 0) * block_size
+        held = predicted if pull else cached.get(computing.id, 0)
         computing_cached = min(held, len(p.token_ids))
         pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
         account = RequestAccount(
@@ -329,18 +361,27 @@ class Gateway:
         exchanges: list[Response] = []  # (two when a stale pooled connection is retried)
         engine.inflight += 1
         engine.breaker.on_dispatch()
+        sglang_prefill: SglangPrefill | None = None
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
             account.dispatched()
             try:
-                upstream = await self.clients.pool(engine.url).request(
+                additions, sglang_prefill = await self._handoff(p, engine, prefill, pull)
+                body = engine_body(
+                    p, engine, default_block_size=self.settings.block_size, additions=additions
+                )
+                sent = self.clients.pool(engine.url).request(
                     "POST",
                     p.path,
-                    self._upstream_body(p, engine, prefill, pull),
+                    orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
                     header_timeout=self._header_timeout_s(p),
                     started=lambda response: _track(engine, response, exchanges),
                 )
+                upstream = await (sglang_prefill.race(sent) if sglang_prefill is not None else sent)
+            except PrefillFailed as exc:
+                assert prefill is not None
+                raise self._prefill_failed(prefill, exc) from None
             except UpstreamError as exc:
                 self.metrics.upstream_error(engine.id, type(exc).__name__)
                 engine.breaker.on_failure()
@@ -357,6 +398,7 @@ class Gateway:
                 await self._raise_server_error(upstream, engine)
             engine.breaker.on_success()
             self._after_dispatch(p, engine, decision, predicted, cached.get(engine.id, 0))
+            sglang_prefill = None  # (it finishes by itself now: the decode engine has answered)
             headers = {
                 "x-request-id": p.request_id,
                 "x-kvgate-region": engine.region,
@@ -402,6 +444,8 @@ class Gateway:
                 engine.breaker.on_failure()
                 raise _Retryable(exc, engine.id) from None
         finally:
+            if sglang_prefill is not None:
+                sglang_prefill.cancel()
             engine.inflight -= 1
             engine.breaker.on_abandon()
             pending.settle()
@@ -435,7 +479,7 @@ class Gateway:
         )
 
     def _after_dispatch(
-        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_blocks: int
+        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_tokens: int
     ) -> None:
         """The engine accepted the request: bind the session, remember where the prefix went."""
         self.limiter.record(p.home_region, engine.region)
@@ -444,14 +488,17 @@ class Gateway:
             if current is None or current.engine != engine.id:
                 self.state.bind_session(p.tenant, p.session_id, SessionBinding(engine.region, engine.id))
         s = self.settings
+        key = engine.chain_key(s.block_size)
+        hashes = p.chains.get(key, [])
+        known_blocks = known_tokens // key.block_size
         if engine.kv_events:
             # Its events will report these blocks; until then, note the first ones the view does not know:
             # enough to steer a twin request that arrives before the events to the same engine, without
             # paying per block for a long prompt twice (here and again in the events).
-            new = p.hashes[known_blocks : known_blocks + PENDING_MAX_BLOCKS]
+            new = hashes[known_blocks : known_blocks + PENDING_MAX_BLOCKS]
             self.state.record_route(engine.id, new, s.pending_ttl_s, share=False)
         else:
-            self.state.record_route(engine.id, p.hashes, s.approx_ttl_s, share=True)
+            self.state.record_route(engine.id, hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
 
 

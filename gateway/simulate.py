@@ -69,7 +69,7 @@ class SimRouter:
                 healthy=True,
                 load=e.in_flight(now),
                 waiting=e.waiting(now),
-                cached_blocks=cached.get(e.id, 0),
+                cached_tokens=cached.get(e.id, 0) * self.block_tokens,
                 rtt_s=0.0 if e.region == home else self.rtt_s,
                 queued_prefill_tokens=e.queued_prefill_tokens(now),
             )
@@ -81,7 +81,6 @@ class SimRouter:
         decision = self.policy.pick(
             RouteRequest(
                 prompt_tokens=request.input_tokens,
-                block_size=self.block_tokens,
                 route_key=route_key(TENANT, session_id, request.blocks),
                 seq=self.seq,
                 session_engine=binding.engine if binding else None,

@@ -9,10 +9,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
+
+
+class ChainKey(NamedTuple):
+    """Which chain of block hashes (contract 1) names an engine's blocks: its block size, and whether it
+    shares an operator-declared public prefix across tenants (kvgate engines do; a vLLM or SGLang salts
+    every block of a salted request, so its chains are the tenant's from the first block)."""
+
+    block_size: int
+    public: bool
 
 
 class InFlight(Protocol):
@@ -48,6 +57,9 @@ class EngineState:
     reported_kv_pull: bool = False
     reported_token_ids_hex: bool = False
     simulated: bool = False
+    # Whether its tokenizer and chat template give the gateway's ids (one /tokenize probe at start; None:
+    # not checked, so a text prompt is sent as text).
+    tokenizer_agrees: bool | None = None
     load: EngineLoad = field(default_factory=EngineLoad)
     last_ok: float | None = None
     consecutive_failures: int = 0
@@ -110,12 +122,28 @@ class EngineState:
         """Whether it can pull a prefix from a peer and serve its own to one (``/v1/kv/cached``)."""
         if self.config.kv_pull is not None:
             return self.config.kv_pull
-        return self.reported_kv_pull and self.kind is EngineKind.KVGATE and self.config.accepts_token_ids is not False
+        return (
+            self.reported_kv_pull
+            and self.kind is EngineKind.KVGATE
+            and self.config.accepts_token_ids is not False
+        )
 
     @property
     def packed_token_ids(self) -> bool:
         """Whether it takes the prompt's ids packed (``prompt_token_ids_hex``) rather than as JSON numbers."""
         return self.kind is EngineKind.KVGATE and self.token_ids_on("") and self.reported_token_ids_hex
+
+    def chain_key(self, default_block_size: int) -> ChainKey:
+        """The chain its blocks are named by; ``default_block_size`` for an engine that reports none."""
+        return ChainKey(self.block_size or default_block_size, self.kind is EngineKind.KVGATE)
+
+    def cacheable_blocks(self, prompt_tokens: int, block_size: int) -> int:
+        """The most leading blocks of a prompt it can serve from cache. vLLM and SGLang always compute the
+        prompt's last token (its logits start the decode), so a prompt of whole blocks hits one block less;
+        a kvgate engine reports its whole cached prefix."""
+        if self.kind is EngineKind.KVGATE:
+            return prompt_tokens // block_size
+        return max(0, prompt_tokens - 1) // block_size
 
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""
@@ -226,6 +254,11 @@ class Fleet:
             if e.model:
                 by_model.setdefault(e.model, []).append(e)
         self._by_model = by_model
+
+    def chain_keys(self, model: str, default_block_size: int) -> list[ChainKey]:
+        """The distinct chains of the engines serving ``model``: a prompt is hashed once per chain."""
+        keys = {e.chain_key(default_block_size) for e in self._by_model.get(model, ())}
+        return sorted(keys) or [ChainKey(default_block_size, True)]
 
     def models(self) -> list[str]:
         return sorted(self._by_model)

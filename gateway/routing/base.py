@@ -80,22 +80,21 @@ class Candidate(NamedTuple):
     healthy: bool
     load: int  # requests in the engine (running + waiting), reported or local, whichever is larger
     waiting: int  # requests waiting for a slot
-    cached_blocks: int  # leading blocks of this prompt it holds (0 when block sizes differ)
+    cached_tokens: int  # leading prompt tokens it holds: whole blocks of its own block size
     rtt_s: float  # round trip from this gateway's region
     queued_prefill_tokens: int = 0  # prompt tokens waiting there for prefill (reported, or sent by us)
     peer: str | None = None  # the same-region engine holding the longest prefix of this prompt, if not this
-    peer_blocks: int = 0  # leading blocks of this prompt ``peer`` holds
+    peer_tokens: int = 0  # leading prompt tokens ``peer`` holds
 
-    def with_peer(self, peer: str, peer_blocks: int) -> Candidate:
+    def with_peer(self, peer: str, peer_tokens: int) -> Candidate:
         """This candidate with a peer (built directly: ``_replace`` takes twice as long)."""
-        return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_blocks,
-                         self.rtt_s, self.queued_prefill_tokens, peer, peer_blocks)  # fmt: skip
+        return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_tokens,
+                         self.rtt_s, self.queued_prefill_tokens, peer, peer_tokens)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     prompt_tokens: int
-    block_size: int
     route_key: int  # stable per conversation when possible: session id or prompt-derived hash
     seq: int  # this gateway's request counter (round robin)
     session_engine: str | None = None  # engine the x-session-affinity binding points at
@@ -106,9 +105,9 @@ class RouteRequest:
 class RouteDecision:
     engine: str
     reason: str  # session | prefix | miss | moved | least_load | round_robin
-    cached_blocks: int = 0
+    cached_tokens: int = 0  # leading prompt tokens the engine holds (whole blocks of its block size)
     kv_source: str | None = None  # engine to pull the prompt's K/V from before prefilling the rest
-    pulled_blocks: int = 0  # leading blocks to pull from ``kv_source`` (they include ``cached_blocks``)
+    pulled_tokens: int = 0  # leading prompt tokens to pull from ``kv_source`` (they include the cached ones)
 
 
 class RoutingPolicy(Protocol):
@@ -143,25 +142,25 @@ def rendezvous(route_key: int, engine: str) -> int:
 
 
 def with_peers(candidates: Sequence[Candidate], able: Container[str] | None = None) -> list[Candidate]:
-    """``candidates`` with ``peer``/``peer_blocks`` filled in: for each, the healthy engine of its own region
+    """``candidates`` with ``peer``/``peer_tokens`` filled in: for each, the healthy engine of its own region
     (not itself) holding the longest prefix of the prompt. Only engines in ``able`` (all when None) pull or
     are pulled from. Two passes over the candidates, whatever the number of cached prefixes: each region's
     best and second-best holder is all a peer lookup needs."""
     best: dict[str, tuple[Candidate | None, Candidate | None]] = {}
     for c in candidates:
-        if not c.healthy or c.cached_blocks == 0 or (able is not None and c.engine not in able):
+        if not c.healthy or c.cached_tokens == 0 or (able is not None and c.engine not in able):
             continue
         first, second = best.get(c.region, (None, None))
-        if first is None or c.cached_blocks > first.cached_blocks:
+        if first is None or c.cached_tokens > first.cached_tokens:
             best[c.region] = (c, first)
-        elif second is None or c.cached_blocks > second.cached_blocks:
+        elif second is None or c.cached_tokens > second.cached_tokens:
             best[c.region] = (first, c)
     out = []
     for c in candidates:
         first, second = best.get(c.region, (None, None))
         peer = second if first is not None and first.engine == c.engine else first
-        if peer is not None and peer.cached_blocks > c.cached_blocks and (able is None or c.engine in able):
-            c = c.with_peer(peer.engine, peer.cached_blocks)
+        if peer is not None and peer.cached_tokens > c.cached_tokens and (able is None or c.engine in able):
+            c = c.with_peer(peer.engine, peer.cached_tokens)
         out.append(c)
     return out
 

@@ -37,16 +37,16 @@ class CacheAwarePolicy:
         if not self.pulls_kv or candidate.peer is None:
             return 0
         s = self.settings
-        held = min(candidate.cached_blocks * request.block_size, request.prompt_tokens)
+        held = min(candidate.cached_tokens, request.prompt_tokens)
         # The last prompt token is always computed (its logits start the decode), so a pull stops before it.
-        available = min(candidate.peer_blocks * request.block_size, request.prompt_tokens - 1) - held
+        available = min(candidate.peer_tokens, request.prompt_tokens - 1) - held
         if available < max(1, s.kv_pull_min_tokens) or s.kv_pull_s_per_token >= s.prefill_s_per_token:
             return 0
         return available
 
     def estimate_ttft_s(self, request: RouteRequest, candidate: Candidate) -> float:
         s = self.settings
-        cached_tokens = min(candidate.cached_blocks * request.block_size, request.prompt_tokens)
+        cached_tokens = min(candidate.cached_tokens, request.prompt_tokens)
         pulled = self.pulled_tokens(request, candidate)
         uncached = request.prompt_tokens - cached_tokens - pulled
         return (
@@ -66,12 +66,12 @@ class CacheAwarePolicy:
             return RouteDecision(
                 candidate.engine,
                 reason or "prefix",
-                candidate.cached_blocks,
+                candidate.cached_tokens,
                 candidate.peer,
-                candidate.peer_blocks,
+                candidate.peer_tokens,
             )
-        reason = reason or ("prefix" if candidate.cached_blocks else "miss")
-        return RouteDecision(candidate.engine, reason, candidate.cached_blocks)
+        reason = reason or ("prefix" if candidate.cached_tokens else "miss")
+        return RouteDecision(candidate.engine, reason, candidate.cached_tokens)
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision | None:
         usable = healthy(candidates)

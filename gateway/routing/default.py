@@ -60,8 +60,8 @@ class DefaultPolicy:
         s = self.settings
         # What the cached prefix costs on the other engine: the part it holds is free, the part it can pull
         # costs the pull, the rest is computed again.
-        held = min(bound.cached_blocks * request.block_size, request.prompt_tokens)
-        there = min(best.cached_blocks * request.block_size, request.prompt_tokens)
+        held = min(bound.cached_tokens, request.prompt_tokens)
+        there = min(best.cached_tokens, request.prompt_tokens)
         pulled = min(self._cache_aware.pulled_tokens(request, best), max(0, held - there))
         lost_s = pulled * s.kv_pull_s_per_token + max(0, held - there - pulled) * s.prefill_s_per_token
         return saving <= max(s.session_slack_s, s.session_slack_frac * lost_s)

@@ -20,4 +20,4 @@ class LeastLoadPolicy:
         if not usable:
             return None
         chosen = min(usable, key=lambda c: (c.load, -rendezvous(request.route_key, c.engine)))
-        return RouteDecision(chosen.engine, "least_load", chosen.cached_blocks)
+        return RouteDecision(chosen.engine, "least_load", chosen.cached_tokens)

@@ -19,4 +19,4 @@ class RoundRobinPolicy:
         if not usable:
             return None
         chosen = usable[request.seq % len(usable)]
-        return RouteDecision(chosen.engine, "round_robin", chosen.cached_blocks)
+        return RouteDecision(chosen.engine, "round_robin", chosen.cached_tokens)

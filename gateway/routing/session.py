@@ -39,7 +39,7 @@ def affinity_pick(
         return None, candidates
     bound = bound_candidate(request, candidates, settings)
     if bound is not None:
-        return RouteDecision(bound.engine, "session", bound.cached_blocks), candidates
+        return RouteDecision(bound.engine, "session", bound.cached_tokens), candidates
     return None, without_engine(candidates, request.session_engine, settings)
 
 
@@ -57,5 +57,5 @@ class SessionPolicy:
             return kept
         decision = self._fallback.pick(request, eligible)
         if decision is not None and request.session_engine is not None:
-            return RouteDecision(decision.engine, "moved", decision.cached_blocks)
+            return RouteDecision(decision.engine, "moved", decision.cached_tokens)
         return decision

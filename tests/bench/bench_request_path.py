@@ -83,9 +83,9 @@ async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
     text = render_messages(prep.tokenizer, body["messages"])
     p = await prep.chat(request, body)
     engines = gateway.fleet.serving(p.model)
-    cached = gateway.state.lookup(p.hashes)
+    cached = gateway._cached_tokens(p, engines)
     candidates = gateway._candidates(engines, cached, p.home_region)
-    route = RouteRequest(prompt_tokens=len(p.token_ids), block_size=prep.settings.block_size,
+    route = RouteRequest(prompt_tokens=len(p.token_ids),
                          route_key=route_key(p.tenant, p.session_id, p.hashes, b""), seq=1,
                          home_region=p.home_region)  # fmt: skip
 

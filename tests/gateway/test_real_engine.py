@@ -64,6 +64,6 @@ async def test_tenants_share_only_the_declared_public_prefix_on_the_real_engine(
     assert acme_again == prompt // 16 * 16 - (16 if prompt % 16 == 0 else 0)
     prepare = cluster.gateway.prepare
     tokens = prepare.tokenizer.encode(render_messages(prepare.tokenizer, messages))
-    public_tokens = prepare._shared_blocks(tokens) * 16
+    public_tokens = prepare._shared_tokens(tokens) // 16 * 16
     globex, _ = await cached("globex")
     assert 0 < globex == public_tokens < acme_again  # the system prompt, not acme's question

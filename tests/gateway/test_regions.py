@@ -50,7 +50,7 @@ def test_a_mapping_to_an_unknown_region_is_refused() -> None:
 def test_the_limiter_caps_the_remote_share_over_a_window() -> None:
     limiter = RemoteShareLimiter(max_share=0.25, window=8)
     local = Candidate("eu-west/e0", "eu-west", True, 0, 0, 0, 0.0)
-    remote = Candidate("us-east/e0", "us-east", True, 0, 0, 30, 0.04)
+    remote = Candidate("us-east/e0", "us-east", True, 0, 0, 30 * 16, 0.04)
     for _ in range(6):
         limiter.record("eu-west", "eu-west")
     limiter.record("eu-west", "us-east")
@@ -71,17 +71,17 @@ S = RoutingSettings(prefill_s_per_token=1e-4)
 
 
 def req(tokens: int, session: str | None = "us-east/e0") -> RouteRequest:
-    return RouteRequest(tokens, 16, 1, 0, session_engine=session, home_region="eu-west")
+    return RouteRequest(tokens, 1, 0, session_engine=session, home_region="eu-west")
 
 
 def test_a_remote_session_stays_only_while_it_beats_recomputing_at_home() -> None:
     policy = DefaultPolicy(S)
     home = Candidate("eu-west/e0", "eu-west", True, 0, 0, 0, 0.0)
-    remote = Candidate("us-east/e0", "us-east", True, 0, 0, 200, 0.040)  # holds 3,200 tokens
+    remote = Candidate("us-east/e0", "us-east", True, 0, 0, 3200, 0.040)  # holds 3,200 tokens
     # 3,200 cached tokens save 0.32 s of prefill: worth a 40 ms round trip.
     assert policy.pick(req(3300), [home, remote]).engine == "us-east/e0"  # type: ignore[union-attr]
     # A short remote prefix saves less than a long round trip costs: the session comes home.
-    short = Candidate("us-east/e0", "us-east", True, 0, 0, 2, 0.150)
+    short = Candidate("us-east/e0", "us-east", True, 0, 0, 32, 0.150)
     decision = policy.pick(req(3300), [home, short])
     assert decision is not None and decision.engine == "eu-west/e0" and decision.reason == "moved"
 

@@ -18,17 +18,18 @@ from gateway.routing import (
 )
 from gateway.routing.base import RoutingSettings, with_peers
 
+BLOCK = 16  # tokens per block: ``cand(cached=n)`` holds n blocks
 S = RoutingSettings(prefill_s_per_token=1e-4, load_penalty_s=0.002, max_waiting=4, tie_tolerance_s=0.001)
 
 
 def cand(
     name: str, *, cached: int = 0, load: int = 0, waiting: int = 0, healthy: bool = True, rtt: float = 0.0
 ) -> Candidate:
-    return Candidate(name, "r", healthy, load, waiting, cached, rtt)
+    return Candidate(name, "r", healthy, load, waiting, cached * BLOCK, rtt)
 
 
 def req(*, tokens: int = 1024, key: int = 7, seq: int = 0, session: str | None = None) -> RouteRequest:
-    return RouteRequest(prompt_tokens=tokens, block_size=16, route_key=key, seq=seq, session_engine=session)
+    return RouteRequest(prompt_tokens=tokens, route_key=key, seq=seq, session_engine=session)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -61,7 +62,7 @@ def test_cache_aware_prefers_the_longest_cached_prefix() -> None:
     policy = CacheAwarePolicy(S)
     decision = policy.pick(req(tokens=1024), [cand("a", cached=10), cand("b", cached=40), cand("c")])
     assert decision is not None and decision.engine == "b" and decision.reason == "prefix"
-    assert decision.cached_blocks == 40
+    assert decision.cached_tokens == 40 * BLOCK
 
 
 def test_cache_aware_leaves_a_cached_engine_whose_queue_costs_more_than_recomputing() -> None:
@@ -117,8 +118,8 @@ def test_peers_are_the_longest_holder_of_the_same_region() -> None:
     far = cand("far", cached=60)._replace(region="elsewhere")
     sick = cand("sick", cached=90, healthy=False)
     out = {x.engine: x for x in peered(a, b, c, far, sick)}
-    assert (out["b"].peer, out["b"].peer_blocks) == ("a", 30)
-    assert (out["c"].peer, out["c"].peer_blocks) == ("a", 30)
+    assert (out["b"].peer, out["b"].peer_tokens) == ("a", 30 * BLOCK)
+    assert (out["c"].peer, out["c"].peer_tokens) == ("a", 30 * BLOCK)
     assert out["a"].peer is None  # its best peer, b, holds less than a itself
     assert out["far"].peer is None  # alone in its region: a peer never crosses regions
     # Only engines able to pull take part, as puller or as source.
@@ -135,7 +136,7 @@ def test_cache_aware_with_pulls_starts_on_an_idle_engine_with_a_busy_peers_prefi
     assert plain is not None and plain.kv_source is None
     decision = CacheAwarePolicy(settings, kv_pull=True).pick(req(), candidates)
     assert decision is not None and decision.engine == "b" and decision.reason == "prefix"
-    assert (decision.kv_source, decision.pulled_blocks, decision.cached_blocks) == ("a", 60, 0)
+    assert (decision.kv_source, decision.pulled_tokens, decision.cached_tokens) == ("a", 60 * BLOCK, 0)
     # A pull that costs as much as computing, or that is shorter than the minimum, is not worth asking for.
     for update in ({"kv_pull_s_per_token": 1e-4}, {"kv_pull_min_tokens": 2048}):
         costly = CacheAwarePolicy(settings.model_copy(update=update), kv_pull=True).pick(req(), candidates)
@@ -151,14 +152,18 @@ def test_the_default_policy_takes_a_sessions_cache_along_when_it_moves() -> None
     # With them, moving costs only the pull: the session moves to the idle engine and pulls its prefix.
     moved = DefaultPolicy(S).pick(req(session="a"), candidates)
     assert moved is not None and (moved.engine, moved.reason, moved.kv_source) == ("b", "moved", "a")
-    assert moved.pulled_blocks == 60
+    assert moved.pulled_tokens == 60 * BLOCK
 
 
 def test_a_session_that_stays_pulls_what_a_peer_holds_beyond_its_own() -> None:
     candidates = peered(cand("a", cached=10), cand("b", cached=60, load=9, waiting=3))
     decision = DefaultPolicy(S).pick(req(session="a"), candidates)
     assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
-    assert (decision.kv_source, decision.pulled_blocks, decision.cached_blocks) == ("b", 60, 10)
+    assert (decision.kv_source, decision.pulled_tokens, decision.cached_tokens) == (
+        "b",
+        60 * BLOCK,
+        10 * BLOCK,
+    )
 
 
 @pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
@@ -202,4 +207,4 @@ def test_with_peer_keeps_every_other_field() -> None:
     }
     assert set(kwargs) == set(Candidate._fields)
     c = Candidate(**kwargs)
-    assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_blocks=3)
+    assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_tokens=3)
