@@ -123,7 +123,9 @@ class EngineConfig(_Strict):
     @model_validator(mode="after")
     def _kind_fits(self) -> Self:
         if self.kv_events_endpoint is not None and self.kind not in (EngineKind.VLLM, EngineKind.SGLANG):
-            raise ValueError(f"kv_events_endpoint is for kind vllm or sglang; this engine is {self.kind.value}")
+            raise ValueError(
+                f"kv_events_endpoint is for kind vllm or sglang; this engine is {self.kind.value}"
+            )
         if self.kind is EngineKind.OPENAI and self.kv_events:
             raise ValueError("an engine of kind openai publishes no KV events the gateway can read")
         return self
