@@ -83,6 +83,27 @@ def _base() -> dict:
         (lambda d: d.update(gateway={"routing": {"max_waiting": 0}}), "gateway.routing.max_waiting"),
         (lambda d: d.update(gatewy={}), "gatewy"),
         (lambda d: d["regions"][0]["engines"].append({"name": "e0", "url": "http://x:1"}), "e0"),
+        (lambda d: d["regions"][0]["engines"][0].update(kind="tgi"), "regions.0.engines.0.kind"),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kind="vllm", kv_events_endpoint="http://h:5557"),
+            "regions.0.engines.0.kv_events_endpoint",
+        ),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kind="vllm", kv_events_endpoint="tcp://h"),
+            "needs a port",
+        ),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kv_events_endpoint="tcp://h:5557"),
+            "kv_events_endpoint is for kind vllm or sglang",
+        ),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kind="openai", kv_events=True),
+            "kind openai publishes no KV events",
+        ),
+        (
+            lambda d: d["regions"][0]["engines"][0].update(kind="vllm", data_parallel_size=0),
+            "regions.0.engines.0.data_parallel_size",
+        ),
     ],
 )
 def test_errors_name_the_bad_key(patch, key: str) -> None:  # type: ignore[no-untyped-def]
@@ -91,6 +112,21 @@ def test_errors_name_the_bad_key(patch, key: str) -> None:  # type: ignore[no-un
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert key in str(info.value)
+
+
+def test_engine_kinds_and_their_event_endpoints_load() -> None:
+    data = _base()
+    data["regions"][0]["engines"] = [
+        {"name": "v", "url": "http://127.0.0.1:8000", "kind": "vllm",
+         "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"},
+        {"name": "s", "url": "http://127.0.0.1:30000", "kind": "sglang", "role": "prefill", "bootstrap_port": 9001},
+        {"name": "o", "url": "http://127.0.0.1:9000", "kind": "openai"},
+    ]  # fmt: skip
+    engines = parse_config(data).topology.regions[0].engines
+    assert [e.kind for e in engines] == ["vllm", "sglang", "openai"]
+    assert engines[0].kv_events_endpoint == "tcp://127.0.0.1:5557" and engines[0].data_parallel_size == 1
+    assert engines[1].bootstrap_port == 9001 and engines[1].role is Role.PREFILL
+    assert engines[2].kv_events is None and engines[2].accepts_token_ids is None
 
 
 def test_environment_and_flags_override_the_file() -> None:
