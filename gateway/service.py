@@ -343,6 +343,9 @@ class Gateway:
             tokens = min(decision.pulled_tokens, len(p.token_ids) - 1)
             pull = _Pull(self.fleet.engines[decision.kv_source], tokens)
         predicted = min(max(decision.cached_tokens, decision.pulled_tokens if pull else 0), len(p.token_ids))
+        if prefill is not None and prefill.kind is not EngineKind.KVGATE:
+            # vLLM's and SGLang's decode engines report the prefill engine's cache hit as cached_tokens.
+            predicted = cached.get(prefill.id, 0)
         # The prefill work lands where the prompt is computed: the prefill engine, or the engine itself.
         computing = prefill or engine
         held = predicted if pull else cached.get(computing.id, 0)

@@ -1,0 +1,140 @@
+"""P/D with stock engines, in their own protocols: vLLM's NixlConnector flow and SGLang's bootstrap rooms.
+
+The engines are tests/third_party_engines.py's stand-ins, which speak both protocols as the real engines'
+source does (the real vLLM P/D pair cannot run on these machines: see the issue's note).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.harness import Cluster
+from tests.third_party_engines import VllmLikeEngine
+
+MODEL = "tiny"
+LONG = "You are a careful assistant. " * 40  # ~1,100 byte tokens: well past local_prefill_max_tokens
+
+Fleet = Callable[..., Awaitable[tuple[Cluster, dict[str, VllmLikeEngine]]]]
+
+
+@pytest.fixture
+async def third_party() -> AsyncIterator[Fleet]:
+    """Start stand-in engines (id -> constructor kwargs) and a gateway in front of them."""
+    async with AsyncExitStack() as stack:
+
+        async def make(
+            engines: dict[str, dict[str, Any]], **gateway: Any
+        ) -> tuple[Cluster, dict[str, VllmLikeEngine]]:
+            started = {}
+            for engine_id, kwargs in engines.items():
+                started[engine_id] = await stack.enter_async_context(VllmLikeEngine(model=MODEL, **kwargs))
+            cluster = Cluster(engines={i: (e, e.url) for i, e in started.items()}, model=MODEL)
+            cluster.roles = {i: kw.get("role", "both") for i, kw in engines.items()}
+            stack.push_async_callback(cluster.close)
+            cluster.session = aiohttp.ClientSession()
+            options = {
+                i: {"kind": kw.get("kind", "vllm"), "block_size": kw.get("block_size", 32),
+                    **({"bootstrap_port": e.bootstrap_port} if e.bootstrap_port else {})}
+                for (i, kw), e in zip(engines.items(), started.values(), strict=True)
+            }  # fmt: skip
+            await cluster.add_gateway("eu-west", engine_options=options, **gateway)
+            return cluster, started
+
+        yield make
+
+
+def chat(question: str, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": LONG}, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_vllm_pd_prefills_with_one_token_then_decodes_with_the_returned_params(
+    third_party: Fleet, stream: bool
+) -> None:
+    cluster, engines = await third_party({"eu-west/p": {"role": "prefill"}, "eu-west/d": {"role": "decode"}})
+    prefill, decode = engines["eu-west/p"], engines["eu-west/d"]
+    async with cluster.session.post(
+        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream)
+    ) as r:  # type: ignore[union-attr]
+        assert r.status == 200, await r.text()
+        await r.read()
+        assert r.headers["x-kvgate-prefill"] == "remote"
+        assert (r.headers["x-kvgate-prefill-engine"], r.headers["x-kvgate-decode-engine"]) == (
+            "eu-west/p",
+            "eu-west/d",
+        )
+    [first] = prefill.requests
+    assert (
+        first.body["max_tokens"] == 1 and first.body["stream"] is False and "stream_options" not in first.body
+    )
+    assert first.body["kv_transfer_params"]["do_remote_decode"] is True
+    [second] = decode.requests
+    params = second.body["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == prefill.engine_id
+    assert second.body["max_tokens"] == 4 and second.body.get("stream", False) is stream
+    assert first.request_id == second.request_id  # one X-Request-Id for both halves
+    assert len(decode.pulls) == 1
+
+
+async def test_vllm_pd_predicts_the_prefill_engines_cache_hit(third_party: Fleet) -> None:
+    cluster, _ = await third_party({"eu-west/p": {"role": "prefill"}, "eu-west/d": {"role": "decode"}})
+    cached = []
+    for _ in range(3):
+        status, answer, headers = await cluster.post("/v1/chat/completions", chat("the same question"))
+        assert status == 200, answer
+        reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached.append((int(headers["x-kvgate-predicted-cached-tokens"]), reported))
+    assert cached[0] == (0, 0)
+    assert cached[-1][1] > 0 and cached[-1][0] == cached[-1][1]
+
+
+async def test_a_failed_vllm_prefill_falls_back_to_a_local_prefill_on_the_decode_engine(
+    third_party: Fleet,
+) -> None:
+    cluster, engines = await third_party({"eu-west/p": {"role": "prefill"}, "eu-west/d": {"role": "decode"}})
+    engines["eu-west/p"].fail_next(1, status=500)
+    status, answer, headers = await cluster.post("/v1/chat/completions", chat("hi"))
+    assert status == 200, answer
+    assert headers["x-kvgate-prefill"] == "local" and headers["x-kvgate-engine"] == "eu-west/d"
+    assert "kv_transfer_params" not in engines["eu-west/d"].requests[-1].body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_pd_sends_one_body_with_a_bootstrap_room_to_both(
+    third_party: Fleet, stream: bool
+) -> None:
+    cluster, engines = await third_party(
+        {"eu-west/p": {"role": "prefill", "kind": "sglang", "block_size": 1, "kv_capacity_blocks": 4096},
+         "eu-west/d": {"role": "decode", "kind": "sglang", "block_size": 1, "kv_capacity_blocks": 4096}}
+    )  # fmt: skip
+    prefill, decode = engines["eu-west/p"], engines["eu-west/d"]
+    async with cluster.session.post(
+        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream)
+    ) as r:  # type: ignore[union-attr]
+        assert r.status == 200, await r.text()
+        data = await r.read()
+        assert r.headers["x-kvgate-engine"] == "eu-west/d" and data.count(b"chatcmpl") >= 1
+    await cluster.wait_for(lambda: len(prefill.requests) == 1)
+    [p], [d] = prefill.requests, decode.requests
+    assert p.body == d.body
+    assert (d.body["bootstrap_host"], d.body["bootstrap_port"]) == ("127.0.0.1", prefill.bootstrap_port)
+    assert 0 <= d.body["bootstrap_room"] < 2**63
+
+
+async def test_an_sglang_decode_engine_is_never_sent_a_request_without_a_prefill(third_party: Fleet) -> None:
+    cluster, engines = await third_party(
+        {"eu-west/p": {"role": "prefill", "kind": "sglang", "block_size": 1, "kv_capacity_blocks": 4096},
+         "eu-west/d": {"role": "decode", "kind": "sglang", "block_size": 1, "kv_capacity_blocks": 4096}}
+    )  # fmt: skip
+    short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer, _ = await cluster.post(
+        "/v1/chat/completions", short
+    )  # short: a kvgate engine prefills it
+    assert status == 200, answer
+    assert "bootstrap_room" in engines["eu-west/d"].requests[-1].body
