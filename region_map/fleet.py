@@ -1,7 +1,8 @@
 """The live fleet: every engine of the topology with its last known health and load.
 
-Load has two sources: what the engine last reported on ``/health`` (complete but up to one poll interval
-old) and what this gateway has in flight to it right now (instant but partial). Routing looks at both.
+Load has two sources: what the engine last reported (kvgate's ``/health``, vLLM's and SGLang's ``/metrics``:
+complete but up to one poll interval old) and what this gateway has in flight to it right now (instant but
+partial). Routing looks at both; an engine whose load cannot be read is judged by the second alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
+from region_map.discovery import EngineMetrics
 
 
 class ChainKey(NamedTuple):
@@ -34,7 +36,7 @@ class InFlight(Protocol):
 
 @dataclass(slots=True)
 class EngineLoad:
-    """What an engine reported about itself on ``/health``."""
+    """What an engine reported about itself (kvgate: ``/health``; vLLM, SGLang: ``/metrics``)."""
 
     running: int = 0
     waiting: int = 0
@@ -42,6 +44,7 @@ class EngineLoad:
     max_running: int | None = None
     kv_blocks_used: int | None = None
     kv_blocks_free: int | None = None
+    kv_usage: float | None = None  # fraction of its KV cache in use, 0-1; None: not reported
 
 
 @dataclass(slots=True)
@@ -61,6 +64,13 @@ class EngineState:
     # not checked, so a text prompt is sent as text).
     tokenizer_agrees: bool | None = None
     load: EngineLoad = field(default_factory=EngineLoad)
+    load_reported: bool = False  # whether ``load`` is the engine's word (else only this gateway's counts)
+    # Discovered on vLLM, SGLang and OpenAI engines (region_map.discovery): every id its /v1/models lists,
+    # whether its prefix cache is on, vLLM's hash algorithm, SGLang's max_running_requests.
+    served_models: tuple[str, ...] = ()
+    prefix_caching: bool | None = None
+    hash_algo: str | None = None
+    reported_max_running: int | None = None
     last_ok: float | None = None
     consecutive_failures: int = 0
     last_error: str | None = None
@@ -88,7 +98,20 @@ class EngineState:
 
     @property
     def block_size(self) -> int | None:
+        if self.kind is not EngineKind.KVGATE and self.reported_block_size is not None:
+            # vLLM's and SGLang's own value wins over the configuration: prompts hashed in blocks of any
+            # other size never match the blocks the engine caches (the poller warns about the mismatch).
+            return self.reported_block_size
         return self.config.block_size or self.reported_block_size
+
+    @property
+    def block_size_source(self) -> str:
+        """Where ``block_size`` comes from: "engine", "config", or "gateway default" (it reports none)."""
+        if self.kind is not EngineKind.KVGATE and self.reported_block_size is not None:
+            return "engine"
+        if self.config.block_size:
+            return "config"
+        return "engine" if self.reported_block_size else "gateway default"
 
     @property
     def role(self) -> Role:
@@ -157,10 +180,7 @@ class EngineState:
         """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
         Returns whether the model it serves changed (the fleet's model table must then be rebuilt)."""
         model_before = self.model
-        self.healthy = True
-        self.consecutive_failures = 0
-        self.last_error = None
-        self.last_ok = time.monotonic()
+        self.mark_alive()
         if isinstance(payload.get("model"), str):
             self.reported_model = payload["model"]
         if isinstance(payload.get("block_size"), int) and payload["block_size"] > 0:
@@ -182,7 +202,46 @@ class EngineState:
                 kv_blocks_used=_int(load.get("kv_blocks_used")),
                 kv_blocks_free=_int(load.get("kv_blocks_free")),
             )
+            self.load_reported = True
         return self.model != model_before
+
+    def mark_alive(self) -> None:
+        """It answered its health check (and, where that is checked, serves what it should)."""
+        self.healthy = True
+        self.consecutive_failures = 0
+        self.last_error = None
+        self.last_ok = time.monotonic()
+
+    def apply_models(self, served: tuple[str, ...], model: str) -> bool:
+        """Take in the ids ``/v1/models`` listed and the model routed to it (``discovery.choose_model``).
+        Returns whether the model it serves changed (the fleet's model table must then be rebuilt)."""
+        model_before = self.model
+        self.served_models = served
+        self.reported_model = model
+        return self.model != model_before
+
+    def apply_metrics(self, metrics: EngineMetrics | None) -> None:
+        """Take in a ``/metrics`` scrape; None (or one without load) when it could not be read: the load is
+        then what this gateway has in flight there, never a stale figure from an earlier scrape."""
+        if metrics is None or (metrics.running is None and metrics.waiting is None):
+            self.load = EngineLoad(max_running=self.reported_max_running)
+            self.load_reported = False
+            return
+        used = free = None
+        if metrics.kv_capacity_blocks is not None and metrics.kv_usage is not None:
+            # vLLM's num_gpu_blocks is per data-parallel rank, and the usage their mean.
+            total = metrics.kv_capacity_blocks * self.config.data_parallel_size
+            used = round(metrics.kv_usage * total)
+            free = total - used
+        self.load = EngineLoad(
+            running=metrics.running or 0,
+            waiting=metrics.waiting or 0,
+            max_running=self.reported_max_running,
+            kv_blocks_used=used,
+            kv_blocks_free=free,
+            kv_usage=metrics.kv_usage,
+        )
+        self.load_reported = True
 
     def mark_failure(self, error: str, *, unhealthy_after: int) -> None:
         self.consecutive_failures += 1
@@ -200,15 +259,26 @@ class EngineState:
             "id": self.id,
             "region": self.region,
             "url": self.url,
+            "kind": self.kind.value,
             "role": self.role.value,
             "model": self.model,
+            "served_models": list(self.served_models),
             "block_size": self.block_size,
+            "block_size_source": self.block_size_source,
+            "prefix_caching": self.prefix_caching,
+            "tokenizer_agrees": self.tokenizer_agrees,
             "healthy": self.healthy,
             "breaker": self.breaker.state.value,
             "kv_events": self.kv_events,
             "kv_pull": self.kv_pull,
             "simulated": self.simulated,
-            "load": {"requests": total, "waiting": waiting, "inflight_here": self.inflight},
+            "load": {
+                "requests": total,
+                "waiting": waiting,
+                "inflight_here": self.inflight,
+                "kv_usage": self.load.kv_usage,
+                "source": "engine" if self.load_reported else "gateway",
+            },
             "last_error": self.last_error,
         }
 

@@ -35,7 +35,7 @@ async def test_engines_of_two_block_sizes_are_both_routed_by_prefix(
         block = 32 if engine == "eu-west/b32" else 16
         prepare = cluster.gateway.prepare
         chain = prepare.block_hashes(prepare.tokenizer.encode(prompt), MODEL, block_size=block)
-        await cluster.wait_for(lambda: cluster.gateway.state.lookup(chain).get(engine, 0) == len(chain))
+        await cluster.wait_for(lambda c=chain, e=engine: cluster.gateway.state.lookup(c).get(e, 0) == len(c))
         status, answer, again = await cluster.post("/v1/completions", body)
         assert status == 200
         assert again["x-kvgate-engine"] == engine and again["x-kvgate-route"] == "prefix"

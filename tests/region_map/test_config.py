@@ -119,7 +119,8 @@ def test_engine_kinds_and_their_event_endpoints_load() -> None:
     data["regions"][0]["engines"] = [
         {"name": "v", "url": "http://127.0.0.1:8000", "kind": "vllm",
          "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"},
-        {"name": "s", "url": "http://127.0.0.1:30000", "kind": "sglang", "role": "prefill", "bootstrap_port": 9001},
+        {"name": "s", "url": "http://127.0.0.1:30000", "kind": "sglang", "role": "prefill",
+         "bootstrap_port": 9001},
         {"name": "o", "url": "http://127.0.0.1:9000", "kind": "openai"},
     ]  # fmt: skip
     engines = parse_config(data).topology.regions[0].engines
