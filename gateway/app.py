@@ -27,6 +27,7 @@ from gateway.billing import Billing, spool_path
 from gateway.config import KvgateConfig
 from gateway.dashboard import DashboardSampler
 from gateway.dashboard import add_routes as add_dashboard_routes
+from gateway.engine_probe import check_tokenizers_forever
 from gateway.errors import GatewayError, http_exception_to_error
 from gateway.kv_events import KvEventConsumer
 from gateway.lean_http import LeanHandler, LeanRequest
@@ -40,7 +41,7 @@ from gateway.shared_state import SharedState
 from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
 from gateway.upstream import UpstreamClients, engine_tls_context
 from gateway.usage_api import UsageApi
-from region_map.config import ConfigError
+from region_map.config import ConfigError, EngineKind
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
 
@@ -267,9 +268,17 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         await poller.probe_all()
         poller.start()
         for engine in fleet:
-            if engine.config.kv_events is not False:
+            if engine.kind is EngineKind.KVGATE and engine.config.kv_events is not False:
                 consumer = KvEventConsumer(engine, session, state)
                 consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
+        consumers.append(
+            asyncio.create_task(
+                check_tokenizers_forever(
+                    fleet, session, gateway.prepare.tokenizer, settings.health_interval_s
+                ),
+                name="kvgate-tokenizer-checks",
+            )
+        )
         log.info(
             "gateway %s in region %s: %d of %d engines healthy, redis %s",
             state.gateway_id,

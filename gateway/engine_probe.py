@@ -11,14 +11,16 @@ true); the gateway's are ``cache.tokens.render_messages`` then ``Tokenizer.encod
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
 from cache.tokens import ChatContentError, Tokenizer, render_messages
+from region_map.config import EngineKind
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.engine_probe")
@@ -147,3 +149,25 @@ def _token(ids: Sequence[int], at: int, tokenizer: Tokenizer) -> str:
     except Exception:  # a tokenizer's decode of an id outside its vocabulary raises its own errors
         text = ""
     return f"{ids[at]} {text!r}" if text else str(ids[at])
+
+
+async def check_tokenizers_forever(
+    fleet: Iterable[EngineState], session: aiohttp.ClientSession, tokenizer: Tokenizer, interval_s: float
+) -> None:
+    """Check each vLLM engine once per healthy spell: when it first answers, and again after it was down
+    (a restarted engine may run another tokenizer or template). A disagreement is logged as an ERROR."""
+    checked: set[str] = set()
+    while True:
+        for engine in fleet:
+            if not engine.healthy:
+                checked.discard(engine.id)
+                continue
+            if engine.kind is not EngineKind.VLLM or engine.id in checked or not engine.model:
+                continue
+            checked.add(engine.id)
+            problem = await check_tokenizer(engine, session, tokenizer)
+            if problem is not None:
+                log.error(
+                    "%s; prompts go to it as text, and its predicted cache hits are unreliable", problem
+                )
+        await asyncio.sleep(interval_s)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 import uvloop
@@ -18,6 +20,7 @@ import tests.triton_interpret  # noqa: F401  (first: Triton's import mode, befor
 from cache.redis_keys import RedisKeys
 from tests.harness import Cluster, ClusterFactory, start_cluster
 from tests.redis_process import RedisProcess
+from tests.third_party_engines import VllmLikeEngine
 
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -96,3 +99,35 @@ async def make_cluster() -> AsyncIterator[ClusterFactory]:
     yield make
     for cluster in clusters:
         await cluster.close()
+
+
+ThirdPartyFleet = Callable[..., Awaitable[tuple[Cluster, dict[str, VllmLikeEngine]]]]
+
+
+@pytest.fixture
+async def third_party() -> AsyncIterator[ThirdPartyFleet]:
+    """Start stand-ins of vLLM/SGLang engines (tests/third_party_engines.py; id -> constructor kwargs) and a
+    gateway in front of them (``engine_options`` adds to or overrides their deployment-file entries)."""
+    async with AsyncExitStack() as stack:
+
+        async def make(
+            engines: dict[str, dict[str, Any]], **gateway: Any
+        ) -> tuple[Cluster, dict[str, VllmLikeEngine]]:
+            started = {}
+            for engine_id, kwargs in engines.items():
+                started[engine_id] = await stack.enter_async_context(VllmLikeEngine(model="tiny", **kwargs))
+            cluster = Cluster(engines={i: (e, e.url) for i, e in started.items()}, model="tiny")
+            cluster.roles = {i: kw.get("role", "both") for i, kw in engines.items()}
+            stack.push_async_callback(cluster.close)
+            cluster.session = aiohttp.ClientSession()
+            options = {
+                i: {"kind": kw.get("kind", "vllm"), "block_size": kw.get("block_size", 32),
+                    **({"bootstrap_port": e.bootstrap_port} if e.bootstrap_port else {})}
+                for (i, kw), e in zip(engines.items(), started.values(), strict=True)
+            }  # fmt: skip
+            for engine_id, extra in gateway.pop("engine_options", {}).items():
+                options[engine_id].update(extra)
+            await cluster.add_gateway("eu-west", engine_options=options, **gateway)
+            return cluster, started
+
+        yield make

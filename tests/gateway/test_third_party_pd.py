@@ -6,46 +6,20 @@ source does (the real vLLM P/D pair cannot run on these machines: see the issue'
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
 from typing import Any
 
-import aiohttp
 import pytest
 
-from tests.harness import Cluster
-from tests.third_party_engines import VllmLikeEngine
+from tests.conftest import ThirdPartyFleet as Fleet
+from tests.third_party_engines import Received, VllmLikeEngine
 
-MODEL = "tiny"
+MODEL = "tiny"  # the stand-ins' model
 LONG = "You are a careful assistant. " * 40  # ~1,100 byte tokens: well past local_prefill_max_tokens
 
-Fleet = Callable[..., Awaitable[tuple[Cluster, dict[str, VllmLikeEngine]]]]
 
-
-@pytest.fixture
-async def third_party() -> AsyncIterator[Fleet]:
-    """Start stand-in engines (id -> constructor kwargs) and a gateway in front of them."""
-    async with AsyncExitStack() as stack:
-
-        async def make(
-            engines: dict[str, dict[str, Any]], **gateway: Any
-        ) -> tuple[Cluster, dict[str, VllmLikeEngine]]:
-            started = {}
-            for engine_id, kwargs in engines.items():
-                started[engine_id] = await stack.enter_async_context(VllmLikeEngine(model=MODEL, **kwargs))
-            cluster = Cluster(engines={i: (e, e.url) for i, e in started.items()}, model=MODEL)
-            cluster.roles = {i: kw.get("role", "both") for i, kw in engines.items()}
-            stack.push_async_callback(cluster.close)
-            cluster.session = aiohttp.ClientSession()
-            options = {
-                i: {"kind": kw.get("kind", "vllm"), "block_size": kw.get("block_size", 32),
-                    **({"bootstrap_port": e.bootstrap_port} if e.bootstrap_port else {})}
-                for (i, kw), e in zip(engines.items(), started.values(), strict=True)
-            }  # fmt: skip
-            await cluster.add_gateway("eu-west", engine_options=options, **gateway)
-            return cluster, started
-
-        yield make
+def chats(engine: VllmLikeEngine) -> list[Received]:
+    """What the engine was sent on its chat endpoint (the gateway also asks its /tokenize)."""
+    return [r for r in engine.requests if r.path == "/v1/chat/completions"]
 
 
 def chat(question: str, **extra: Any) -> dict[str, Any]:
@@ -69,12 +43,12 @@ async def test_vllm_pd_prefills_with_one_token_then_decodes_with_the_returned_pa
             "eu-west/p",
             "eu-west/d",
         )
-    [first] = prefill.requests
+    [first] = chats(prefill)
     assert (
         first.body["max_tokens"] == 1 and first.body["stream"] is False and "stream_options" not in first.body
     )
     assert first.body["kv_transfer_params"]["do_remote_decode"] is True
-    [second] = decode.requests
+    [second] = chats(decode)
     params = second.body["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_engine_id"] == prefill.engine_id
     assert second.body["max_tokens"] == 4 and second.body.get("stream", False) is stream
@@ -102,7 +76,7 @@ async def test_a_failed_vllm_prefill_falls_back_to_a_local_prefill_on_the_decode
     status, answer, headers = await cluster.post("/v1/chat/completions", chat("hi"))
     assert status == 200, answer
     assert headers["x-kvgate-prefill"] == "local" and headers["x-kvgate-engine"] == "eu-west/d"
-    assert "kv_transfer_params" not in engines["eu-west/d"].requests[-1].body
+    assert "kv_transfer_params" not in chats(engines["eu-west/d"])[-1].body
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -120,8 +94,8 @@ async def test_sglang_pd_sends_one_body_with_a_bootstrap_room_to_both(
         assert r.status == 200, await r.text()
         data = await r.read()
         assert r.headers["x-kvgate-engine"] == "eu-west/d" and data.count(b"chatcmpl") >= 1
-    await cluster.wait_for(lambda: len(prefill.requests) == 1)
-    [p], [d] = prefill.requests, decode.requests
+    await cluster.wait_for(lambda: len(chats(prefill)) == 1)
+    [p], [d] = chats(prefill), chats(decode)
     assert p.body == d.body
     assert (d.body["bootstrap_host"], d.body["bootstrap_port"]) == ("127.0.0.1", prefill.bootstrap_port)
     assert 0 <= d.body["bootstrap_room"] < 2**63
@@ -137,4 +111,4 @@ async def test_an_sglang_decode_engine_is_never_sent_a_request_without_a_prefill
         "/v1/chat/completions", short
     )  # short: a kvgate engine prefills it
     assert status == 200, answer
-    assert "bootstrap_room" in engines["eu-west/d"].requests[-1].body
+    assert "bootstrap_room" in chats(engines["eu-west/d"])[-1].body

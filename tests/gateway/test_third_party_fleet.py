@@ -1,0 +1,63 @@
+"""A gateway in front of stock engines configured by URL and kind only: it discovers what they serve.
+
+The engines are tests/third_party_engines.py's stand-ins of vLLM 0.32 (its /health, /v1/models, /metrics and
+/tokenize as the real one answers them); scripts/test-vllm runs the same checks against real vLLM engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import ThirdPartyFleet
+
+URL_ONLY = {"model": None, "block_size": None}  # what the operator wrote: a URL and a kind
+
+
+async def test_model_block_size_and_tokenizer_are_discovered_from_a_url_alone(
+    third_party: ThirdPartyFleet,
+) -> None:
+    cluster, engines = await third_party(
+        {"eu-west/v0": {"block_size": 32}}, engine_options={"eu-west/v0": URL_ONLY}
+    )
+    engine = cluster.gateway.fleet.engines["eu-west/v0"]
+    assert engine.model == "tiny" and engine.block_size == 32 and engine.healthy
+    assert cluster.gateway.fleet.models() == ["tiny"]
+    await cluster.wait_for(lambda: engine.tokenizer_agrees is True)  # its /tokenize matched ours
+    prompt = "an operator's prompt " * 20
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    for _ in range(2):
+        status, answer, headers = await cluster.post("/v1/completions", body)
+        assert status == 200, answer
+    sent = engines["eu-west/v0"].bodies("/v1/completions")[-1]
+    assert sent["prompt"] == [int(t) for t in cluster.gateway.prepare.tokenizer.encode(prompt)]
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (len(sent["prompt"]) - 1) // 32 * 32  # whole blocks, never the last prompt token
+    assert int(headers["x-kvgate-predicted-cached-tokens"]) == cached
+
+
+async def test_chat_to_vllm_carries_no_token_ids_and_predicts_its_cached_tokens(
+    third_party: ThirdPartyFleet,
+) -> None:
+    cluster, engines = await third_party({"eu-west/v0": {}}, engine_options={"eu-west/v0": URL_ONLY})
+    messages = [{"role": "system", "content": "a long shared system prompt " * 30},
+                {"role": "user", "content": "hello"}]  # fmt: skip
+    for _ in range(2):
+        status, answer, headers = await cluster.post(
+            "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 2}
+        )
+        assert status == 200, answer
+    sent = engines["eu-west/v0"].bodies("/v1/chat/completions")[-1]
+    assert "prompt_token_ids" not in sent and "prompt" not in sent
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(headers["x-kvgate-predicted-cached-tokens"]) == cached
+
+
+async def test_a_configured_model_the_engine_does_not_serve_is_an_unhealthy_engine_not_a_404(
+    third_party: ThirdPartyFleet,
+) -> None:
+    cluster, _ = await third_party({"eu-west/v0": {}}, engine_options={"eu-west/v0": {"model": "llama-70b"}})
+    engine = cluster.gateway.fleet.engines["eu-west/v0"]
+    assert not engine.healthy and "llama-70b" in (engine.last_error or "")
+    async with cluster.session.get(cluster.url + "/health") as r:  # type: ignore[union-attr]
+        health = await r.json()
+    assert r.status == 503 and health["engines"][0]["last_error"] == engine.last_error
