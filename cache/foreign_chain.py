@@ -1,0 +1,259 @@
+"""Translates vLLM/SGLang KV events into kvgate's own (contract 1) block hashes.
+
+Other engines' block hashes cannot be computed by the gateway (vLLM: sha256 over pickled digests with a
+per-process seed; SGLang: its own chain), so they are kept only as opaque ids. From each ``BlockStored``'s
+``token_ids`` and its parent's kvgate hash the translator computes the kvgate hash of every block, and
+remembers engine id -> kvgate hash for later children and removals. The result is a list of
+``cache.events`` events the residency index applies like those of kvgate's own engines.
+
+Never index a wrong hash; under-predicting is allowed:
+
+- a block whose parent is unknown (a missed batch, or history from before we listened) is skipped and
+  counted; its children are then unknown too;
+- a block whose hash depends on more than its tokens and namespace (multimodal inputs, prompt embeddings,
+  a LoRA known only by id, non-token pages) is remembered as "known but not indexable", with its
+  descendants, so neither is mistaken for a plain-text prefix nor reported as an unknown parent;
+- the same engine block may be announced more than once (two requests computing one prefix together get
+  two physical copies, each removed on its own): references are counted, and a block leaves the index
+  when no copy is left, on any data-parallel rank of the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cache.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from cache.foreign_events import (
+    EngineHash,
+    ForeignCleared,
+    ForeignEvent,
+    ForeignRemoved,
+    ForeignStored,
+)
+from cache.hashing import block_hashes, namespace_seed
+
+GPU = "gpu"
+
+
+@dataclass(slots=True)
+class _Entry:
+    khash: int | None  # the kvgate hash; None: known to the engine but never indexed (see module doc)
+    refs: int  # copies the engine announced and has not removed yet
+
+
+class ForeignChain:
+    """One engine's engine-hash -> kvgate-hash map, per data-parallel rank, with engine-wide counts.
+
+    ``model`` names the namespace of blocks without a LoRA (the name clients send as ``model``); a LoRA's
+    blocks live in the namespace of its name, which is what a client sends as ``model`` to reach it.
+    ``block_size``, when known, is the size the gateway hashes this engine's prompts with: blocks of any
+    other size (vLLM's partial prefix entries, SGLang's short last page) are never indexed.
+    """
+
+    def __init__(self, model: str, *, block_size: int | None = None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self._ranks: dict[int, dict[EngineHash, _Entry]] = {}
+        self._held: dict[int, int] = {}  # kvgate hash -> copies across all ranks
+        self._seeds: dict[tuple[str, str], int] = {}
+        self.unknown_parent_blocks = 0  # skipped: parent never seen (missed batch or older history)
+        self.unindexable_blocks = 0  # known, never indexed: multimodal, embeddings, odd block size, ...
+        self.ignored_blocks = 0  # events of another medium (CPU, disk) or KV cache group
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def held(self) -> list[int]:
+        """Every kvgate hash some rank of the engine holds: what a resync of the engine sets."""
+        return list(self._held)
+
+    def holds(self, khash: int) -> bool:
+        return khash in self._held
+
+    def known(self, engine_hash: EngineHash, rank: int = 0) -> bool:
+        return engine_hash in self._ranks.get(rank, {})
+
+    def kvgate_hash(self, engine_hash: EngineHash, rank: int = 0) -> int | None:
+        entry = self._ranks.get(rank, {}).get(engine_hash)
+        return None if entry is None else entry.khash
+
+    def __len__(self) -> int:
+        """Engine blocks known, over all ranks."""
+        return sum(map(len, self._ranks.values()))
+
+    # -- writing ---------------------------------------------------------------------------------------
+
+    def reset_rank(self, rank: int) -> None:
+        """Forget what ``rank`` holds (it restarted, or we lost track of it); other ranks keep theirs."""
+        self._drop_rank(rank)
+
+    def apply(self, events: Iterable[ForeignEvent], rank: int = 0) -> list[KvEvent]:
+        """Take one batch of ``rank``'s events; return what changes in the index, in order."""
+        out: list[KvEvent] = []
+        blocks = self._ranks.setdefault(rank, {})
+        for event in events:
+            if isinstance(event, ForeignStored):
+                stored = self._stored(blocks, event)
+                if stored is not None:
+                    out.append(stored)
+            elif isinstance(event, ForeignRemoved):
+                removed = self._removed(blocks, event)
+                if removed:
+                    out.append(BlockRemoved(tuple(removed)))
+            elif isinstance(event, ForeignCleared):
+                dropped = self._drop_rank(rank)
+                blocks = self._ranks.setdefault(rank, {})
+                # With no other rank holding anything, one cheap "cleared" says it all.
+                if not self._held:
+                    out.append(AllCleared())
+                elif dropped:
+                    out.append(BlockRemoved(tuple(dropped)))
+        return out
+
+    def _drop_rank(self, rank: int) -> list[int]:
+        blocks = self._ranks.pop(rank, {})
+        held = self._held
+        dropped = []
+        for entry in blocks.values():
+            k = entry.khash
+            if k is None:
+                continue
+            left = held[k] - entry.refs
+            if left > 0:
+                held[k] = left
+            else:
+                del held[k]
+                dropped.append(k)
+        return dropped
+
+    def _stored(self, blocks: dict[EngineHash, _Entry], event: ForeignStored) -> BlockStored | None:
+        n = len(event.block_hashes)
+        if not _relevant(event.medium, event.group_idx):
+            # The index says which prefixes a request finds in GPU memory, ready to use. vLLM's CPU and
+            # disk tiers (and SGLang's host cache) announce their copies with another medium: those must
+            # be loaded back first, and are announced as GPU blocks when they are. Other KV cache groups
+            # (sliding-window or Mamba layers of hybrid models) hold the same positions under their own
+            # ids; group 0 alone describes the prefix.
+            self.ignored_blocks += n
+            return None
+        if event.parent is None:
+            parent_k: int | None = None
+            parent_ok = True
+        else:
+            parent_entry = blocks.get(event.parent)
+            if parent_entry is None:
+                self.unknown_parent_blocks += n
+                return None
+            parent_k = parent_entry.khash
+            parent_ok = parent_k is not None
+        khashes = self._kvgate_hashes(event, parent_k) if parent_ok else []
+        self.unindexable_blocks += n - len(khashes)
+        held = self._held
+        new: list[int] = []
+        new_parent: int | None = None
+        prev = parent_k
+        for i, engine_hash in enumerate(event.block_hashes):
+            k: int | None = khashes[i] if i < len(khashes) else None
+            entry = blocks.get(engine_hash)
+            if entry is None:
+                blocks[engine_hash] = _Entry(k, 1)
+            else:
+                entry.refs += 1
+                k = entry.khash  # the first announcement named it; a second copy is the same block
+            if k is not None:
+                count = held.get(k, 0)
+                held[k] = count + 1
+                if count == 0:
+                    if not new:
+                        new_parent = prev
+                    new.append(k)
+            prev = k
+        return BlockStored(tuple(new), new_parent) if new else None
+
+    def _removed(self, blocks: dict[EngineHash, _Entry], event: ForeignRemoved) -> list[int]:
+        if not _relevant(event.medium, event.group_idx):
+            return []
+        held = self._held
+        dropped = []
+        for engine_hash in event.block_hashes:
+            entry = blocks.get(engine_hash)
+            if entry is None:
+                continue  # never announced to us (before we listened, or parent unknown): nothing to undo
+            entry.refs -= 1
+            if entry.refs <= 0:
+                del blocks[engine_hash]
+            k = entry.khash
+            if k is None:
+                continue
+            left = held[k] - 1
+            if left > 0:
+                held[k] = left
+            else:
+                del held[k]
+                dropped.append(k)
+        return dropped
+
+    def _kvgate_hashes(self, event: ForeignStored, parent_k: int | None) -> list[int]:
+        """The kvgate hashes of the event's leading indexable blocks (all of them, normally)."""
+        n = len(event.block_hashes)
+        size = event.block_size
+        tokens = event.token_ids
+        if tokens is None or size <= 0 or len(tokens) != size * n:
+            return []
+        if self.block_size is not None and size != self.block_size:
+            return []
+        if event.lora_id is not None and event.lora_name is None:
+            return []  # a LoRA known by id only: its namespace (the name clients use) is unknown
+        salt, usable = _read_extra_keys(event, root=event.parent is None)
+        if usable == 0:
+            return []
+        # A chain's root continues from its namespace's seed, as the gateway's hash of a prompt does.
+        start = self._seed(event.lora_name or self.model, salt) if parent_k is None else parent_k
+        if usable < n:
+            tokens = tokens[: usable * size]
+        try:
+            return block_hashes(tokens, size, start, parent=start)
+        except ValueError:  # token ids the hash cannot take (the decoder checked them; belt and braces)
+            return []
+
+    def _seed(self, namespace: str, salt: str) -> int:
+        seed = self._seeds.get((namespace, salt))
+        if seed is None:
+            seed = self._seeds[(namespace, salt)] = namespace_seed(namespace, salt)
+        return seed
+
+
+def _relevant(medium: str | None, group_idx: int | None) -> bool:
+    return (medium is None or medium.lower() == GPU) and not group_idx
+
+
+def _read_extra_keys(event: ForeignStored, *, root: bool) -> tuple[str, int]:
+    """(the chain's cache salt, how many leading blocks hash from tokens and namespace alone).
+
+    vLLM publishes each block's extra keys untagged, in this order: the LoRA name (on every block of a
+    LoRA request), multimodal ``(identifier, offset)`` pairs (older versions: bare identifier strings),
+    the cache salt (a string, on the block at token 0 only), prompt-embedding digests (bytes). A salt is
+    the one string left on a first block once the LoRA name is set aside; anything else makes the block,
+    and every block after it, depend on more than its tokens. (An older vLLM's bare image identifier
+    alone on a first block reads as a salt: that only puts the chain in a namespace no request uses.)
+    """
+    n = len(event.block_hashes)
+    salt = event.cache_salt or ""
+    keys = event.extra_keys
+    if not keys:
+        return salt, n
+    lora = event.lora_name
+    for i in range(min(n, len(keys))):
+        entry = keys[i]
+        if not entry:
+            continue
+        items = list(entry)
+        if lora is not None and items and items[0] == lora:
+            items = items[1:]
+        if not items:
+            continue
+        if root and i == 0 and len(items) == 1 and isinstance(items[0], str):
+            salt = items[0]
+            continue
+        return salt, i
+    return salt, n

@@ -1,0 +1,594 @@
+"""The ZMQ KV event consumer against a vLLM-protocol publisher over real sockets, into a real SharedState:
+after every scenario (stores, tail-first evictions, a clear, a missed batch, a restart, a gap replay cannot
+fill, both connection directions, the positional encoding, two data-parallel ranks) the residency index
+must say exactly what the engine's cache holds, in kvgate's hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from cache.hashing import block_hashes, namespace_seed
+from gateway.shared_state import SharedState
+from gateway.zmq_events import ZmqKvEventConsumer, gateway_binds, rank_endpoint, replay_address
+from region_map.config import EngineConfig, EngineKind
+from region_map.fleet import EngineState
+from tests import vllm_publisher as vp
+
+BS = 16
+MODEL = "m"
+EID = "r/v0"
+
+
+def engine_state(
+    endpoint: str,
+    replay: str | None,
+    *,
+    dp: int = 1,
+    topic: str = "",
+    model: str | None = MODEL,
+    kind: EngineKind = EngineKind.VLLM,
+) -> EngineState:
+    config = EngineConfig.model_validate(
+        {
+            "name": "v0",
+            "url": "http://127.0.0.1:8000",
+            "kind": kind,
+            "model": model,
+            "block_size": BS,
+            "kv_events_endpoint": endpoint,
+            "kv_events_replay_endpoint": replay,
+            "kv_events_topic": topic,
+            "data_parallel_size": dp,
+        }
+    )
+    return EngineState(id=EID, region="r", config=config)
+
+
+def kv(tokens: list[int], *, salt: str = "", name: str = MODEL) -> list[int]:
+    return block_hashes(tokens, BS, namespace_seed(name, salt))
+
+
+def prompt(n_blocks: int, start: int) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+class FakeVllm:
+    """A vLLM prefix cache as its events describe it: per prompt a chain of blocks with vLLM-style opaque
+    ids; a prefill announces the blocks not cached yet, chained to the last cached one; eviction removes
+    a prompt's blocks tail first, one event per block."""
+
+    def __init__(self, pub: vp.VllmPublisher, none_hash: bytes = vp.NONE_HASH) -> None:
+        self.pub = pub
+        self.none_hash = none_hash
+        self.cached: set[int] = set()
+
+    def ids(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        return vp.vllm_block_hashes(tokens, BS, cache_salt=salt, none_hash=self.none_hash).ids
+
+    def prefill(self, tokens: list[int], *, salt: str | None = None, drop: bool = False) -> int:
+        ids = self.ids(tokens, salt)
+        have = 0
+        while have < len(ids) and ids[have] in self.cached:
+            have += 1
+        new = ids[have:]
+        self.cached.update(new)
+        extra = [vp.extra_keys_for(i * BS, cache_salt=salt) for i in range(have, len(ids))]
+        event = vp.BlockStored(
+            new,
+            ids[have - 1] if have else None,
+            tokens[have * BS : len(ids) * BS],
+            BS,
+            extra_keys=extra,
+        )
+        return self.pub.publish([event] if new else [], drop=drop)
+
+    def evict(self, tokens: list[int], keep: int, *, salt: str | None = None, drop: bool = False) -> int:
+        ids = [i for i in self.ids(tokens, salt)[keep:] if i in self.cached]
+        self.cached.difference_update(ids)
+        return self.pub.publish([vp.BlockRemoved([i]) for i in reversed(ids)], drop=drop)
+
+    def clear(self) -> int:
+        self.cached.clear()
+        return self.pub.publish([vp.AllBlocksCleared()])
+
+
+async def until(condition: Callable[[], bool], within: float = 3.0, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await asyncio.sleep(0.002)
+
+
+def holds(state: SharedState, hashes: list[int], n: int) -> Callable[[], bool]:
+    """Whether the index says the engine holds exactly the first ``n`` blocks of ``hashes``."""
+    return lambda: state.lookup(hashes) == ({EID: n} if n else {})
+
+
+@contextlib.asynccontextmanager
+async def following(engine: EngineState, state: SharedState, **kw: Any) -> AsyncIterator[ZmqKvEventConsumer]:
+    kw.setdefault("replay_timeout_s", 0.5)
+    kw.setdefault("probe_interval_s", 5.0)
+    consumer = ZmqKvEventConsumer(engine, state, **kw)
+    task = asyncio.create_task(consumer.run())
+    try:
+        if engine.model is not None:
+            await asyncio.wait_for(consumer.ready.wait(), 3)
+        yield consumer
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert consumer.errors == 0
+
+
+async def subscribed(pub: vp.VllmPublisher, consumer: ZmqKvEventConsumer, rank: int = 0) -> None:
+    """Publish empty batches until one arrives live: ZMQ's subscription reaches a PUB socket a moment after
+    the subscriber connects (the "slow joiner"), and what is sent before is lost to it."""
+    for _ in range(200):
+        seq = pub.publish([])
+        deadline = time.monotonic() + 0.02
+        while time.monotonic() < deadline:
+            last = consumer.last_seq(rank)
+            if last is not None and last >= seq:
+                return
+            await asyncio.sleep(0.001)
+    raise AssertionError("the subscription never became live")
+
+
+@pytest.fixture
+def ports() -> int:
+    return vp.free_tcp_ports(4)
+
+
+@pytest.fixture
+def state() -> SharedState:
+    return SharedState(gateway_id="t")
+
+
+def test_endpoint_rules() -> None:
+    assert rank_endpoint("tcp://h:5557", 0) == "tcp://h:5557"
+    assert rank_endpoint("tcp://h:5557", 3) == "tcp://h:5560"
+    assert rank_endpoint("tcp://*:5557", 1) == "tcp://*:5558"
+    with pytest.raises(ValueError, match="tcp://"):
+        rank_endpoint("ipc://engine.sock", 1)
+    assert (
+        gateway_binds("tcp://*:5557") and gateway_binds("tcp://0.0.0.0:1") and gateway_binds("tcp://[::]:1")
+    )
+    assert not gateway_binds("tcp://10.0.0.5:5557") and not gateway_binds("ipc://engine.sock")
+    assert replay_address("tcp://*:5558", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5558"
+    assert replay_address("tcp://*:5558", "http://[fd00::1]:8000") == "tcp://[fd00::1]:5558"
+    assert replay_address("tcp://e:5558", "http://10.1.2.3:8000") == "tcp://e:5558"
+
+
+async def test_stores_evictions_and_clear_follow_the_engine(ports: int, state: SharedState) -> None:
+    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")  # as in the gateway
+    a, b, salted = prompt(6, 0), prompt(3, 5000), prompt(2, 0)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        engine.prefill(a[: 2 * BS])  # before the gateway listens: learnt from the replay
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await until(holds(state, kv(a), 2), what="history from the replay")
+            await subscribed(pub, c)
+            engine.prefill(a)  # chunked prefill: the rest of the prompt, chained to block 2
+            engine.prefill(b)
+            engine.prefill(salted, salt="tenant-a")
+            await until(holds(state, kv(a), 6), what="the whole prompt")
+            await until(holds(state, kv(b), 3))
+            await until(holds(state, kv(salted, salt="tenant-a"), 2))
+            assert state.lookup(kv(salted)) == {EID: 2}  # the unsalted blocks of a: another namespace
+            engine.evict(a, keep=4)  # tail first
+            await until(holds(state, kv(a), 4), what="eviction")
+            engine.evict(b, keep=0)
+            await until(holds(state, kv(b), 0))
+            engine.clear()
+            await until(holds(state, kv(a), 0), what="clear")
+            assert state.lookup(kv(salted, salt="tenant-a")) == {}
+            engine.prefill(a)  # the same ids again after a clear
+            await until(holds(state, kv(a), 6))
+            assert c.resyncs == 1 and c.gaps == 0 and c.restarts == 0 and c.unknown_parent_blocks == 0
+
+
+async def test_same_block_announced_twice_leaves_with_its_last_copy(ports: int, state: SharedState) -> None:
+    p = prompt(2, 0)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        ids = vp.vllm_block_hashes(p, BS).ids
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await subscribed(pub, c)
+            # Two requests computed the same prompt in one step: two physical copies, each evicted alone.
+            pub.publish([vp.BlockStored(ids, None, p, BS), vp.BlockStored(ids, None, p, BS)])
+            await until(holds(state, kv(p), 2))
+            pub.publish([vp.BlockRemoved([ids[1]]), vp.BlockRemoved([ids[0]])])
+            seq = pub.publish([])
+            await until(lambda: c.last_seq() == seq)
+            assert state.lookup(kv(p)) == {EID: 2}
+            pub.publish([vp.BlockRemoved([ids[1]]), vp.BlockRemoved([ids[0]])])
+            await until(holds(state, kv(p), 0))
+
+
+async def test_a_missed_batch_is_replayed(ports: int, state: SharedState) -> None:
+    a, b = prompt(4, 0), prompt(2, 9000)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await subscribed(pub, c)
+            replays = c.replays
+            engine.prefill(a[: 2 * BS], drop=True)  # lost on the way: only the replay buffer has it
+            engine.prefill(a)  # children of the lost blocks: the gap shows before they are applied
+            await until(holds(state, kv(a), 4))
+            assert c.gaps == 1 and c.replays == replays + 1
+            engine.evict(a, keep=3, drop=True)  # a lost eviction must be replayed too
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2))
+            await until(holds(state, kv(a), 3))
+            assert c.gaps == 2 and c.replays == replays + 2
+            assert c.resyncs == 1 and c.unknown_parent_blocks == 0
+
+
+async def test_a_missed_last_batch_is_found_by_the_idle_probe(ports: int, state: SharedState) -> None:
+    a = prompt(3, 0)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, probe_interval_s=0.05) as c:
+            await subscribed(pub, c)
+            engine.prefill(a, drop=True)  # nothing follows it: no gap will ever show
+            await until(holds(state, kv(a), 3), what="the probe's replay")
+            assert c.gaps == 0
+
+
+async def test_engine_restart_resets_its_blocks(ports: int, state: SharedState) -> None:
+    a, b = prompt(4, 0), prompt(2, 7000)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 4))
+            pub.restart()  # seq 0 again, an empty cache; a new PYTHONHASHSEED gives other ids
+            engine = FakeVllm(pub, none_hash=b"another-seed")
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2), what="the new incarnation's blocks")
+            await until(holds(state, kv(a), 0), what="the old incarnation forgotten")
+            assert c.restarts == 1 and c.resyncs == 2
+
+
+async def test_restart_that_reaches_our_seq_is_caught_after_a_disconnect(
+    ports: int, state: SharedState
+) -> None:
+    """The engine restarts while the gateway is cut off, and publishes exactly as many batches as the gateway
+    had seen: the next live batch looks like the next one. The dropped connection makes the consumer check
+    its last batch against the engine's replay buffer first."""
+    a, b = prompt(4, 0), prompt(2, 7000)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 4))
+            last = c.last_seq()
+            assert last is not None
+            pub.restart(reopen=True)
+            await until(lambda: c.disconnects >= 1, what="the disconnect")
+            await asyncio.to_thread(pub.wait_for_subscriber)
+            engine = FakeVllm(pub, none_hash=b"another-seed")
+            for _ in range(last + 1):
+                pub.publish([], drop=True)
+            engine.prefill(b)  # seq last + 1
+            await until(holds(state, kv(b), 2))
+            await until(holds(state, kv(a), 0), what="the old incarnation forgotten")
+            assert c.restarts == 1
+
+
+async def test_gap_without_replay_resyncs_to_empty(ports: int, state: SharedState) -> None:
+    a, b, d = prompt(3, 0), prompt(2, 3000), prompt(2, 6000)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 3))
+            engine.evict(a, keep=1, drop=True)  # lost, and nobody can replay it: a is no longer known
+            engine.prefill(b, drop=True)
+            engine.prefill(d)
+            await until(holds(state, kv(d), 2))
+            assert state.lookup(kv(a)) == {} and state.lookup(kv(b)) == {}  # under-predicting, not wrong
+            assert c.gaps == 1 and c.resyncs == 2
+            engine.prefill(a)  # the engine re-announces a's missing blocks only: their parent is unknown
+            seq = pub.publish([])
+            await until(lambda: c.last_seq() == seq)
+            assert state.lookup(kv(a)) == {} and c.unknown_parent_blocks == 2
+
+
+async def test_gap_the_replay_buffer_no_longer_holds_resyncs(ports: int, state: SharedState) -> None:
+    a, b, d = prompt(3, 0), prompt(2, 3000), prompt(2, 6000)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}"), state
+        ) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 3))
+            engine.evict(a, keep=1, drop=True)  # missed, and about to leave the engine's buffer
+            kept = engine.prefill(b, drop=True)
+            pub.forget_before(kept)
+            engine.prefill(d)
+            await until(holds(state, kv(d), 2))
+            await until(holds(state, kv(b), 2), what="what the buffer still had")
+            assert state.lookup(kv(a)) == {}  # its eviction is lost: forgotten rather than guessed
+            assert c.gaps == 1 and c.resyncs == 2
+
+
+async def test_seq_back_without_replay_resyncs_then_applies(ports: int, state: SharedState) -> None:
+    a, b = prompt(3, 0), prompt(2, 3000)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 3))
+            pub.restart()
+            FakeVllm(pub, none_hash=b"other").prefill(b)  # seq 0
+            await until(holds(state, kv(b), 2))
+            assert state.lookup(kv(a)) == {} and c.restarts == 1
+
+
+async def test_engine_connects_to_the_gateway(ports: int, state: SharedState) -> None:
+    """vLLM's PUB connects when its endpoint names a host: the gateway binds (``tcp://*:port``). The replay
+    ROUTER is always the engine's, written here in the engine's own notation."""
+    a = prompt(3, 0)
+    engine_ = engine_state(f"tcp://*:{ports}", f"tcp://*:{ports + 1}")
+    # Started before the engine: its replay socket does not answer yet, so the idle probe asks again.
+    async with following(engine_, state, replay_timeout_s=0.02, probe_interval_s=0.02) as c:
+        with vp.VllmPublisher(f"tcp://127.0.0.1:{ports}", f"tcp://*:{ports + 1}") as pub:
+            engine = FakeVllm(pub)
+            engine.prefill(a[:BS])
+            await until(holds(state, kv(a), 1), what="the replay")
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 3))
+
+
+async def test_positional_encoding_and_replay_without_topic(ports: int, state: SharedState) -> None:
+    a = prompt(4, 0)
+    pub = vp.VllmPublisher(
+        f"tcp://*:{ports}",
+        f"tcp://*:{ports + 1}",
+        encoding="positional",
+        replay_topic_frame=False,
+        topic="kv",
+    )
+    with pub:
+        engine = FakeVllm(pub)
+        engine.prefill(a[: 2 * BS])
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}", topic="kv")
+        async with following(engine_, state) as c:
+            await until(holds(state, kv(a), 2))
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 4))
+            engine.evict(a, keep=1)
+            await until(holds(state, kv(a), 1))
+
+
+async def test_sglang_epoch_change_is_a_restart(ports: int, state: SharedState) -> None:
+    """SGLang with snapshots on puts its publisher's lifetime id in the topic; a new one is a restart even
+    when its seq happens to continue ours."""
+    a, b = prompt(2, 0), prompt(2, 4000)
+    with vp.VllmPublisher(
+        f"tcp://*:{ports}", f"tcp://*:{ports + 1}", topic="kv\x00sgl-kv-epoch=one", encoding="positional"
+    ) as pub:
+        engine = FakeVllm(pub)
+        engine_ = engine_state(
+            f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}", topic="kv", kind=EngineKind.SGLANG
+        )
+        async with following(engine_, state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            seq = pub.next_seq
+            pub.restart()
+            pub.topic = b"kv\x00sgl-kv-epoch=two"
+            for _ in range(seq):
+                pub.publish([], drop=True)
+            FakeVllm(pub, none_hash=b"x").prefill(b)  # seq continues ours exactly
+            await until(holds(state, kv(b), 2))
+            await until(holds(state, kv(a), 0))
+            assert c.restarts == 1
+
+
+async def test_two_data_parallel_ranks(ports: int, state: SharedState) -> None:
+    a, b = prompt(3, 0), prompt(2, 8000)
+    engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 2}", dp=2)
+    with (
+        vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 2}", data_parallel_rank=0) as pub0,
+        vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 2}", data_parallel_rank=1) as pub1,
+    ):
+        assert pub1.endpoint == f"tcp://*:{ports + 1}" and pub1.replay_endpoint == f"tcp://*:{ports + 3}"
+        rank0, rank1 = FakeVllm(pub0), FakeVllm(pub1, none_hash=b"rank-1 seed")
+        async with following(engine_, state) as c:
+            await subscribed(pub0, c, 0)
+            await subscribed(pub1, c, 1)
+            for _ in range(5):
+                pub1.publish([])  # rank 1's seq runs ahead of rank 0's: the ranks' seqs are their own
+            rank0.prefill(a)
+            rank1.prefill(a[: 2 * BS])
+            rank1.prefill(b)
+            await until(holds(state, kv(a), 3))
+            await until(holds(state, kv(b), 2))
+            rank0.evict(a, keep=0)  # rank 1 still holds the first two blocks
+            await until(holds(state, kv(a), 2))
+            rank1.clear()  # a rank's clear is not the engine's
+            await until(holds(state, kv(a), 0))
+            await until(holds(state, kv(b), 0))
+            rank0.prefill(b)
+            rank1.prefill(a)
+            await until(holds(state, kv(b), 2))
+            await until(holds(state, kv(a), 3))
+            pub1.restart()  # rank 1 restarts: rank 0's blocks stay
+            FakeVllm(pub1, none_hash=b"new").prefill(prompt(1, 20000))
+            await until(holds(state, kv(a), 0))
+            await until(lambda: c.last_seq(1) == 0, what="rank 1's new history")
+            assert state.lookup(kv(b)) == {EID: 2} and c.restarts == 1
+
+
+async def test_unreadable_batch_counts_as_lost(ports: int, state: SharedState) -> None:
+    a, b = prompt(2, 0), prompt(2, 500)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=b"\x93\xcb")  # truncated msgpack
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2))
+            assert state.lookup(kv(a)) == {} and c.decode_errors == 1 and c.resyncs == 2
+
+
+async def test_waits_for_the_model_and_stops_cleanly(ports: int, state: SharedState) -> None:
+    a = prompt(2, 0)
+    engine_ = engine_state(f"tcp://*:{ports}", None, model=None)
+    async with following(engine_, state, model_poll_s=0.01) as c:
+        await asyncio.sleep(0.05)
+        assert c.chain is None and not c.ready.is_set()  # no namespace yet: nothing bound, nothing read
+        engine_.reported_model = MODEL
+        await asyncio.wait_for(c.ready.wait(), 3)
+        with vp.VllmPublisher(f"tcp://127.0.0.1:{ports}") as pub:
+            await subscribed(pub, c)
+            FakeVllm(pub).prefill(a)
+            await until(holds(state, kv(a), 2))
+    # Cancelled: its sockets are closed, so another consumer can bind the same port at once.
+    async with following(engine_state(f"tcp://*:{ports}", None), SharedState(gateway_id="t2")) as again:
+        assert again.ready.is_set()
+
+
+async def test_a_new_model_starts_over_in_its_namespace(ports: int, state: SharedState) -> None:
+    a = prompt(3, 0)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}", model=None)
+        engine_.reported_model = MODEL
+        async with following(engine_, state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 3))
+            engine_.reported_model = "m2"  # the engine was redeployed with another model (same history)
+            pub.publish([])
+            await until(
+                lambda: state.lookup(kv(a, name="m2")) == {EID: 3}, what="the replay in m2's namespace"
+            )
+            assert (
+                state.lookup(kv(a)) == {} and c.resyncs == 2 and c.chain is not None and c.chain.model == "m2"
+            )
+
+
+# -- frames recorded from a real vLLM 0.32.0 ------------------------------------------------------------
+
+RECORDING = Path(__file__).parent.parent / "data" / "vllm-0.32.0-kv-events"
+
+
+def recording() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    if not (RECORDING / "frames.jsonl").exists():
+        pytest.skip("no recording of vLLM 0.32.0 KV events here")
+    lines = (RECORDING / "frames.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], json.loads((RECORDING / "requests.json").read_text())
+
+
+def tiny(tokens: list[int], salt: str = "") -> list[int]:
+    return block_hashes(tokens, 32, namespace_seed("tiny", salt))
+
+
+def recorded_engine(endpoint: str, replay: str | None) -> EngineState:
+    config = EngineConfig.model_validate(
+        {
+            "name": "v0",
+            "url": "http://127.0.0.1:8000",
+            "kind": "vllm",
+            "model": "tiny",
+            "block_size": 32,
+            "kv_events_endpoint": endpoint,
+            "kv_events_replay_endpoint": replay,
+            "kv_events_topic": "kv-events",
+        }
+    )
+    return EngineState(id=EID, region="r", config=config)
+
+
+async def test_recorded_vllm_0_32_live_frames(ports: int, state: SharedState) -> None:
+    """The live frames a real vLLM 0.32.0 sent, re-sent byte for byte in seq order."""
+    frames, requests = recording()
+    long_ids = requests["long_prompt_token_ids"]
+    live = sorted((r for r in frames if r["socket"] == "sub"), key=lambda r: r["seq"])
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}", topic="kv-events") as pub:
+        engine = recorded_engine(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine, state) as c:
+            await subscribed(pub, c)
+            pub.restart()  # the recording starts at seq 0: what the consumer saw so far was another life
+            for record in live:
+                topic, seq, payload = (bytes.fromhex(f) for f in record["frames"])
+                assert topic == b"kv-events" and int.from_bytes(seq, "big") == record["seq"]
+                pub.publish([], payload=payload)
+                if record["seq"] == 10:  # after the salted repeat (step D)
+                    await until(lambda: c.last_seq() == 10)
+                    assert state.lookup(tiny(long_ids)) == {EID: 15}
+                    assert state.lookup(tiny(long_ids, "tenant-a")) == {EID: 15}
+            await until(lambda: c.last_seq() == live[-1]["seq"])
+            # After the reset only the 500-token prompt is back, unsalted.
+            assert state.lookup(tiny(long_ids)) == {EID: 15}
+            assert state.lookup(tiny(long_ids, "tenant-a")) == {}
+            assert c.restarts == 1 and c.unknown_parent_blocks == 0
+
+
+async def test_recorded_vllm_0_32_replay_answer(ports: int, state: SharedState) -> None:
+    """A real vLLM 0.32.0 replay answer, served byte for byte by a ROUTER: batches 28..34 (evictions of
+    blocks the gateway never heard of, a prefix-cache reset, the long prompt again), then the end marker."""
+    frames, requests = recording()
+    answer = [[bytes.fromhex(f) for f in r["frames"]] for r in frames if r["step"] == "R-replay"]
+    assert answer[-1] == [b"", b"", b"\xff" * 8, b""]
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{ports + 1}")
+    starts: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            client, _, start = await router.recv_multipart()
+            starts.append(int.from_bytes(start, "big"))
+            for message in answer:
+                await router.send_multipart([client, *message])
+
+    server = asyncio.create_task(serve())
+    try:
+        engine = recorded_engine(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine, state) as c:
+            assert starts == [0] and c.last_seq() == 34
+            assert state.lookup(tiny(requests["long_prompt_token_ids"])) == {EID: 15}
+            assert c.unknown_parent_blocks == 0 and c.batches == 7
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        router.close(linger=0)
+        context.term()
