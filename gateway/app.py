@@ -41,6 +41,7 @@ from gateway.shared_state import SharedState
 from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
 from gateway.upstream import UpstreamClients, engine_tls_context
 from gateway.usage_api import UsageApi
+from gateway.zmq_events import ZmqKvEventConsumer
 from region_map.config import ConfigError, EngineKind
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -271,6 +272,11 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             if engine.kind is EngineKind.KVGATE and engine.config.kv_events is not False:
                 consumer = KvEventConsumer(engine, session, state)
                 consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
+            elif engine.kv_events and engine.config.kv_events_endpoint is not None:
+                # vLLM and SGLang publish over ZMQ (their events carry the token ids kvgate hashes).
+                follower = ZmqKvEventConsumer(engine, state)
+                gateway.metrics.event_followers.append(follower)
+                consumers.append(asyncio.create_task(follower.run(), name=f"zmq-kv-events-{engine.id}"))
         consumers.append(
             asyncio.create_task(
                 check_tokenizers_forever(

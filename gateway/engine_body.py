@@ -45,6 +45,11 @@ def engine_body(
                 body["cache_shared_blocks"] = p.shared_tokens // (engine.block_size or default_block_size)
     elif engine.token_ids_on(p.path) and _ids_are_the_prompt(p, engine):
         body["prompt"] = p.token_ids
+    xargs = body.get("vllm_xargs")
+    if kind is EngineKind.VLLM and isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # "full" makes vLLM announce again blocks it served from cache, with no removals to match: the
+        # residency index would keep blocks the engine has evicted.
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
     if p.stream:  # always ask for usage: billing needs the engine's cached_tokens
         options = body.get("stream_options")
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

@@ -7,14 +7,15 @@ engines' own usage reports, per region and engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.loop_metrics import LoopCounter, LoopHistogram
 from region_map.breaker import BreakerState
-from region_map.fleet import Fleet
+from region_map.fleet import EngineState, Fleet
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -146,6 +147,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.open_connections: Callable[[], int] = lambda: 0  # the server's count (gateway.server sets it)
+        # Followers of vLLM/SGLang KV events (gateway.zmq_events), read at scrape time.
+        self.event_followers: list[EventFollower] = []
+        r.register(_EventFollowerCollector(self.event_followers))
         r.register(
             _CallbackGauge(
                 "kvgate_client_connections",
@@ -206,6 +210,49 @@ class GatewayMetrics:
     def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Engine health and in-flight requests, and the given process gauges, read at scrape time."""
         self.registry.register(_LiveCollector(fleet, gauges))
+
+
+class EventFollower(Protocol):
+    """What the metrics read of a follower of an engine's KV events (gateway.zmq_events)."""
+
+    engine: EngineState
+    batches: int
+    resyncs: int
+    replays: int
+    gaps: int
+    restarts: int
+    decode_errors: int
+
+    @property
+    def unknown_parent_blocks(self) -> int: ...
+
+
+class _EventFollowerCollector(Collector):
+    """Counters of the KV event followers: how well the residency index follows vLLM and SGLang engines."""
+
+    FIELDS = (
+        ("batches", "kvgate_kv_event_batches", "Engine KV event batches applied to the residency index."),
+        ("resyncs", "kvgate_kv_event_resyncs", "Times an engine's index entries were replaced wholesale."),
+        ("replays", "kvgate_kv_event_replays", "Replays asked of the engine (on connect, a gap, silence)."),
+        ("gaps", "kvgate_kv_event_gaps", "Sequence gaps seen on an engine's live event stream."),
+        ("restarts", "kvgate_kv_event_restarts", "Engine restarts seen in its events (seq back to 0)."),
+        ("decode_errors", "kvgate_kv_event_decode_errors", "Event batches that could not be read."),
+        ("unknown_parent_blocks", "kvgate_kv_event_unknown_parent_blocks",
+         "Stored blocks not indexed because their parent was never seen (a missed batch)."),
+    )  # fmt: skip
+
+    def __init__(self, followers: list[EventFollower]) -> None:
+        self._followers = followers
+
+    def collect(self) -> Iterable[Metric]:
+        for attr, name, documentation in self.FIELDS:
+            family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
+            for f in self._followers:
+                family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+            yield family
+
+    def describe(self) -> Iterable[Metric]:
+        return []
 
 
 class _CallbackGauge(Collector):

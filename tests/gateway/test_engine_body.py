@@ -91,3 +91,9 @@ def test_additions_come_last_and_the_prefill_half_is_one_whole_token() -> None:
     half = prefill_only({**CHAT, "max_completion_tokens": 50, "stream": True, "stream_options": {"x": 1}})
     assert half["max_tokens"] == 1 and half["max_completion_tokens"] == 1
     assert half["stream"] is False and "stream_options" not in half
+
+
+def test_a_client_cannot_make_vllm_reannounce_cached_blocks() -> None:
+    xargs = {"kv_cache_report_mode": "full", "other": 1}
+    body = sent(prepared("/v1/chat/completions", {**CHAT, "vllm_xargs": xargs}), engine("vllm"))
+    assert body["vllm_xargs"] == {"other": 1} and xargs == {"kv_cache_report_mode": "full", "other": 1}
