@@ -16,11 +16,19 @@ Never index a wrong hash; under-predicting is allowed:
 - the same engine block may be announced more than once (two requests computing one prefix together get
   two physical copies, each removed on its own): references are counted, and a block leaves the index
   when no copy is left, on any data-parallel rank of the engine.
+
+Routing blocks: an engine with tiny blocks (SGLang's pages of 1 token) is routed in blocks of several of its
+own (``routing_block``), so that a prompt costs the gateway one hash and one lookup step per routing block,
+not per token. A routing block's kvgate hash chains its k pages' tokens on the previous routing block's hash
+(exactly ``block_hashes(prompt, routing_block, seed)``); it enters the index when the engine block that
+completes it is stored and leaves when that block is removed. The pages before it in its group are known
+(children resolve through them) but index nothing. That is exact because vLLM and SGLang evict a chain tail
+first: a group's earlier pages outlive its last one, so a routing block is held while its last page is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache.events import AllCleared, BlockRemoved, BlockStored, KvEvent
@@ -31,15 +39,35 @@ from cache.foreign_events import (
     ForeignRemoved,
     ForeignStored,
 )
-from cache.hashing import block_hashes, namespace_seed
+from cache.hashing import block_hashes, hash_block, namespace_seed, token_bytes
 
 GPU = "gpu"
 
 
+def routing_block(block_size: int, min_block_size: int) -> int:
+    """The block a vLLM/SGLang engine is routed in: its own when that is at least ``min_block_size`` tokens,
+    else the smallest whole number of its blocks that is (SGLang's page of 1, a minimum of 16: 16). Whole
+    pages, so that a routing block's hash follows from the engine's events; coarser blocks only round the
+    gateway's predictions down (a routing block counts as cached when all its pages are)."""
+    if block_size >= min_block_size:
+        return block_size
+    return -(-min_block_size // block_size) * block_size
+
+
 @dataclass(slots=True)
 class _Entry:
-    khash: int | None  # the kvgate hash; None: known to the engine but never indexed (see module doc)
+    khash: int | None  # the kvgate hash it indexes; None: known to the engine but never indexed (module doc)
     refs: int  # copies the engine announced and has not removed yet
+
+
+@dataclass(slots=True)
+class _PageEntry(_Entry):
+    """An engine block where a routing block spans several: also where the chain stands after it. Only the
+    page completing a routing block has a ``khash``; the others are kept for their children."""
+
+    start: int | None  # what the next routing block chains on (seed or last routing hash); None: unindexable
+    pending: bytes  # token bytes of its group's pages up to and including it; b"" where a group completes
+    first: bool  # in the chain's first routing block: the hash completing it has no parent in the index
 
 
 class ForeignChain:
@@ -47,13 +75,20 @@ class ForeignChain:
 
     ``model`` names the namespace of blocks without a LoRA (the name clients send as ``model``); a LoRA's
     blocks live in the namespace of its name, which is what a client sends as ``model`` to reach it.
-    ``block_size``, when known, is the size the gateway hashes this engine's prompts with: blocks of any
-    other size (vLLM's partial prefix entries, SGLang's short last page) are never indexed.
+    ``block_size``, when known, is the engine's own block (page) size: blocks of any other size (vLLM's
+    partial prefix entries, SGLang's short last page) are never indexed. ``routing_block``, a multiple of
+    it (default: the same), is the size the gateway hashes this engine's prompts with (module doc).
     """
 
-    def __init__(self, model: str, *, block_size: int | None = None) -> None:
+    def __init__(
+        self, model: str, *, block_size: int | None = None, routing_block: int | None = None
+    ) -> None:
+        if routing_block is not None and (not block_size or routing_block < 1 or routing_block % block_size):
+            raise ValueError(f"routing_block {routing_block} must be a multiple of block_size {block_size}")
         self.model = model
         self.block_size = block_size
+        # Fixed for the chain's life: entries of a grouped chain carry state a plain one's do not.
+        self._pages = routing_block // block_size if routing_block and block_size else 1
         self._ranks: dict[int, dict[EngineHash, _Entry]] = {}
         self._held: dict[int, int] = {}  # kvgate hash -> copies across all ranks
         self._seeds: dict[tuple[str, str], int] = {}
@@ -62,6 +97,11 @@ class ForeignChain:
         self.ignored_blocks = 0  # events of another medium (CPU, disk) or KV cache group
 
     # -- reading ---------------------------------------------------------------------------------------
+
+    @property
+    def routing_block(self) -> int | None:
+        """Tokens per block of the kvgate chain it computes (None: each event's own block size)."""
+        return None if self.block_size is None else self.block_size * self._pages
 
     def held(self) -> list[int]:
         """Every kvgate hash some rank of the engine holds: what a resync of the engine sets."""
@@ -136,16 +176,16 @@ class ForeignChain:
             # ids; group 0 alone describes the prefix.
             self.ignored_blocks += n
             return None
-        if event.parent is None:
-            parent_k: int | None = None
-            parent_ok = True
-        else:
+        parent_entry: _Entry | None = None
+        if event.parent is not None:
             parent_entry = blocks.get(event.parent)
             if parent_entry is None:
                 self.unknown_parent_blocks += n
                 return None
-            parent_k = parent_entry.khash
-            parent_ok = parent_k is not None
+        if self._pages > 1:
+            return self._stored_in_groups(blocks, event, parent_entry)
+        parent_k = None if parent_entry is None else parent_entry.khash
+        parent_ok = parent_entry is None or parent_k is not None
         khashes = self._kvgate_hashes(event, parent_k) if parent_ok else []
         self.unindexable_blocks += n - len(khashes)
         held = self._held
@@ -168,6 +208,63 @@ class ForeignChain:
                         new_parent = prev
                     new.append(k)
             prev = k
+        return BlockStored(tuple(new), new_parent) if new else None
+
+    def _stored_in_groups(
+        self, blocks: dict[EngineHash, _Entry], event: ForeignStored, parent: _Entry | None
+    ) -> BlockStored | None:
+        """``_stored`` where a routing block spans several engine blocks: the chain goes on from the state
+        the parent page left (a group may start in one event and complete in a later one)."""
+        n = len(event.block_hashes)
+        start: int | None = None
+        pending = b""
+        first = True
+        if parent is not None:
+            assert isinstance(parent, _PageEntry), "a grouped chain holds page entries only"
+            start, pending, first = parent.start, parent.pending, parent.first
+        data = b""
+        page = 0
+        if parent is None or start is not None:
+            found = self._hashable(event, start)
+            if found is not None:
+                start, tokens, size = found
+                try:
+                    data = token_bytes(tokens)
+                except ValueError:  # token ids the hash cannot take (the decoder checked them)
+                    data = b""
+                page = size * 4  # uint32 per token
+        usable = len(data) // page if page else 0
+        self.unindexable_blocks += n - usable
+        group = page * self._pages
+        held = self._held
+        new: list[int] = []
+        new_parent: int | None = None
+        prev = None if first else start  # the chain's last routing hash so far
+        for i, engine_hash in enumerate(event.block_hashes):
+            k: int | None = None
+            if i < usable and start is not None:
+                pending += data[i * page : (i + 1) * page]
+                if len(pending) == group:
+                    k = start = hash_block(start, pending)
+                    pending = b""
+                    first = False
+                entry_state: tuple[int | None, bytes, bool] = (start, pending, first)
+            else:
+                entry_state = (None, b"", False)
+            entry = blocks.get(engine_hash)
+            if entry is None:
+                blocks[engine_hash] = _PageEntry(k, 1, *entry_state)
+            else:
+                entry.refs += 1
+                k = entry.khash  # the first announcement named it; a second copy is the same block
+            if k is not None:
+                count = held.get(k, 0)
+                held[k] = count + 1
+                if count == 0:
+                    if not new:
+                        new_parent = prev
+                    new.append(k)
+                prev = k
         return BlockStored(tuple(new), new_parent) if new else None
 
     def _removed(self, blocks: dict[EngineHash, _Entry], event: ForeignRemoved) -> list[int]:
@@ -195,26 +292,35 @@ class ForeignChain:
 
     def _kvgate_hashes(self, event: ForeignStored, parent_k: int | None) -> list[int]:
         """The kvgate hashes of the event's leading indexable blocks (all of them, normally)."""
-        n = len(event.block_hashes)
-        size = event.block_size
-        tokens = event.token_ids
-        if tokens is None or size <= 0 or len(tokens) != size * n:
+        found = self._hashable(event, parent_k)
+        if found is None:
             return []
-        if self.block_size is not None and size != self.block_size:
-            return []
-        if event.lora_id is not None and event.lora_name is None:
-            return []  # a LoRA known by id only: its namespace (the name clients use) is unknown
-        salt, usable = _read_extra_keys(event, root=event.parent is None)
-        if usable == 0:
-            return []
-        # A chain's root continues from its namespace's seed, as the gateway's hash of a prompt does.
-        start = self._seed(event.lora_name or self.model, salt) if parent_k is None else parent_k
-        if usable < n:
-            tokens = tokens[: usable * size]
+        start, tokens, size = found
         try:
             return block_hashes(tokens, size, start, parent=start)
         except ValueError:  # token ids the hash cannot take (the decoder checked them; belt and braces)
             return []
+
+    def _hashable(self, event: ForeignStored, parent_k: int | None) -> tuple[int, Sequence[int], int] | None:
+        """(what the event's first block chains on, the tokens of its leading indexable blocks, their block
+        size), or None where no block of it can be indexed. ``parent_k`` None: the event starts a chain."""
+        n = len(event.block_hashes)
+        size = event.block_size
+        tokens = event.token_ids
+        if tokens is None or size <= 0 or len(tokens) != size * n:
+            return None
+        if self.block_size is not None and size != self.block_size:
+            return None
+        if event.lora_id is not None and event.lora_name is None:
+            return None  # a LoRA known by id only: its namespace (the name clients use) is unknown
+        salt, usable = _read_extra_keys(event, root=event.parent is None)
+        if usable == 0:
+            return None
+        # A chain's root continues from its namespace's seed, as the gateway's hash of a prompt does.
+        start = self._seed(event.lora_name or self.model, salt) if parent_k is None else parent_k
+        if usable < n:
+            tokens = tokens[: usable * size]
+        return start, tokens, size
 
     def _seed(self, namespace: str, salt: str) -> int:
         seed = self._seeds.get((namespace, salt))

@@ -274,7 +274,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
             elif engine.kv_events and engine.config.kv_events_endpoint is not None:
                 # vLLM and SGLang publish over ZMQ (their events carry the token ids kvgate hashes).
-                follower = ZmqKvEventConsumer(engine, state)
+                follower = ZmqKvEventConsumer(engine, state, min_block_size=settings.min_block_size)
                 gateway.metrics.event_followers.append(follower)
                 consumers.append(asyncio.create_task(follower.run(), name=f"zmq-kv-events-{engine.id}"))
         consumers.append(

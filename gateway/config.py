@@ -204,6 +204,14 @@ class GatewaySettings(BaseModel):
         "holds one connection); when all are busy a command waits for one instead of failing",
     )
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block; engines must match")
+    min_block_size: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="engines whose own blocks are smaller (SGLang's pages of 1) are routed in blocks of this "
+        "many tokens, a whole number of their pages, so that a prompt's hashing and lookup stay cheap; "
+        "predicted cached tokens are then rounded down to it",
+    )
     tokenizer: str | None = Field(
         default=None, description="model directory with tokenizer.json; None: bytes"
     )

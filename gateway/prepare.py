@@ -57,7 +57,7 @@ class Prepared:
     stream: bool
     client_wants_usage: bool
     token_ids: np.ndarray
-    chains: dict[ChainKey, list[int]]  # the prompt's block hashes in each engine's blocks (see chain_keys)
+    chains: dict[ChainKey, list[int]]  # the prompt's block hashes in each routing block size (see chain_keys)
     cache_salt: str  # the tenant's salt (and the client's, if it sent one): engines get it as cache_salt
     home_region: str  # where the client is (see gateway.home)
     shared_tokens: int = 0  # leading tokens of an operator-declared public prefix every tenant shares
@@ -230,7 +230,7 @@ class RequestPreparer:
                     shared_tokens // key.block_size if key.public else 0,
                     block_size=key.block_size,
                 )
-                for key in self.fleet.chain_keys(model, s.block_size)
+                for key in self.fleet.chain_keys(model, s.block_size, s.min_block_size)
             },
             cache_salt=cache_salt,
             home_region=self.home.resolve(request.headers, request.remote),

@@ -153,13 +153,14 @@ class Gateway:
     # -- routing ---------------------------------------------------------------------------------------
 
     def _cached_tokens(self, p: Prepared, engines: list[EngineState]) -> dict[str, int]:
-        """Leading prompt tokens each engine holds, by the residency view: whole blocks of its own size, and
-        never the prompt's last token on an engine that always computes it (vLLM, SGLang)."""
-        default = self.settings.block_size
+        """Leading prompt tokens each engine holds, by the residency view: whole blocks of the size it is
+        routed in (its own, or for vLLM/SGLang at least ``min_block_size``), and never the prompt's last
+        token on an engine that always computes it (vLLM, SGLang)."""
+        default, minimum = self.settings.block_size, self.settings.min_block_size
         found = {key: self.state.lookup(chain) for key, chain in p.chains.items()}
         out: dict[str, int] = {}
         for e in engines:
-            key = e.chain_key(default)
+            key = e.chain_key(default, minimum)
             blocks = found[key].get(e.id, 0) if key in found else 0
             if blocks:
                 out[e.id] = min(blocks, e.cacheable_blocks(len(p.token_ids), key.block_size)) * key.block_size
@@ -491,7 +492,7 @@ class Gateway:
             if current is None or current.engine != engine.id:
                 self.state.bind_session(p.tenant, p.session_id, SessionBinding(engine.region, engine.id))
         s = self.settings
-        key = engine.chain_key(s.block_size)
+        key = engine.chain_key(s.block_size, s.min_block_size)
         hashes = p.chains.get(key, [])
         known_blocks = known_tokens // key.block_size
         if engine.kv_events:

@@ -39,8 +39,9 @@ import zmq
 import zmq.asyncio
 
 from cache.events import EventDecodeError, KvEventBatch
-from cache.foreign_chain import ForeignChain
+from cache.foreign_chain import ForeignChain, routing_block
 from cache.foreign_events import ForeignBatch, decode_foreign_batch
+from gateway.config import GatewaySettings
 from gateway.kv_events import EventSink
 from region_map.fleet import EngineState
 
@@ -50,6 +51,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _EPOCH_MARKER = b"\x00sgl-kv-epoch="  # SGLang with snapshots: topic + marker + publisher lifetime id
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 _DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live copies of replayed ones)
+_MIN_BLOCK_SIZE: int = GatewaySettings.model_fields["min_block_size"].default
 
 
 class _ReplayUnavailable(Exception):
@@ -130,6 +132,8 @@ class ZmqKvEventConsumer:
 
     ``run()`` runs until cancelled; it waits for the engine's model to be known (its namespace names the
     hashes), and starts over if the model or block size changes. The counters are for metrics.
+    ``min_block_size`` must be the gateway's (``GatewaySettings.min_block_size``): an engine of smaller
+    blocks is indexed in the routing blocks the gateway hashes its prompts in.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class ZmqKvEventConsumer:
         probe_interval_s: float = 10.0,
         model_poll_s: float = 0.5,
         rcvhwm: int = 100_000,
+        min_block_size: int = _MIN_BLOCK_SIZE,
     ) -> None:
         endpoint = engine.config.kv_events_endpoint
         if endpoint is None:
@@ -153,6 +158,7 @@ class ZmqKvEventConsumer:
         self._probe_interval_s = probe_interval_s
         self._model_poll_s = model_poll_s
         self._rcvhwm = rcvhwm
+        self._min_block_size = min_block_size
         replay = engine.config.kv_events_replay_endpoint
         self._ranks = [
             _RankState(
@@ -198,7 +204,9 @@ class ZmqKvEventConsumer:
                 model = await self._wait_for_model()
                 if self.chain is not None:
                     self._retired_unknown += self.chain.unknown_parent_blocks
-                self.chain = ForeignChain(model, block_size=self.engine.block_size)
+                self.chain = ForeignChain(
+                    model, block_size=self.engine.block_size, routing_block=self._routing_block()
+                )
                 for state in self._ranks:
                     state.forget()
                     state.epoch = None
@@ -231,9 +239,16 @@ class ZmqKvEventConsumer:
         if self.engine.model != chain.model:
             raise _IdentityChanged
         if block_size != chain.block_size:
-            if chain.block_size is not None:
+            # Learnt after we started: filter from now on, unless its routing block spans several of its
+            # blocks (groups need every page from the chain's root on: start over).
+            if chain.block_size is not None or self._routing_block() != block_size:
                 raise _IdentityChanged
-            chain.block_size = block_size  # learnt after we started: filter from now on
+            chain.block_size = block_size
+
+    def _routing_block(self) -> int | None:
+        """The block size the gateway hashes this engine's prompts in (``EngineState.chain_key``)."""
+        block_size = self.engine.block_size
+        return None if block_size is None else routing_block(block_size, self._min_block_size)
 
     # -- one rank ----------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from cache.foreign_chain import routing_block
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
 from region_map.discovery import EngineMetrics
@@ -156,14 +157,23 @@ class EngineState:
         """Whether it takes the prompt's ids packed (``prompt_token_ids_hex``) rather than as JSON numbers."""
         return self.kind is EngineKind.KVGATE and self.token_ids_on("") and self.reported_token_ids_hex
 
-    def chain_key(self, default_block_size: int) -> ChainKey:
-        """The chain its blocks are named by; ``default_block_size`` for an engine that reports none."""
-        return ChainKey(self.block_size or default_block_size, self.kind is EngineKind.KVGATE)
+    def chain_key(self, default_block_size: int, min_block_size: int) -> ChainKey:
+        """The chain its blocks are named by; ``default_block_size`` for an engine that reports none.
+
+        A vLLM or SGLang engine is routed in blocks of at least ``min_block_size`` tokens (see
+        ``routing_block``): SGLang's 1-token pages would otherwise cost a hash and a lookup step per prompt
+        token. A kvgate engine keeps its own block size: its events name blocks of exactly that size.
+        """
+        kvgate = self.kind is EngineKind.KVGATE
+        block_size = self.block_size or default_block_size
+        return ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
 
     def cacheable_blocks(self, prompt_tokens: int, block_size: int) -> int:
         """The most leading blocks of a prompt it can serve from cache. vLLM and SGLang always compute the
         prompt's last token (its logits start the decode), so a prompt of whole blocks hits one block less;
-        a kvgate engine reports its whole cached prefix."""
+        a kvgate engine reports its whole cached prefix. ``block_size`` may be a routing block, a whole
+        number of the engine's own blocks: ``prompt - 1`` rounded down to the engine's blocks, then to
+        routing blocks, is ``prompt - 1`` rounded down to routing blocks, so the same count holds."""
         if self.kind is EngineKind.KVGATE:
             return prompt_tokens // block_size
         return max(0, prompt_tokens - 1) // block_size
@@ -325,9 +335,9 @@ class Fleet:
                 by_model.setdefault(e.model, []).append(e)
         self._by_model = by_model
 
-    def chain_keys(self, model: str, default_block_size: int) -> list[ChainKey]:
+    def chain_keys(self, model: str, default_block_size: int, min_block_size: int) -> list[ChainKey]:
         """The distinct chains of the engines serving ``model``: a prompt is hashed once per chain."""
-        keys = {e.chain_key(default_block_size) for e in self._by_model.get(model, ())}
+        keys = {e.chain_key(default_block_size, min_block_size) for e in self._by_model.get(model, ())}
         return sorted(keys) or [ChainKey(default_block_size, True)]
 
     def models(self) -> list[str]:
