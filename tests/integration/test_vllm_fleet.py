@@ -1,19 +1,158 @@
-"""kvgate in front of two real vLLM engines (placeholder: the lead writes the real tests here). Run by
-scripts/test-vllm; skipped, and not even collected, without its environment variables."""
+"""kvgate in front of two REAL vLLM 0.32.0 engines (CPU build) with KV events on, as scripts/test-vllm starts
+them: 32-token blocks, 160 blocks of KV cache each (small, so that evictions happen), ZMQ events with replay.
+
+The gateway is configured by URL, kind and event endpoints only. Every request checks that the gateway's
+``x-kvgate-predicted-cached-tokens`` equals the ``cached_tokens`` vLLM reports, also after evictions and after
+an engine restart (its residency must be gone, not stale).
+"""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-from typing import TYPE_CHECKING
+import asyncio
+import random
+from typing import Any
 
-if TYPE_CHECKING:
-    from tests.integration.conftest import VllmFleet
+import aiohttp
+import pytest
+
+from gateway.service import Gateway
+from tests.integration.conftest import VllmFleet, gateway_in_front, settled, until
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+]
 
 
-def test_both_engines_answer_models(vllm_fleet: VllmFleet) -> None:
-    assert len(vllm_fleet.urls) == 2
-    for url in vllm_fleet.urls:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
-            models = json.loads(resp.read())
-        assert [m["id"] for m in models["data"]] == [vllm_fleet.model]
+def text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class Client:
+    """Sends requests through the gateway and checks each prediction against what vLLM reports."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, gateway: Gateway) -> None:
+        self.session, self.url, self.gateway = session, url, gateway
+        self.checked = 0
+        self.hits = 0
+
+    async def send(
+        self, path: str, body: dict[str, Any], session_id: str | None = None
+    ) -> tuple[str, str, int]:
+        headers = {"x-session-affinity": session_id} if session_id else {}
+        await settled(self.gateway)  # (events are asynchronous: let the last answer's blocks arrive)
+        async with self.session.post(self.url + path, json={"max_tokens": 2, **body}, headers=headers) as r:
+            answer = await r.json()
+            assert r.status == 200, answer
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            engine, route = r.headers["x-kvgate-engine"], r.headers["x-kvgate-route"]
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert predicted == cached, f"{engine} ({route}): predicted {predicted}, vLLM reported {cached}"
+        self.checked += 1
+        self.hits += cached > 0
+        return engine, route, cached
+
+
+async def test_engines_are_discovered_from_their_urls(vllm_fleet: VllmFleet) -> None:
+    async with gateway_in_front(vllm_fleet) as (_, gateway):
+        engines = list(gateway.fleet)
+        await until(lambda: all(e.healthy for e in engines), 30, "both engines healthy")
+        assert gateway.fleet.models() == [vllm_fleet.model]
+        assert [e.block_size for e in engines] == [vllm_fleet.block_size] * 2
+        await until(lambda: all(e.tokenizer_agrees is not None for e in engines), 30, "tokenizers checked")
+        assert [e.tokenizer_agrees for e in engines] == [True, True]
+        await until(lambda: all(f.ready.is_set() for f in gateway.metrics.event_followers), 30, "events")
+
+
+async def test_sessions_and_shared_prefixes_land_where_their_cache_is(vllm_fleet: VllmFleet) -> None:
+    async with gateway_in_front(vllm_fleet) as (url, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = Client(session, url, gateway)
+        # Conversations: each turn resends the whole history, and stays on its engine.
+        homes: dict[str, str] = {}
+        for turn in range(4):
+            for conv in range(4):
+                messages = [{"role": "system", "content": text(100 + conv, 60)}]
+                for t in range(turn + 1):
+                    messages += [{"role": "user", "content": text(1000 * conv + t, 25)},
+                                 {"role": "assistant", "content": text(2000 * conv + t, 10)}]  # fmt: skip
+                engine, route, cached = await client.send(
+                    "/v1/chat/completions", {"model": "tiny", "messages": messages[:-1]}, f"conv-{conv}"
+                )
+                assert homes.setdefault(f"conv-{conv}", engine) == engine
+                if turn:
+                    assert route == "session" and cached > 0
+        assert len(set(homes.values())) == 2  # the conversations spread over both engines
+        # A long shared prefix without a session header: later prompts find its holder.
+        for doc in range(3):
+            system = text(5000 + doc, 150)
+            holder, _, _ = await client.send(
+                "/v1/completions", {"model": "tiny", "prompt": system + " question 0"}
+            )
+            for q in range(1, 4):
+                engine, route, cached = await client.send(
+                    "/v1/completions", {"model": "tiny", "prompt": f"{system} question {q}"}
+                )
+                assert (engine, route) == (holder, "prefix") and cached > 0
+        assert client.checked == 28
+
+
+async def test_predictions_stay_exact_through_evictions(vllm_fleet: VllmFleet) -> None:
+    async with gateway_in_front(vllm_fleet) as (url, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = Client(session, url, gateway)
+        # 24 documents of ~20 blocks each: 480 blocks against 2 x 160 in the engines.
+        docs = [text(9000 + d, 130) for d in range(24)]
+        rng = random.Random(3)
+        sent = set()
+        for i in range(72):
+            doc = rng.choice(docs)
+            sent.add(doc)
+            await client.send("/v1/completions", {"model": "tiny", "prompt": f"{doc} #{i}"})
+        blocks = sum(len(gateway.prepare.tokenizer.encode(d)) // vllm_fleet.block_size for d in sent)
+        assert blocks > 2 * 160, f"only {blocks} blocks sent: the engines never had to evict"
+        assert client.hits >= 10
+        held = sum(len(f.chain.held()) for f in gateway.metrics.event_followers if f.chain)
+        assert held <= 2 * 160  # the index holds no more than the engines can: evictions were followed
+
+
+async def test_a_restarted_engine_has_no_stale_residency(vllm_fleet: VllmFleet) -> None:
+    if vllm_fleet.restart is None:
+        pytest.skip("no restart script (run scripts/test-vllm)")
+    async with gateway_in_front(vllm_fleet) as (url, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = Client(session, url, gateway)
+        prompt = text(77, 200)
+        body = {"model": "tiny", "prompt": prompt}
+        engine, _, _ = await client.send("/v1/completions", body)
+        again, route, cached = await client.send("/v1/completions", body)
+        assert (again, route) == (engine, "prefix") and cached > 0
+        index = int(engine.rsplit("v", 1)[1])
+        restart = await asyncio.create_subprocess_exec(str(vllm_fleet.restart), str(index))
+        assert await restart.wait() == 0
+        state = gateway.fleet.engines[engine]
+        await until(lambda: state.healthy, 60, "the restarted engine healthy again")
+        # Until the follower has seen the restart, the gateway may still believe the old cache: the first
+        # batch after the restart (or the idle probe's replay, within 10 s) tells it.
+        follower = next(f for f in gateway.metrics.event_followers if f.engine.id == engine)
+        await until(lambda: follower.restarts >= 1 or follower.resyncs >= 2, 30, "the restart seen in events")
+        tokens = gateway.prepare.tokenizer.encode(prompt)
+        chain = gateway.prepare.block_hashes(tokens, vllm_fleet.model, block_size=vllm_fleet.block_size)
+        assert gateway.state.lookup(chain).get(engine, 0) == 0
+        for _ in range(3):  # wherever they go now, the predictions hold
+            await client.send("/v1/completions", body)
