@@ -162,3 +162,15 @@ def test_tenant_and_price_tables_are_validated(tables: dict[str, object], messag
     base = {"region": "r", "regions": [{"name": "r", "engines": [{"name": "e", "url": "http://h:1"}]}]}
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         parse_config({**base, **tables})
+
+
+def test_the_readmes_third_party_deployment_file_loads_as_written() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Fronting vLLM and SGLang", 1)[1]
+    toml = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    import tomllib
+
+    config = parse_config(tomllib.loads(toml))
+    kinds = [e.kind.value for e in config.topology.regions[0].engines]
+    assert kinds == ["vllm", "vllm", "sglang", "openai"]
+    assert config.topology.regions[0].engines[0].kv_events_replay_endpoint == "tcp://10.0.0.5:5558"
