@@ -152,19 +152,20 @@ class ForeignChain:
 
     def _drop_rank(self, rank: int) -> list[int]:
         blocks = self._ranks.pop(rank, {})
-        held = self._held
         dropped = []
         for entry in blocks.values():
-            k = entry.khash
-            if k is None:
-                continue
-            left = held[k] - entry.refs
-            if left > 0:
-                held[k] = left
-            else:
-                del held[k]
-                dropped.append(k)
+            if entry.khash is not None and self._release(entry.khash, entry.refs):
+                dropped.append(entry.khash)
         return dropped
+
+    def _release(self, khash: int, copies: int) -> bool:
+        """Count ``copies`` of ``khash`` gone; returns whether the index loses it (no copy left anywhere)."""
+        left = self._held[khash] - copies
+        if left > 0:
+            self._held[khash] = left
+            return False
+        del self._held[khash]
+        return True
 
     def _stored(self, blocks: dict[EngineHash, _Entry], event: ForeignStored) -> BlockStored | None:
         n = len(event.block_hashes)
@@ -188,25 +189,17 @@ class ForeignChain:
         parent_ok = parent_entry is None or parent_k is not None
         khashes = self._kvgate_hashes(event, parent_k) if parent_ok else []
         self.unindexable_blocks += n - len(khashes)
-        held = self._held
         new: list[int] = []
         new_parent: int | None = None
         prev = parent_k
         for i, engine_hash in enumerate(event.block_hashes):
-            k: int | None = khashes[i] if i < len(khashes) else None
-            entry = blocks.get(engine_hash)
-            if entry is None:
-                blocks[engine_hash] = _Entry(k, 1)
-            else:
-                entry.refs += 1
-                k = entry.khash  # the first announcement named it; a second copy is the same block
-            if k is not None:
-                count = held.get(k, 0)
-                held[k] = count + 1
-                if count == 0:
-                    if not new:
-                        new_parent = prev
-                    new.append(k)
+            k, gained = self._announce(
+                blocks, engine_hash, _Entry(khashes[i] if i < len(khashes) else None, 1)
+            )
+            if gained and k is not None:
+                if not new:
+                    new_parent = prev
+                new.append(k)
             prev = k
         return BlockStored(tuple(new), new_parent) if new else None
 
@@ -236,7 +229,6 @@ class ForeignChain:
         usable = len(data) // page if page else 0
         self.unindexable_blocks += n - usable
         group = page * self._pages
-        held = self._held
         new: list[int] = []
         new_parent: int | None = None
         prev = None if first else start  # the chain's last routing hash so far
@@ -251,26 +243,35 @@ class ForeignChain:
                 entry_state: tuple[int | None, bytes, bool] = (start, pending, first)
             else:
                 entry_state = (None, b"", False)
-            entry = blocks.get(engine_hash)
-            if entry is None:
-                blocks[engine_hash] = _PageEntry(k, 1, *entry_state)
-            else:
-                entry.refs += 1
-                k = entry.khash  # the first announcement named it; a second copy is the same block
+            k, gained = self._announce(blocks, engine_hash, _PageEntry(k, 1, *entry_state))
+            if gained and k is not None:
+                if not new:
+                    new_parent = prev
+                new.append(k)
             if k is not None:
-                count = held.get(k, 0)
-                held[k] = count + 1
-                if count == 0:
-                    if not new:
-                        new_parent = prev
-                    new.append(k)
                 prev = k
         return BlockStored(tuple(new), new_parent) if new else None
+
+    def _announce(
+        self, blocks: dict[EngineHash, _Entry], engine_hash: EngineHash, if_new: _Entry
+    ) -> tuple[int | None, bool]:
+        """Count one announced copy of ``engine_hash`` (``if_new`` when it is the first); returns its kvgate
+        hash and whether the index gains that hash (no copy of it was held on any rank)."""
+        entry = blocks.get(engine_hash)
+        if entry is None:
+            blocks[engine_hash] = entry = if_new
+        else:
+            entry.refs += 1  # the first announcement named it; a second copy is the same block
+        k = entry.khash
+        if k is None:
+            return None, False
+        count = self._held.get(k, 0)
+        self._held[k] = count + 1
+        return k, count == 0
 
     def _removed(self, blocks: dict[EngineHash, _Entry], event: ForeignRemoved) -> list[int]:
         if not _relevant(event.medium, event.group_idx):
             return []
-        held = self._held
         dropped = []
         for engine_hash in event.block_hashes:
             entry = blocks.get(engine_hash)
@@ -279,15 +280,8 @@ class ForeignChain:
             entry.refs -= 1
             if entry.refs <= 0:
                 del blocks[engine_hash]
-            k = entry.khash
-            if k is None:
-                continue
-            left = held[k] - 1
-            if left > 0:
-                held[k] = left
-            else:
-                del held[k]
-                dropped.append(k)
+            if entry.khash is not None and self._release(entry.khash, 1):
+                dropped.append(entry.khash)
         return dropped
 
     def _kvgate_hashes(self, event: ForeignStored, parent_k: int | None) -> list[int]:

@@ -51,16 +51,7 @@ async def vllm_prefill(
     """Run the prefill on a vLLM prefill engine; returns the ``kv_transfer_params`` its answer carries."""
     prefill_body = prefill_only(body)
     prefill_body["kv_transfer_params"] = dict(VLLM_DO_REMOTE_DECODE)
-    payload = orjson.dumps(prefill_body, option=orjson.OPT_SERIALIZE_NUMPY)
-    headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
-    try:
-        response = await pool.request("POST", path, payload, headers, header_timeout=timeout_s)
-        data = await response.read(timeout_s)
-    except UpstreamError as exc:
-        raise PrefillFailed(str(exc) or type(exc).__name__) from None
-    if response.status != 200:
-        _, _, message = error_fields(data, response.status)
-        raise PrefillFailed(f"answered {response.status}: {message}")
+    data = await _prefill_half(pool, path, prefill_body, request_id, timeout_s)
     try:
         params = orjson.loads(data).get("kv_transfer_params")
     except (orjson.JSONDecodeError, AttributeError):
@@ -71,6 +62,23 @@ async def vllm_prefill(
             "(kv_role kv_producer or kv_both)?"
         )
     return params
+
+
+async def _prefill_half(
+    pool: UpstreamPool, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+) -> bytes:
+    """Send the prefill engine its half and read the answer whole; PrefillFailed unless it is a 200."""
+    payload = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
+    try:
+        response = await pool.request("POST", path, payload, headers, header_timeout=timeout_s)
+        data = await response.read(timeout_s)
+    except UpstreamError as exc:
+        raise PrefillFailed(str(exc) or type(exc).__name__) from None
+    if response.status != 200:
+        _, _, message = error_fields(data, response.status)
+        raise PrefillFailed(f"answered {response.status}: {message}")
+    return data
 
 
 def sglang_bootstrap(prefill_url: str, bootstrap_port: int) -> dict[str, Any]:
@@ -89,23 +97,8 @@ class SglangPrefill:
     def __init__(
         self, pool: UpstreamPool, path: str, body: dict[str, Any], request_id: str, timeout_s: float
     ) -> None:
-        payload = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
-        self._task = asyncio.create_task(self._run(pool, path, payload, headers, timeout_s))
+        self._task = asyncio.create_task(_prefill_half(pool, path, body, request_id, timeout_s))
         self._task.add_done_callback(_log_late_failure)
-
-    @staticmethod
-    async def _run(
-        pool: UpstreamPool, path: str, payload: bytes, headers: list[tuple[str, str]], timeout_s: float
-    ) -> None:
-        try:
-            response = await pool.request("POST", path, payload, headers, header_timeout=timeout_s)
-            data = await response.read(timeout_s)
-        except UpstreamError as exc:
-            raise PrefillFailed(str(exc) or type(exc).__name__) from None
-        if response.status != 200:
-            _, _, message = error_fields(data, response.status)
-            raise PrefillFailed(f"answered {response.status}: {message}")
 
     async def race(self, decode: Awaitable[Response]) -> Response:
         """The decode engine's answer; PrefillFailed instead when the prefill fails before it comes."""
@@ -127,7 +120,7 @@ class SglangPrefill:
         self._task.cancel()
 
 
-def _log_late_failure(task: asyncio.Task[None]) -> None:
+def _log_late_failure(task: asyncio.Task[bytes]) -> None:
     """Retrieve the prefill's outcome (no 'exception never retrieved'); a failure after the decode engine
     answered only matters to the operator."""
     if task.cancelled():

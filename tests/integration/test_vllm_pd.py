@@ -60,7 +60,13 @@ PROMPT = " ".join(f"line {i}: the gateway routes each prompt to where its cache 
 
 
 async def test_a_disaggregated_answer_equals_the_one_engine_answer(vllm_fleet: VllmFleet) -> None:
-    async with gateway_in_front(vllm_fleet, roles=["prefill", "decode"]) as (url, gateway):
+    # NIXL over UCX on two shared CPU cores moves K/V slowly (one transfer took 44 s in a loaded run, under a
+    # second in a quiet one): the engines get minutes to answer, not the default 30 s.
+    patience = {"first_byte_timeout_s": 300, "stall_timeout_s": 300}
+    async with gateway_in_front(vllm_fleet, roles=["prefill", "decode"], resilience=patience) as (
+        url,
+        gateway,
+    ):
         await until(lambda: all(e.healthy for e in gateway.fleet), 60, "both engines healthy")
         await warm_up_nixl(vllm_fleet)
         body = {"model": vllm_fleet.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
