@@ -203,7 +203,13 @@ class GatewaySettings(BaseModel):
         description="size of the one Redis pool every Redis user of the gateway shares (the pub/sub follower "
         "holds one connection); when all are busy a command waits for one instead of failing",
     )
-    block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block; engines must match")
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="tokens per KV block of engines that report none (kind openai, or a block_size-less "
+        "/health); every other engine is hashed in its own block size",
+    )
     min_block_size: int = Field(
         default=16,
         ge=1,
