@@ -32,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import xxhash
 import zmq
@@ -43,13 +42,13 @@ from cache.foreign_chain import ForeignChain, routing_block
 from cache.foreign_events import ForeignBatch, decode_foreign_batch
 from gateway.config import GatewaySettings
 from gateway.kv_events import EventSink
+from gateway.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.zmq_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _EPOCH_MARKER = b"\x00sgl-kv-epoch="  # SGLang with snapshots: topic + marker + publisher lifetime id
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 _DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live copies of replayed ones)
 _MIN_BLOCK_SIZE: int = GatewaySettings.model_fields["min_block_size"].default
 
@@ -60,36 +59,6 @@ class _ReplayUnavailable(Exception):
 
 class _IdentityChanged(Exception):
     """The engine's model or block size changed: every hash computed so far is in the wrong namespace."""
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """Where data-parallel rank ``rank`` publishes: the endpoint's port + rank (vLLM's and SGLang's rule)."""
-    if rank == 0:
-        return endpoint
-    if not endpoint.startswith("tcp://"):
-        raise ValueError(f"data-parallel ranks need tcp:// endpoints (port + rank), not {endpoint!r}")
-    base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + rank}"
-
-
-def gateway_binds(endpoint: str) -> bool:
-    """Whether the gateway binds ``endpoint``: a wildcard host means the engine connects to us (vLLM's PUB
-    connects when its own endpoint names a host); any other address is the engine's, bound by it."""
-    if not endpoint.startswith("tcp://"):
-        return False  # ipc:// is always bound by the engine
-    host = endpoint[len("tcp://") :].rpartition(":")[0]
-    return host in _WILDCARD_HOSTS
-
-
-def replay_address(endpoint: str, engine_url: str) -> str:
-    """The replay ROUTER is always bound by the engine. Written in the engine's own notation
-    (``tcp://*:5558``), it is reached at the host of the engine's URL."""
-    if not gateway_binds(endpoint):
-        return endpoint
-    host = urlsplit(engine_url).hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
 
 
 def _epoch(topic: bytes) -> bytes | None:

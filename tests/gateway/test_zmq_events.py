@@ -19,7 +19,8 @@ import zmq.asyncio
 
 from cache.hashing import block_hashes, namespace_seed
 from gateway.shared_state import SharedState
-from gateway.zmq_events import ZmqKvEventConsumer, gateway_binds, rank_endpoint, replay_address
+from gateway.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
+from gateway.zmq_events import ZmqKvEventConsumer
 from region_map.config import EngineConfig, EngineKind
 from region_map.fleet import EngineState
 from tests import vllm_publisher as vp
