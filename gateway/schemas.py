@@ -114,9 +114,18 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
 
 
 # What the gateway alone tells an engine: where to fetch K/V from (an engine would connect to any URL a client
-# named), which leading blocks are hashed in the shared, salt-less namespace (another tenant's cache), and the
-# prompt's ids, packed or not (an engine prefers them to the prompt the gateway routed and billed).
-GATEWAY_FIELDS = ("kv_transfer_params", "cache_shared_blocks", "prompt_token_ids_hex", "prompt_token_ids")
+# named: kvgate's and vLLM's kv_transfer_params, SGLang's bootstrap host, port and room), which leading blocks
+# are hashed in the shared, salt-less namespace (another tenant's cache), and the prompt's ids, packed or not
+# (an engine prefers them to the prompt the gateway routed and billed).
+GATEWAY_FIELDS = (
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "cache_shared_blocks",
+    "prompt_token_ids_hex",
+    "prompt_token_ids",
+)
 
 
 def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:

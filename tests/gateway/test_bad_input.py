@@ -116,6 +116,8 @@ def test_the_good_request_works(gw: BackgroundCluster) -> None:
             "kv_transfer_params",
         ),
         ({**GOOD, "cache_shared_blocks": 4}, "cache_shared_blocks"),
+        ({**GOOD, "bootstrap_host": "10.9.9.9"}, "bootstrap_host"),
+        ({**GOOD, "bootstrap_room": 7}, "bootstrap_room"),
         ({**GOOD, "prompt_token_ids_hex": "00000001"}, "prompt_token_ids_hex"),  # a prompt not routed
         ({**GOOD, "prompt_token_ids": [1, 2, 3]}, "prompt_token_ids"),  # engines would read it, not messages
         # A message that must say something (OpenAI: content is required but for an assistant's tool calls).
