@@ -186,6 +186,18 @@ class TopologyConfig(_Strict):
                 raise ValueError(f"rtt_ms key {pair!r} must be 'regionA.regionB' with two known regions")
             if ms < 0:
                 raise ValueError(f"rtt_ms.{pair} must be >= 0")
+        # One publisher per engine: a shared address would mix two engines' blocks (or, where the gateway
+        # binds, fail to bind for the second one).
+        seen: dict[str, str] = {}
+        for region in self.regions:
+            for engine in region.engines:
+                endpoint = engine.kv_events_endpoint
+                if endpoint is None:
+                    continue
+                here = f"{region.name}/{engine.name}"
+                if endpoint in seen:
+                    raise ValueError(f"engines {seen[endpoint]} and {here} have the same kv_events_endpoint")
+                seen[endpoint] = here
         return self
 
     def rtt_s(self, a: str, b: str) -> float:

@@ -101,6 +101,15 @@ def _base() -> dict:
             "kind openai publishes no KV events",
         ),
         (
+            lambda d: d["regions"][0]["engines"].extend(
+                [
+                    {"name": n, "url": "http://h:1", "kind": "vllm", "kv_events_endpoint": "tcp://*:5557"}
+                    for n in ("v1", "v2")
+                ]
+            ),
+            "a/v1 and a/v2 have the same kv_events_endpoint",
+        ),
+        (
             lambda d: d["regions"][0]["engines"][0].update(kind="vllm", data_parallel_size=0),
             "regions.0.engines.0.data_parallel_size",
         ),
