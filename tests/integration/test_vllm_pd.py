@@ -20,24 +20,30 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 async def warm_up_nixl(fleet: VllmFleet) -> None:
-    """One P/D exchange straight to the engines until it succeeds: the first transfer between a pair pays
-    NIXL's handshake, which vLLM 0.32 gives a fixed 5 s (nixl/base_worker.py); on a 2-core machine shared with
-    two engines a cold handshake can take longer, and vLLM then fails that one request with a 500."""
+    """One P/D exchange straight between the engines, kvgate not involved, until one succeeds: the first
+    transfer between a pair pays NIXL's handshake, which vLLM 0.32 gives a fixed 5 s (nixl/base_worker.py).
+    On two shared CPU cores a transfer has taken from under a second to over five minutes (UCX on CPU in a
+    VM); when the engines cannot complete one by themselves, this test has nothing to say about kvgate."""
     body = {"model": fleet.model, "prompt": "warm up " * 40, "max_tokens": 1, "stream": False}
-    async with aiohttp.ClientSession() as session:
-        for _ in range(5):
-            transfer = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                        "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
-            async with session.post(
-                fleet.urls[0] + "/v1/completions", json={**body, "kv_transfer_params": transfer}
-            ) as r:
-                params = (await r.json())["kv_transfer_params"]
-            async with session.post(
-                fleet.urls[1] + "/v1/completions", json={**body, "kv_transfer_params": params}
-            ) as r:
-                if r.status == 200:
-                    return
-    raise AssertionError("no P/D exchange succeeded straight between the engines")
+    transfer = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+    errors = []
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(3):
+            try:
+                prefill = {**body, "kv_transfer_params": transfer}
+                async with session.post(fleet.urls[0] + "/v1/completions", json=prefill) as r:
+                    params = (await r.json())["kv_transfer_params"]
+                async with session.post(
+                    fleet.urls[1] + "/v1/completions", json={**body, "kv_transfer_params": params}
+                ) as r:
+                    if r.status == 200:
+                        return
+                    errors.append(f"decode answered {r.status}")
+            except TimeoutError:
+                errors.append("no answer within 120 s")
+    pytest.skip(f"vLLM's own P/D exchange between the engines (no kvgate) failed 3 times: {errors}")
 
 
 async def ask(
