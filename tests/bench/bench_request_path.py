@@ -37,13 +37,16 @@ from cache.tokens import Tokenizer, pack_token_ids, render_messages
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import stop_engines, wait_healthy
+from gateway.engine_body import engine_body
 from gateway.lean_http import LeanRequest
 from gateway.loop import install_best_loop
+from gateway.prepare import Prepared
 from gateway.routing import RouteRequest
 from gateway.routing.base import route_key
 from gateway.schemas import parse_chat
 from gateway.service import Gateway
 from gateway.upstream import UpstreamPool
+from region_map.fleet import EngineState
 from region_map.trace import TraceRequest, load_trace
 
 
@@ -64,6 +67,12 @@ def gateway_for(tokenizer: Path) -> Gateway:
 def lean_request(raw: bytes, path: str) -> LeanRequest:
     headers = CIMultiDictProxy(CIMultiDict([("Content-Type", "application/json")]))
     return LeanRequest(None, path, headers, raw, "127.0.0.1")  # type: ignore[arg-type]  # never answered
+
+
+def upstream_body(gateway: Gateway, p: Prepared, engine: EngineState) -> bytes:
+    """The bytes the engine is sent (gateway.engine_body, serialized as the gateway does)."""
+    body = engine_body(p, engine, default_block_size=gateway.settings.block_size)
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 async def per_call_us(step: Callable[[], Awaitable[Any]], n: int) -> float:
@@ -101,7 +110,7 @@ async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
         "residency lookup": lambda: run(lambda: gateway.state.lookup(p.hashes)),
         "candidates": lambda: run(lambda: gateway._candidates(engines, cached, p.home_region)),
         "policy": lambda: run(lambda: gateway.policy.pick(route, candidates)),
-        "engine body": lambda: run(lambda: gateway._upstream_body(p, engines[0], None, None)),
+        "engine body": lambda: run(lambda: upstream_body(gateway, p, engines[0])),
     }
     return {name: await per_call_us(step, n) for name, step in steps.items()}
 
@@ -121,7 +130,7 @@ async def trace_pieces(gateway: Gateway, trace: list[TraceRequest]) -> dict[str,
         t1 = time.perf_counter()
         p = await prep.completion(request, body)  # tokenizes again: from the tokenizer's cache
         t2 = time.perf_counter()
-        gateway._upstream_body(p, engine, None, None)
+        upstream_body(gateway, p, engine)
         t3 = time.perf_counter()
         totals["tokenize"] += t1 - t0
         totals["rest of preparing"] += t2 - t1
