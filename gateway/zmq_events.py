@@ -84,6 +84,7 @@ class _RankState:
     warned_rank: bool = False
     ready: bool = False
     suspect: bool = False  # the connection dropped since the last check of our history against the engine's
+    replay_silent: bool = False  # its replay socket stopped answering (said once, as a warning)
 
     def remember(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
@@ -289,7 +290,21 @@ class ZmqKvEventConsumer:
             await self._catch_up(state)
             state.suspect = False
         except _ReplayUnavailable as exc:
-            log.debug("engine %s rank %d: no replay (%s)", self.engine.id, state.rank, exc)
+            # Said once per silence: a wrong endpoint or a firewalled port would otherwise leave the engine
+            # routed on what the gateway can guess, with nothing in the log to say why.
+            if not state.replay_silent:
+                log.warning(
+                    "engine %s rank %d: its KV event replay socket does not answer (%s); its residency is "
+                    "what its live events say from now on (check kv_events_replay_endpoint)",
+                    self.engine.id, state.rank, exc,
+                )  # fmt: skip
+            state.replay_silent = True
+            return
+        if state.replay_silent:
+            log.info(
+                "engine %s rank %d: its KV event replay socket answers again", self.engine.id, state.rank
+            )
+            state.replay_silent = False
 
     def _rank_ready(self, state: _RankState) -> None:
         state.ready = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -593,3 +594,23 @@ async def test_recorded_vllm_0_32_replay_answer(ports: int, state: SharedState) 
             await server
         router.close(linger=0)
         context.term()
+
+
+async def test_a_replay_socket_that_never_answers_is_a_warning_once_not_a_silent_guess(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = prompt(2, 0)
+    # The replay endpoint names a port nothing listens on (a typo, a firewalled port).
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub, caplog.at_level(logging.INFO, "kvgate.zmq_events"):
+        engine = FakeVllm(pub)
+        silent = f"tcp://127.0.0.1:{ports + 3}"
+        async with following(
+            engine_state(f"tcp://127.0.0.1:{ports}", silent), state, probe_interval_s=0.2
+        ) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))  # live events still count
+            await asyncio.sleep(0.8)  # several idle probes, each unanswered
+        warnings = [r for r in caplog.records if "replay socket does not answer" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert "kv_events_replay_endpoint" in warnings[0].getMessage()
