@@ -113,11 +113,31 @@ class HealthPoller:
         except _PROBE_ERRORS as exc:
             return self._failed(engine, _describe(exc))
         was_healthy = engine.healthy
-        if engine.apply_health(payload if isinstance(payload, dict) else {}):
+        health = payload if isinstance(payload, dict) else {}
+        if engine.apply_health(health):
             self.fleet.refresh_models()
+        if engine.model is None and "model" not in health:
+            # An empty or foreign /health: this is no kvgate engine (a deployment file of URLs alone, in front
+            # of vLLM, say). Learn its model from /v1/models so that requests reach it, and say what to set.
+            return await self._not_kvgate(engine)
         if not was_healthy:
             log.info("engine %s is healthy", engine.id)
         return True
+
+    async def _not_kvgate(self, engine: EngineState) -> bool:
+        self._say(
+            engine,
+            "kind",
+            logging.WARNING,
+            'answers /health without kvgate\'s fields: not a kvgate engine? Set its kind ("vllm", '
+            '"sglang" or "openai") so that the gateway reads its events, metrics and block size; until '
+            "then its model comes from /v1/models and its residency from this gateway's own routing records",
+        )
+        try:
+            served = parse_models(await self._get_json(engine, "/v1/models"))
+        except _PROBE_ERRORS as exc:
+            return self._failed(engine, f"no model in /health, and /v1/models: {_describe(exc)}")
+        return self._take_models(engine, served)
 
     async def _probe_openai(self, engine: EngineState) -> bool:
         # An OpenAI server promises no /health; its model list answering is the sign of life, read every poll.

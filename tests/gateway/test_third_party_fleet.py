@@ -6,7 +6,10 @@ The engines are tests/third_party_engines.py's stand-ins of vLLM 0.32 (its /heal
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import pytest
 
 from tests.conftest import ThirdPartyFleet
 
@@ -61,3 +64,22 @@ async def test_a_configured_model_the_engine_does_not_serve_is_an_unhealthy_engi
     async with cluster.session.get(cluster.url + "/health") as r:  # type: ignore[union-attr]
         health = await r.json()
     assert r.status == 503 and health["engines"][0]["last_error"] == engine.last_error
+
+
+async def test_urls_alone_in_front_of_vllm_serve_requests_and_say_what_to_set(
+    third_party: ThirdPartyFleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first try: a deployment file of URLs only (kind left at its default), in front of vLLM.
+    # /health said ok and 2/2 healthy while /v1/models was empty and every request got 404.
+    with caplog.at_level(logging.WARNING, "kvgate.health"):
+        cluster, _ = await third_party(
+            {"eu-west/v0": {}, "eu-west/v1": {}},
+            engine_options={e: {**URL_ONLY, "kind": "kvgate"} for e in ("eu-west/v0", "eu-west/v1")},
+        )
+    assert cluster.gateway.fleet.models() == ["tiny"]
+    status, answer, _ = await cluster.post(
+        "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    )
+    assert status == 200, answer
+    said = [r.getMessage() for r in caplog.records if "not a kvgate engine" in r.getMessage()]
+    assert len(said) == 2 and all('Set its kind ("vllm"' in m for m in said)
