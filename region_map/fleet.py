@@ -169,13 +169,11 @@ class EngineState:
         return ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
 
     def cacheable_blocks(self, prompt_tokens: int, block_size: int) -> int:
-        """The most leading blocks of a prompt it can serve from cache. vLLM and SGLang always compute the
-        prompt's last token (its logits start the decode), so a prompt of whole blocks hits one block less;
-        a kvgate engine reports its whole cached prefix. ``block_size`` may be a routing block, a whole
-        number of the engine's own blocks: ``prompt - 1`` rounded down to the engine's blocks, then to
-        routing blocks, is ``prompt - 1`` rounded down to routing blocks, so the same count holds."""
-        if self.kind is EngineKind.KVGATE:
-            return prompt_tokens // block_size
+        """The most leading blocks of a prompt it can serve from cache. Every engine (kvgate's, vLLM,
+        SGLang) computes the prompt's last token (its logits start the decode), so a prompt of whole blocks
+        hits one block less. ``block_size`` may be a routing block, a whole number of the engine's own
+        blocks: ``prompt - 1`` rounded down to the engine's blocks, then to routing blocks, is ``prompt - 1``
+        rounded down to routing blocks, so the same count holds."""
         return max(0, prompt_tokens - 1) // block_size
 
     def queue_estimate(self) -> tuple[int, int]:

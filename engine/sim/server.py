@@ -329,6 +329,9 @@ class SimEngine:
             n_cached = self.cache.match(hashes)
             if req.kv_pull is not None:
                 n_cached = max(n_cached, await self.kv_peer.pull(req, n_cached, hashes))
+            # The prompt's last token is always computed (its logits start the decode), as kvgate's own
+            # engine, vLLM and SGLang do: a prompt of whole blocks finds one block less in the cache.
+            n_cached = min(n_cached, (req.prompt_tokens - 1) // bs)
             cached_tokens = n_cached * bs
             if not self._zero_cost:
                 # With every cost at zero nothing below awaits before _store_answer() stores the prompt

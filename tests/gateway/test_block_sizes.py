@@ -18,9 +18,9 @@ from tests.conftest import ThirdPartyFleet
 from tests.harness import FAST_SIM, MODEL, ClusterFactory
 
 
-@pytest.mark.parametrize("gateway_block_size", [16, 64])
+@pytest.mark.parametrize(("gateway_block_size", "length"), [(16, 500), (64, 500), (16, 512)])
 async def test_engines_of_two_block_sizes_are_both_routed_by_prefix(
-    make_cluster: ClusterFactory, gateway_block_size: int
+    make_cluster: ClusterFactory, gateway_block_size: int, length: int
 ) -> None:
     wide = build_sim_app(SimEngineConfig(engine_id="eu-west/b32", model=MODEL, block_size=32, **FAST_SIM))
     cluster = await make_cluster(
@@ -31,8 +31,9 @@ async def test_engines_of_two_block_sizes_are_both_routed_by_prefix(
     )
     served: dict[str, int] = {}
     for i in range(12):
-        # 500 tokens: 31 blocks of 16 (496 tokens), 15 blocks of 32 (480 tokens).
-        prompt = f"conversation {i:03d} " + "x" * (500 - 17)
+        # 500 tokens: 31 blocks of 16 (496 tokens), 15 blocks of 32 (480 tokens). 512 tokens are whole
+        # blocks of both, and the last one is never cached: its last token is always computed.
+        prompt = f"conversation {i:03d} " + "x" * (length - 17)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
         status, _, first = await cluster.post("/v1/completions", body)
         assert status == 200
@@ -45,7 +46,7 @@ async def test_engines_of_two_block_sizes_are_both_routed_by_prefix(
         assert status == 200
         assert again["x-kvgate-engine"] == engine and again["x-kvgate-route"] == "prefix"
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == 500 // block * block
+        assert cached == (length - 1) // block * block
         assert int(again["x-kvgate-predicted-cached-tokens"]) == cached
         served[engine] = served.get(engine, 0) + 1
     assert set(served) == {"eu-west/e0", "eu-west/b32"}  # new prompts spread over both
