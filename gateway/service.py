@@ -501,6 +501,7 @@ class Gateway:
             # paying per block for a long prompt twice (here and again in the events).
             new = hashes[known_blocks : known_blocks + PENDING_MAX_BLOCKS]
             self.state.record_route(engine.id, new, s.pending_ttl_s, share=False)
+            engine.awaited_blocks += len(new)
         else:
             self.state.record_route(engine.id, hashes, s.approx_ttl_s, share=True)
         self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)

@@ -49,6 +49,7 @@ log = logging.getLogger("kvgate.zmq_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _EPOCH_MARKER = b"\x00sgl-kv-epoch="  # SGLang with snapshots: topic + marker + publisher lifetime id
+UNHEARD_BLOCKS = 8  # blocks sent to an engine, none announced: enough to say its events are not reaching us
 _DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live copies of replayed ones)
 _MIN_BLOCK_SIZE: int = GatewaySettings.model_fields["min_block_size"].default
 
@@ -146,6 +147,7 @@ class ZmqKvEventConsumer:
         self.ready = asyncio.Event()  # set once every rank's history was read (or found unavailable)
         # Counters
         self.batches = 0  # engine batches applied
+        self._said_unheard = False
         self.resyncs = 0  # times the engine's index entries were replaced wholesale
         self.replays = 0  # replay requests sent
         self.gaps = 0  # seq gaps seen on the live stream
@@ -278,6 +280,7 @@ class ZmqKvEventConsumer:
                     await self._on_live(state, frames)
                 elif not ready:
                     await self._probe(state)
+                    self._check_heard()
         finally:
             if monitor is not None:
                 sub.disable_monitor()
@@ -305,6 +308,19 @@ class ZmqKvEventConsumer:
                 "engine %s rank %d: its KV event replay socket answers again", self.engine.id, state.rank
             )
             state.replay_silent = False
+
+    def _check_heard(self) -> None:
+        """Say once when the engine was sent new blocks and not one batch has come: the endpoint (or the
+        engine's --kv-events-config) is wrong, and routing there rests on short-lived notes alone."""
+        if self.batches or self._said_unheard or self.engine.awaited_blocks < UNHEARD_BLOCKS:
+            return
+        self._said_unheard = True
+        log.warning(
+            "engine %s: sent %d new blocks, and no KV event has arrived from %s: check kv_events_endpoint "
+            "and the engine's --kv-events-config; until events arrive, its residency is this gateway's "
+            "short-lived notes of where it sent prompts",
+            self.engine.id, self.engine.awaited_blocks, self.engine.config.kv_events_endpoint,
+        )  # fmt: skip
 
     def _rank_ready(self, state: _RankState) -> None:
         state.ready = True

@@ -64,6 +64,9 @@ class EngineState:
     # Whether its tokenizer and chat template give the gateway's ids (one /tokenize probe at start; None:
     # not checked, so a text prompt is sent as text).
     tokenizer_agrees: bool | None = None
+    # Blocks this gateway sent it that its KV events have yet to announce, in all: a follower that has heard
+    # nothing while this grows is listening in the wrong place.
+    awaited_blocks: int = 0
     load: EngineLoad = field(default_factory=EngineLoad)
     load_reported: bool = False  # whether ``load`` is the engine's word (else only this gateway's counts)
     # Discovered on vLLM, SGLang and OpenAI engines (region_map.discovery): every id its /v1/models lists,

@@ -94,6 +94,9 @@ async def test_predictions_equal_the_engines_cached_tokens_through_evictions(
     assert hits >= 15
     # 8 prompts of ~10 blocks each do not fit in 2 x 24 blocks: the engines evicted, and said so.
     assert sum(e.pool.used for e in engines.values()) <= 48 < 8 * 10
+    # What a follower compares with the batches it heard, to say when its endpoint is wrong.
+    assert all(e.awaited_blocks > 0 for e in cluster.gateway.fleet)
+    assert all(f.batches > 0 for f in followers(cluster))
 
 
 async def test_a_reset_and_a_restart_leave_no_stale_residency(

@@ -614,3 +614,22 @@ async def test_a_replay_socket_that_never_answers_is_a_warning_once_not_a_silent
         warnings = [r for r in caplog.records if "replay socket does not answer" in r.getMessage()]
         assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
         assert "kv_events_replay_endpoint" in warnings[0].getMessage()
+
+
+async def test_an_endpoint_that_never_speaks_while_blocks_are_sent_is_a_warning_once(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nothing publishes on the configured endpoint (a wrong port, or an engine started without events).
+    engine = engine_state(f"tcp://127.0.0.1:{ports}", None)
+    with caplog.at_level(logging.INFO, "kvgate.zmq_events"):
+        async with following(engine, state, probe_interval_s=0.1) as c:
+            await asyncio.sleep(0.4)
+            assert not [
+                r for r in caplog.records if "no KV event has arrived" in r.getMessage()
+            ]  # nothing sent
+            engine.awaited_blocks = 40  # what the gateway's dispatches note for an event engine
+            await until(lambda: any("no KV event has arrived" in r.getMessage() for r in caplog.records))
+            await asyncio.sleep(0.4)
+            assert c.batches == 0
+    said = [r for r in caplog.records if "no KV event has arrived" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and f":{ports}" in said[0].getMessage()
