@@ -155,15 +155,18 @@ class Gateway:
     def _cached_tokens(self, p: Prepared, engines: list[EngineState]) -> dict[str, int]:
         """Leading prompt tokens each engine holds, by the residency view: whole blocks of the size it is
         routed in (its own, or for vLLM/SGLang at least ``min_block_size``), and never the prompt's last
-        token on an engine that always computes it (vLLM, SGLang)."""
+        token, which every engine computes (its logits start the decode): a prompt of whole blocks finds
+        one block less. (``prompt - 1`` rounded down to an engine's blocks, then to routing blocks of
+        several of them, is ``prompt - 1`` rounded down to routing blocks.)"""
         default, minimum = self.settings.block_size, self.settings.min_block_size
         found = {key: self.state.lookup(chain) for key, chain in p.chains.items()}
+        last = len(p.token_ids) - 1
         out: dict[str, int] = {}
         for e in engines:
             key = e.chain_key(default, minimum)
             blocks = found[key].get(e.id, 0) if key in found else 0
             if blocks:
-                out[e.id] = min(blocks, e.cacheable_blocks(len(p.token_ids), key.block_size)) * key.block_size
+                out[e.id] = min(blocks, max(0, last) // key.block_size) * key.block_size
         return out
 
     def _candidates(self, engines: list[EngineState], cached: dict[str, int], home: str) -> list[Candidate]:

@@ -147,7 +147,6 @@ class ZmqKvEventConsumer:
         self.ready = asyncio.Event()  # set once every rank's history was read (or found unavailable)
         # Counters
         self.batches = 0  # engine batches applied
-        self._said_unheard = False
         self.resyncs = 0  # times the engine's index entries were replaced wholesale
         self.replays = 0  # replay requests sent
         self.gaps = 0  # seq gaps seen on the live stream
@@ -156,6 +155,7 @@ class ZmqKvEventConsumer:
         self.disconnects = 0  # publisher connections that dropped
         self.errors = 0  # unexpected failures (bugs), logged with their traceback
         self._retired_unknown = 0
+        self._said_unheard = False  # the warning of _check_heard was given
 
     # -- metrics -----------------------------------------------------------------------------------------
 

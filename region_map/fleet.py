@@ -61,8 +61,8 @@ class EngineState:
     reported_kv_pull: bool = False
     reported_token_ids_hex: bool = False
     simulated: bool = False
-    # Whether its tokenizer and chat template give the gateway's ids (one /tokenize probe at start; None:
-    # not checked, so a text prompt is sent as text).
+    # Whether its tokenizer and chat template give the gateway's ids (a /tokenize probe once per healthy
+    # spell, gateway.engine_probe; None: not checked, so a text prompt is sent as text).
     tokenizer_agrees: bool | None = None
     # Blocks this gateway sent it that its KV events have yet to announce, in all: a follower that has heard
     # nothing while this grows is listening in the wrong place.
@@ -170,14 +170,6 @@ class EngineState:
         kvgate = self.kind is EngineKind.KVGATE
         block_size = self.block_size or default_block_size
         return ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
-
-    def cacheable_blocks(self, prompt_tokens: int, block_size: int) -> int:
-        """The most leading blocks of a prompt it can serve from cache. Every engine (kvgate's, vLLM,
-        SGLang) computes the prompt's last token (its logits start the decode), so a prompt of whole blocks
-        hits one block less. ``block_size`` may be a routing block, a whole number of the engine's own
-        blocks: ``prompt - 1`` rounded down to the engine's blocks, then to routing blocks, is ``prompt - 1``
-        rounded down to routing blocks, so the same count holds."""
-        return max(0, prompt_tokens - 1) // block_size
 
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""
