@@ -315,8 +315,12 @@ class Gateway:
         body = engine_body(p, prefill, default_block_size=self.settings.block_size)
         try:
             if prefill.kind is EngineKind.VLLM:
+                # Its half is one whole token: a silent prefill engine gets one token's allowance, not the
+                # whole answer's (which can be minutes), before the request fails over.
+                r = self.resilience
+                one_token = r.first_byte_timeout_s + r.s_per_output_token
                 pool = self.clients.pool(prefill.url)
-                params = await vllm_prefill(pool, p.path, body, p.request_id, timeout)
+                params = await vllm_prefill(pool, p.path, body, p.request_id, one_token)
                 return {"kv_transfer_params": params}, None
             bootstrap = sglang_bootstrap(prefill.url, prefill.config.bootstrap_port)
             body.update(bootstrap)

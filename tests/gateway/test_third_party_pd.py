@@ -6,6 +6,7 @@ source does (the real vLLM P/D pair cannot run on these machines: see the issue'
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -112,3 +113,22 @@ async def test_an_sglang_decode_engine_is_never_sent_a_request_without_a_prefill
     )  # short: a kvgate engine prefills it
     assert status == 200, answer
     assert "bootstrap_room" in chats(engines["eu-west/d"])[-1].body
+
+
+async def test_a_silent_vllm_prefill_is_given_up_after_one_tokens_allowance_not_the_whole_answers(
+    third_party: Fleet,
+) -> None:
+    # The prefill half asks for one token: a prefill engine that never answers is given up after the
+    # first-byte timeout and one token's allowance, not after the client's whole output budget
+    # (here 30 x 10 s), and the decode engine prefills locally instead.
+    cluster, engines = await third_party(
+        {"eu-west/p": {"role": "prefill"}, "eu-west/d": {"role": "decode"}},
+        resilience={"first_byte_timeout_s": 0.5, "s_per_output_token": 10.0},
+    )
+    engines["eu-west/p"].hang_next(1)
+    body = chat("hi", max_tokens=30)
+    async with asyncio.timeout(20):  # the whole budget would be 300.5 s
+        status, answer, headers = await cluster.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    assert headers["x-kvgate-prefill"] == "local" and headers["x-kvgate-engine"] == "eu-west/d"
+    assert len(chats(engines["eu-west/p"])) == 1  # it was asked, and never answered
