@@ -128,6 +128,10 @@ class EngineConfig(_Strict):
             )
         if self.kind is EngineKind.OPENAI and self.kv_events:
             raise ValueError("an engine of kind openai publishes no KV events the gateway can read")
+        endpoints = (self.kv_events_endpoint, self.kv_events_replay_endpoint)
+        if self.data_parallel_size > 1 and any(e is not None and e.startswith("ipc://") for e in endpoints):
+            # Rank r publishes on the endpoint's port + r: an ipc:// path has no port (vLLM refuses it too).
+            raise ValueError("data_parallel_size > 1 needs tcp:// KV event endpoints (rank r uses port + r)")
         return self
 
     @field_validator("url", mode="before")

@@ -110,6 +110,12 @@ def _base() -> dict:
             "a/v1 and a/v2 have the same kv_events_endpoint",
         ),
         (
+            lambda d: d["regions"][0]["engines"][0].update(
+                kind="vllm", kv_events_endpoint="ipc:///run/vllm-events", data_parallel_size=2
+            ),
+            "data_parallel_size > 1 needs tcp://",
+        ),
+        (
             lambda d: d["regions"][0]["engines"][0].update(kind="vllm", data_parallel_size=0),
             "regions.0.engines.0.data_parallel_size",
         ),
