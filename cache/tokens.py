@@ -27,8 +27,15 @@ class Tokenizer(Protocol):
     vocab_size: int
     chat_template: ChatTemplate | None  # the model's own (tokenizer_config.json); None: ChatML
 
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids (uint32) of ``text``, with no special tokens added."""
+    def encode(self, text: str, namespace: str = "") -> np.ndarray:
+        """Token ids (uint32) of ``text``, with no special tokens added. ``namespace`` (the gateway passes
+        the tenant's cache salt) scopes whatever the tokenizer caches: text cached for one namespace is not
+        found for another, so how long an encode takes says nothing about what other tenants sent."""
+        ...
+
+    def encode_public(self, text: str) -> np.ndarray:
+        """``encode``, for text the operator declared public (``gateway.shared_prefixes``): what it caches
+        is found from every namespace, and stays for the tokenizer's life (see ``HFTokenizer._public``)."""
         ...
 
     def decode(self, token_ids: Iterable[int]) -> str: ...
@@ -42,8 +49,12 @@ class ByteTokenizer:
     vocab_size = 257
     chat_template: ChatTemplate | None = None
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, namespace: str = "") -> np.ndarray:
+        # Nothing is cached, so there is nothing to keep apart: the namespace does not matter.
         return np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.uint32)
+
+    def encode_public(self, text: str) -> np.ndarray:
+        return self.encode(text)
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -73,8 +84,17 @@ class HFTokenizer:
         self._chunker = (
             chunker_for(config) if self._segments is not None or not config.get("added_tokens") else None
         )
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        # Pieces and chunks by (namespace, text), least recently used first, all namespaces within one
+        # budget. The namespace is part of the key because a hit is faster than a miss: a shared cache would
+        # tell a tenant whether another tenant had sent the same text (README, "Cache isolation").
+        self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._cached_chars = 0
+        # Pieces and chunks of operator-declared public text (encode_public), found from every namespace.
+        # Written only by encode_public (at start-up) and never evicted, so whether a lookup hits here
+        # depends on the text looked up and the configuration, never on what any tenant sent. (Kept in the
+        # LRU instead, an evicted entry would come back when the next tenant sent it: a hit for a later one
+        # would tell that someone had.) Its size is the operator's prefixes', outside the budget.
+        self._public: dict[str, np.ndarray] = {}
         self._lock = (
             threading.Lock()
         )  # encode may run on several threads at once (the gateway's long prompts)
@@ -86,11 +106,20 @@ class HFTokenizer:
                 return int(token_id)
         return self.vocab_size - 1
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, namespace: str = "") -> np.ndarray:
+        return self._encode(text, namespace)
+
+    def encode_public(self, text: str) -> np.ndarray:
+        return self._encode(text, None)
+
+    def _encode(self, text: str, namespace: str | None) -> np.ndarray:
+        """``text``'s ids, its pieces cached in ``namespace``; None: in the public table."""
         if len(text) < _MIN_CACHED_CHARS:
             return self._encode_uncached(text)
         if self._segments is None:  # no special tokens to split at (then the chunker may still cut)
-            return self._encode_piece(text) if self._chunker is not None else self._encode_uncached(text)
+            if self._chunker is None:
+                return self._encode_uncached(text)
+            return self._encode_piece(text, namespace)
         # The tokenizer splits its input at special tokens before anything else, so the pieces between them
         # encode independently: a system prompt or an earlier turn that every request of a conversation
         # resends is encoded once and then taken from the cache.
@@ -100,23 +129,20 @@ class HFTokenizer:
             if i % 2:
                 parts.append(special_ids[piece])
             elif piece:
-                parts.append(self._encode_piece(piece))
+                parts.append(self._encode_piece(piece, namespace))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
-    def _encode_piece(self, piece: str) -> np.ndarray:
+    def _encode_piece(self, piece: str, namespace: str | None) -> np.ndarray:
         if self._chunker is not None and len(piece) >= 2 * CHUNK_CHARS:
-            return self._encode_chunks(self._chunker(piece))
-        return self._encode_cached(piece)
+            return self._encode_chunks(self._chunker(piece), namespace)
+        return self._encode_cached(piece, namespace)
 
-    def _encode_chunks(self, chunks: list[str]) -> np.ndarray:
+    def _encode_chunks(self, chunks: list[str], namespace: str | None) -> np.ndarray:
         """A long text's chunks, from the cache where they are; the others in one ``encode_batch`` call,
         which encodes them on all cores and without the GIL (0.51-0.61x the time of one call each for new
         48k-character texts on two cores: tests/bench/bench_tokenizer.py)."""
         with self._lock:
-            found = [self._cache.get(chunk) for chunk in chunks]
-            for chunk, ids in zip(chunks, found, strict=True):
-                if ids is not None:
-                    self._cache.move_to_end(chunk)
+            found = [self._lookup(chunk, namespace) for chunk in chunks]
         missing = list(dict.fromkeys(c for c, ids in zip(chunks, found, strict=True) if ids is None))
         new: dict[str, np.ndarray] = {}
         if missing:
@@ -124,28 +150,45 @@ class HFTokenizer:
             new = {chunk: uint32_array(e.ids) for chunk, e in zip(missing, encoded, strict=True)}
             with self._lock:
                 for chunk, ids in new.items():
-                    self._remember(chunk, ids)
+                    self._store(chunk, namespace, ids)
         return np.concatenate([new[c] if ids is None else ids for c, ids in zip(chunks, found, strict=True)])
 
-    def _encode_cached(self, piece: str) -> np.ndarray:
+    def _encode_cached(self, piece: str, namespace: str | None) -> np.ndarray:
         with self._lock:
-            hit = self._cache.get(piece)
-            if hit is not None:
-                self._cache.move_to_end(piece)
-                return hit
+            hit = self._lookup(piece, namespace)
+        if hit is not None:
+            return hit
         ids = self._encode_uncached(piece)
         with self._lock:
-            self._remember(piece, ids)
+            self._store(piece, namespace, ids)
         return ids
 
-    def _remember(self, piece: str, ids: np.ndarray) -> None:
-        """Cache ``piece``'s ids, evicting the least recently used beyond the budget (hold the lock)."""
-        if piece not in self._cache:
-            self._cache[piece] = ids
-            self._cached_chars += len(piece) + _ENTRY_CHARS
+    def _lookup(self, piece: str, namespace: str | None) -> np.ndarray | None:
+        """``piece``'s cached ids: public ones for any namespace, else ``namespace``'s own (hold the lock)."""
+        hit = self._public.get(piece)
+        if hit is not None or namespace is None:
+            return hit
+        key = (namespace, piece)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+        return hit
+
+    def _store(self, piece: str, namespace: str | None, ids: np.ndarray) -> None:
+        """Cache ``piece``'s ids in ``namespace``; None: in the public table (hold the lock)."""
+        if namespace is None:
+            self._public[piece] = ids
+        else:
+            self._remember((namespace, piece), ids)
+
+    def _remember(self, key: tuple[str, str], ids: np.ndarray) -> None:
+        """Cache ``key``'s ids, evicting the least recently used beyond the budget (hold the lock)."""
+        if key not in self._cache:
+            self._cache[key] = ids
+            self._cached_chars += _entry_chars(key)
         while self._cached_chars > _CACHE_CHARS:
             old, _ = self._cache.popitem(last=False)
-            self._cached_chars -= len(old) + _ENTRY_CHARS
+            self._cached_chars -= _entry_chars(old)
 
     def _encode_uncached(self, text: str) -> np.ndarray:
         # ``encode`` holds the GIL for the whole encoding; the batch call releases it, so a long prompt
@@ -161,6 +204,13 @@ class HFTokenizer:
 _MIN_CACHED_CHARS = 256
 _CACHE_CHARS = 16 << 20
 _ENTRY_CHARS = 128  # an entry's own memory, counted in characters, so short pieces cannot swell the cache
+
+
+def _entry_chars(key: tuple[str, str]) -> int:
+    """What a cache entry is charged: its text, its namespace (a client's cache_salt makes each request's
+    namespace a string of its own) and its overhead."""
+    namespace, piece = key
+    return len(piece) + len(namespace) + _ENTRY_CHARS
 
 
 _UINT32_CODE = "I" if array.array("I").itemsize == 4 else "L"  # C unsigned int: 4 bytes on every ABI we know

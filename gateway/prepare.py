@@ -19,6 +19,7 @@ from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
 from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.home import HomeRegions
+from gateway.routing.base import route_key
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from gateway.tenants import Tenant
 from region_map.fleet import ChainKey, Fleet
@@ -73,6 +74,16 @@ class Prepared:
         return self.chains[min(self.chains)] if self.chains else []
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def route_key(self) -> int:
+        """Stable per conversation (see ``gateway.routing.base.route_key``)."""
+        hashes = self.hashes
+        return route_key(self.tenant, self.session_id, hashes, b"" if hashes else self.token_ids.tobytes())
+
+    @property
     def output_budget(self) -> int:
         """Completion tokens the engine may generate for this request, all choices together."""
         return self.max_tokens * self.choices
@@ -83,14 +94,16 @@ class RequestPreparer:
         self.settings = settings
         self.fleet = fleet
         self.tokenizer = tokenizer
-        # Declared shared prefixes as tokens, in both forms a prompt can start with them.
+        # Declared shared prefixes as tokens, in both forms a prompt can start with them. Encoded as public
+        # text: every tenant's request finds their pieces in the tokenizer's cache (the system message is a
+        # piece of its own between special tokens), as it finds their KV, and no request can change that.
         self._shared: list[np.ndarray] = []
         for text in settings.shared_prefixes:
             system = [{"role": "system", "content": text}]
             self._shared.append(
-                tokenizer.encode(render_messages(tokenizer, system, add_generation_prompt=False))
+                tokenizer.encode_public(render_messages(tokenizer, system, add_generation_prompt=False))
             )
-            self._shared.append(tokenizer.encode(text))
+            self._shared.append(tokenizer.encode_public(text))
         regions = [r.name for r in fleet.topology.regions]
         self.home = HomeRegions(settings.home, regions, fleet.region)
         self._seeds: dict[tuple[str, str], int] = {}
@@ -123,7 +136,7 @@ class RequestPreparer:
             parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_chat, body)
         else:
             parsed, text = self._parse_chat(body)
-        tokens = await self.encode(text)
+        tokens = await self.encode(text, _cache_salt(tenant, parsed))
         return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
 
     def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
@@ -164,15 +177,20 @@ class RequestPreparer:
             if len(prompt) != 1:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        tokens = await self.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.uint32)
+        if isinstance(prompt, str):
+            tokens = await self.encode(prompt, _cache_salt(tenant, parsed))
+        else:
+            tokens = np.asarray(prompt, dtype=np.uint32)
         return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)
 
-    async def encode(self, text: str) -> np.ndarray:
+    async def encode(self, text: str, namespace: str = "") -> np.ndarray:
         """Tokenize; a long text on a worker thread (the tokenizer encodes long texts without the GIL), so
-        that one long prompt does not hold up every other request and the tokenizing uses another core."""
+        that one long prompt does not hold up every other request and the tokenizing uses another core.
+        ``namespace`` is the request's cache salt: the tokenizer's cache is split as the KV cache is, so
+        a tenant cannot time its encode to learn whether another tenant sent the same text."""
         if len(text) < THREAD_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
+            return self.tokenizer.encode(text, namespace)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text, namespace)
 
     def _prepare(
         self,
@@ -207,10 +225,7 @@ class RequestPreparer:
                 param="messages" if path == "/v1/chat/completions" else "prompt",
                 code="context_length_exceeded",
             )
-        # The tenant's salt keeps its KV apart from every other tenant's; a client may split further.
-        cache_salt = tenant.cache_salt
-        if parsed.cache_salt:
-            cache_salt = f"{cache_salt}/{parsed.cache_salt}" if cache_salt else parsed.cache_salt
+        cache_salt = _cache_salt(tenant, parsed)
         shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id")),
@@ -305,6 +320,15 @@ class RequestPreparer:
                 code="invalid_header",
             )
         return raw
+
+
+def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest) -> str:
+    """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
+    in the tokenizer's cache. The tenant's salt keeps both apart from every other tenant's; a client may
+    split further."""
+    if not parsed.cache_salt:
+        return tenant.cache_salt
+    return f"{tenant.cache_salt}/{parsed.cache_salt}" if tenant.cache_salt else parsed.cache_salt
 
 
 def _heavy(request: ClientRequest) -> bool:

@@ -174,8 +174,8 @@ def test_the_piece_cache_counts_each_entry_so_short_pieces_stay_bounded(
     for i in range(1000):
         text = render_chat([{"role": "user", "content": f"turn {i:05d} " + "and so on " * 30}])
         assert tiny_hf_tokenizer.encode(text).tolist() == tiny_hf_tokenizer._tok.encode(text).ids
-    assert "assistant\n" in tiny_hf_tokenizer._cache  # the header every request repeats stays
+    assert ("", "assistant\n") in tiny_hf_tokenizer._cache  # the header every request repeats stays
     assert len(tiny_hf_tokenizer._cache) <= 100
     assert tiny_hf_tokenizer._cached_chars == sum(
-        len(piece) + tokens._ENTRY_CHARS for piece in tiny_hf_tokenizer._cache
+        len(namespace) + len(piece) + tokens._ENTRY_CHARS for namespace, piece in tiny_hf_tokenizer._cache
     )
