@@ -328,7 +328,10 @@ def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionReques
     split further."""
     if not parsed.cache_salt:
         return tenant.cache_salt
-    return f"{tenant.cache_salt}/{parsed.cache_salt}" if tenant.cache_salt else parsed.cache_salt
+    # Length-prefixed: a client's salt never spells another tenant's (a tenant configured with the empty
+    # salt sending "tenant:acme" would otherwise be in acme's namespace), nor another split's ("a/b" + "c"
+    # against "a" + "b/c").
+    return f"{len(tenant.cache_salt)}:{tenant.cache_salt}/{parsed.cache_salt}"
 
 
 def _heavy(request: ClientRequest) -> bool:

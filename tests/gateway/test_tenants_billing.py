@@ -19,7 +19,9 @@ from cache.ledger import Prices, day_of
 from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from gateway.billing import usage_counts
-from gateway.tenants import create_key
+from gateway.prepare import _cache_salt
+from gateway.schemas import parse_completion
+from gateway.tenants import Tenant, create_key, tenant_from_config
 from tests.faulty_engines import cut_stream
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
@@ -407,3 +409,17 @@ async def test_kvgate_usage_reads_the_redis_ledger(
     assert entry["data"][0]["cost_picodollars"] == billed
     table = (await asyncio.to_thread(kvgate, "usage", *where)).stdout
     assert "default" in table and "REQUESTS" in table
+
+
+def test_a_client_salt_never_names_another_tenants_namespace() -> None:
+    """A tenant configured with the shared (empty) salt whose client sends another tenant's salt, or two
+    tenant/client splits that read alike joined, must land in namespaces of their own."""
+
+    def salt(tenant_salt: str, client_salt: str) -> str:
+        parsed = parse_completion({"model": "m", "prompt": "p", "cache_salt": client_salt})
+        return _cache_salt(Tenant("t", tenant_salt), parsed)
+
+    acme = tenant_from_config("acme", None).cache_salt
+    assert salt("", acme) != acme
+    assert salt("a/b", "c") != salt("a", "b/c")
+    assert salt("tenant:acme", "alice") != salt("tenant:acme", "bob")
