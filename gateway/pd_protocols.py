@@ -26,7 +26,9 @@ import orjson
 
 from gateway.engine_body import prefill_only
 from gateway.relay import error_fields
-from gateway.upstream import Response, UpstreamError, UpstreamPool, split_base_url
+from gateway.upstream import UpstreamPool, split_base_url
+from gateway.upstream_errors import UpstreamError
+from gateway.upstream_response import Response
 
 log = logging.getLogger("kvgate.pd")
 

@@ -21,7 +21,8 @@ from gateway.lean_http import LeanRequest
 from gateway.metrics import GatewayMetrics
 from gateway.prepare import ClientRequest
 from gateway.sse import SseUsageTap
-from gateway.upstream import Response, UpstreamError, UpstreamTimeout
+from gateway.upstream_errors import UpstreamError, UpstreamTimeout
+from gateway.upstream_response import Response
 
 # completed: the whole answer reached the client; aborted: the client left after tokens streamed;
 # failed: the engine broke off a stream that had started.

@@ -7,57 +7,37 @@ caller in batches. A body consumer that falls behind pauses the socket (bounded 
 ``https://`` engines get TLS (verified against the process's one engine context, ``engine_tls_context``);
 the handshake happens once per pooled connection, so plain ``http://`` and reused TLS connections pay
 nothing per request. A refused certificate is an ``UpstreamConnectError``, like a refused connection.
+
+Here: the connections (``UpstreamConnection``), their pool per engine and the pools per base URL. The
+response is ``gateway.upstream_response``'s, the errors ``gateway.upstream_errors``', the TLS context
+``gateway.upstream_tls``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import os
 import ssl
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
 
-from region_map.config import ConfigError
-
-_PAUSE_ABOVE = 1 << 20  # buffered, unconsumed body bytes above which the socket stops reading
-_RESUME_BELOW = 1 << 16
-
-
-class UpstreamError(Exception):
-    """The engine could not be reached or broke the exchange."""
-
-    #: no byte of the response had arrived: the request may be retried on another engine
-    before_response: bool = True
-
-
-class UpstreamConnectError(UpstreamError):
-    pass
+# ``X as X``: gateway/service.py and gateway/app.py still import Response, UpstreamConnectError,
+# UpstreamError and engine_tls_context from here (they were being edited elsewhere when this module was
+# split); once they import them from where they live, these become plain imports.
+from gateway.upstream_errors import UpstreamClosed, UpstreamProtocolError, UpstreamTimeout
+from gateway.upstream_errors import UpstreamConnectError as UpstreamConnectError
+from gateway.upstream_errors import UpstreamError as UpstreamError
+from gateway.upstream_response import Response as Response
+from gateway.upstream_response import expire_waiter
+from gateway.upstream_tls import engine_tls_context as engine_tls_context
+from gateway.upstream_tls import tls_failure_reason
 
 
-class UpstreamTimeout(UpstreamError):
-    pass
-
-
-class UpstreamClosed(UpstreamError):
-    pass
-
-
-class UpstreamProtocolError(UpstreamError):
-    pass
-
-
-class UpstreamEngineDown(UpstreamError):
-    """The engine was declared unhealthy while this exchange waited on it in silence."""
-
-
-class _Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; serves one exchange at a time."""
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -158,141 +138,6 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
 
-class Response:
-    """An engine's response: status and raw headers at once, the body read whole or in batches."""
-
-    __slots__ = (
-        "_buffered",
-        "_chunks",
-        "_connection",
-        "_error",
-        "_headers",
-        "_paused",
-        "_waiter",
-        "complete",
-        "headers",
-        "keep_alive",
-        "last_received",
-        "received_any",
-        "status",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = False
-        self.complete = False
-        self.received_any = False
-        self.last_received = time.monotonic()  # of the last body bytes (or of the request, before any)
-        self._headers: asyncio.Future[None] = loop.create_future()
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._paused = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._error: UpstreamError | None = None
-        self._connection: _Connection | None = None
-
-    def header(self, name: bytes) -> bytes | None:
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-    def _feed(self, data: bytes) -> None:
-        self.received_any = True
-        self.last_received = time.monotonic()
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > _PAUSE_ABOVE and not self._paused and self._connection is not None:
-            self._paused = True
-            self._connection.pause_reading()
-        self._wake()
-
-    def _finish(self) -> None:
-        self.complete = True
-        self._connection = None
-        self._wake()
-
-    def _fail(self, error: UpstreamError) -> None:
-        if self.complete:
-            return
-        error.before_response = not self.received_any and not self._headers.done()
-        self._error = error
-        self._connection = None
-        if not self._headers.done():
-            self._headers.set_exception(error)
-            self._headers.exception()  # mark retrieved: the caller may already have given up waiting
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _take(self) -> bytes:
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        if self._paused and self._connection is not None:
-            self._paused = False
-            self._connection.resume_reading()
-        return data
-
-    async def next_batch(self, idle_timeout: float | None = None) -> bytes | None:
-        """Every body byte received since the last call (waiting for some), or None once the body ended."""
-        while not self._chunks:
-            if self._error is not None:
-                raise self._error
-            if self.complete:
-                return None
-            loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            timer = None
-            if idle_timeout is not None:
-                timer = loop.call_later(idle_timeout, _expire, self._waiter)
-            try:
-                await self._waiter
-            except UpstreamTimeout:
-                self.abort()
-                raise
-            finally:
-                self._waiter = None
-                if timer is not None:
-                    timer.cancel()
-        return self._take()
-
-    async def iter_batches(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        while (data := await self.next_batch(idle_timeout)) is not None:
-            yield data
-
-    async def read(self, idle_timeout: float | None = None) -> bytes:
-        parts = []  # a plain loop: an async generator costs more than a small answer's whole read
-        while (data := await self.next_batch(idle_timeout)) is not None:
-            parts.append(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def engine_down(self, reason: str, quiet_s: float) -> None:
-        """The engine was declared unhealthy: unless bytes arrived in the last ``quiet_s`` seconds (it is
-        still answering this one), drop the exchange and fail whoever waits on it (their request fails over,
-        or their stream ends), instead of waiting out a timeout on an engine known to be down."""
-        if self.complete or time.monotonic() - self.last_received < quiet_s:
-            return
-        self.abort()
-        self._fail(UpstreamEngineDown(f"engine declared unhealthy while this request waited: {reason}"))
-
-    def abort(self) -> None:
-        """Drop the exchange: the connection is closed (the engine sees a disconnect) and not reused."""
-        if not self.complete and self._connection is not None:
-            self._connection.abort()
-            self._connection = None
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(UpstreamTimeout("engine sent nothing within the read timeout"))
-
-
 class UpstreamPool:
     """Keep-alive connections to one engine (host, port), over TLS when given ``ssl_context``."""
 
@@ -309,8 +154,8 @@ class UpstreamPool:
         self.port = port
         self.connect_timeout = connect_timeout
         self._max_idle = max_idle
-        self._idle: deque[_Connection] = deque()
-        self._all: set[_Connection] = set()
+        self._idle: deque[UpstreamConnection] = deque()
+        self._all: set[UpstreamConnection] = set()
         named = f"[{host}]" if ":" in host else host  # an IPv6 literal is bracketed in a Host header
         self._host_header = f"Host: {named}:{port}\r\n".encode()
         # Decided once: a plain pool's connect is exactly what it was before TLS existed.
@@ -322,30 +167,30 @@ class UpstreamPool:
     def open_connections(self) -> int:
         return len(self._all)
 
-    def _release(self, conn: _Connection) -> None:
+    def _release(self, conn: UpstreamConnection) -> None:
         if len(self._idle) < self._max_idle:
             self._idle.append(conn)
         else:
             conn.close()
 
-    def _forget(self, conn: _Connection) -> None:
+    def _forget(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)
         with contextlib.suppress(ValueError):
             self._idle.remove(conn)
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         try:
             # The timeout covers the TLS handshake too: an engine that accepts and then stalls is down.
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self), self.host, self.port, **self._connect_kwargs
+                    lambda: UpstreamConnection(self), self.host, self.port, **self._connect_kwargs
                 )
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out") from None
         except ssl.SSLError as exc:  # before OSError, its base: a refused certificate is no socket error
             raise UpstreamConnectError(
-                f"TLS handshake with {self.host}:{self.port} failed: {_tls_reason(exc)}"
+                f"TLS handshake with {self.host}:{self.port} failed: {tls_failure_reason(exc)}"
             ) from None
         except OSError as exc:
             raise UpstreamConnectError(
@@ -389,7 +234,7 @@ class UpstreamPool:
                 started(response)
             timer = None
             if header_timeout is not None:
-                timer = loop.call_later(header_timeout, _expire, response._headers)
+                timer = loop.call_later(header_timeout, expire_waiter, response._headers)
             try:
                 await response._headers
                 return response
@@ -460,50 +305,3 @@ def split_base_url(base_url: str) -> tuple[str, int, bool]:
         raise ValueError(f"engine URL must be http://host[:port] or https://host[:port], got {base_url!r}")
     tls = parts.scheme == "https"
     return parts.hostname, parts.port or (443 if tls else 80), tls
-
-
-def engine_tls_context(
-    *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
-) -> ssl.SSLContext:
-    """The client context for TLS to engines: certificates and host names always verified, against the CAs
-    in ``ca_file`` (PEM) or else the system's; ``cert_file``/``key_file``: the gateway's own certificate for
-    engines that demand one (mutual TLS). Unusable files are a ``ConfigError`` naming the setting."""
-    if ca_file is None and cert_file is None and key_file is None:
-        return _system_context()
-    files = {
-        "engine_tls_ca_file": ca_file,
-        "engine_tls_cert_file": cert_file,
-        "engine_tls_key_file": key_file,
-    }
-    for setting, path in files.items():
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"gateway.{setting}: no such file: {path}")
-    if key_file is not None and cert_file is None:
-        raise ConfigError("gateway.engine_tls_key_file: needs gateway.engine_tls_cert_file (the certificate)")
-    try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        raise ConfigError(
-            f"gateway.engine_tls_ca_file: no CA certificates (PEM) in {ca_file}: {exc}"
-        ) from None
-    if cert_file is not None:
-        try:
-            context.load_cert_chain(cert_file, key_file)
-        except (OSError, ValueError) as exc:
-            key = f" with the key in {key_file}" if key_file else ""
-            raise ConfigError(
-                f"gateway.engine_tls_cert_file: cannot use {cert_file}{key} as the client certificate: {exc}"
-            ) from None
-    return context
-
-
-@functools.cache
-def _system_context() -> ssl.SSLContext:
-    # Loading the system's CA store costs ~20 ms: once per process, shared by every gateway in it.
-    return ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-
-
-def _tls_reason(exc: ssl.SSLError) -> str:
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"certificate refused: {exc.verify_message}"
-    return exc.reason or str(exc)

@@ -29,7 +29,9 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.server import runner_for
 from gateway.service import Gateway
-from gateway.upstream import UpstreamClients, UpstreamConnectError, engine_tls_context
+from gateway.upstream import UpstreamClients
+from gateway.upstream_errors import UpstreamConnectError
+from gateway.upstream_tls import engine_tls_context
 from region_map.config import ConfigError
 from tests.harness import FAST_SIM, MODEL
 from tests.serving import serve

@@ -1,0 +1,154 @@
+"""An engine's response as ``gateway.upstream``'s connections deliver it: status and headers at once, the body
+read whole or in batches, with backpressure on the socket and read timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from gateway.upstream_errors import UpstreamEngineDown, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from gateway.upstream import UpstreamConnection
+
+_PAUSE_ABOVE = 1 << 20  # buffered, unconsumed body bytes above which the socket stops reading
+_RESUME_BELOW = 1 << 16
+
+
+class Response:
+    """An engine's response: status and raw headers at once, the body read whole or in batches. Its
+    underscore members are the side its connection (``gateway.upstream.UpstreamConnection``) drives."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_connection",
+        "_error",
+        "_headers",
+        "_paused",
+        "_waiter",
+        "complete",
+        "headers",
+        "keep_alive",
+        "last_received",
+        "received_any",
+        "status",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.complete = False
+        self.received_any = False
+        self.last_received = time.monotonic()  # of the last body bytes (or of the request, before any)
+        self._headers: asyncio.Future[None] = loop.create_future()
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: UpstreamError | None = None
+        self._connection: UpstreamConnection | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    def _feed(self, data: bytes) -> None:
+        self.received_any = True
+        self.last_received = time.monotonic()
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _PAUSE_ABOVE and not self._paused and self._connection is not None:
+            self._paused = True
+            self._connection.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._connection = None
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.complete:
+            return
+        error.before_response = not self.received_any and not self._headers.done()
+        self._error = error
+        self._connection = None
+        if not self._headers.done():
+            self._headers.set_exception(error)
+            self._headers.exception()  # mark retrieved: the caller may already have given up waiting
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _take(self) -> bytes:
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self._connection is not None:
+            self._paused = False
+            self._connection.resume_reading()
+        return data
+
+    async def next_batch(self, idle_timeout: float | None = None) -> bytes | None:
+        """Every body byte received since the last call (waiting for some), or None once the body ended."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return None
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            timer = None
+            if idle_timeout is not None:
+                timer = loop.call_later(idle_timeout, expire_waiter, self._waiter)
+            try:
+                await self._waiter
+            except UpstreamTimeout:
+                self.abort()
+                raise
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        return self._take()
+
+    async def iter_batches(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+        while (data := await self.next_batch(idle_timeout)) is not None:
+            yield data
+
+    async def read(self, idle_timeout: float | None = None) -> bytes:
+        parts = []  # a plain loop: an async generator costs more than a small answer's whole read
+        while (data := await self.next_batch(idle_timeout)) is not None:
+            parts.append(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def engine_down(self, reason: str, quiet_s: float) -> None:
+        """The engine was declared unhealthy: unless bytes arrived in the last ``quiet_s`` seconds (it is
+        still answering this one), drop the exchange and fail whoever waits on it (their request fails over,
+        or their stream ends), instead of waiting out a timeout on an engine known to be down."""
+        if self.complete or time.monotonic() - self.last_received < quiet_s:
+            return
+        self.abort()
+        self._fail(UpstreamEngineDown(f"engine declared unhealthy while this request waited: {reason}"))
+
+    def abort(self) -> None:
+        """Drop the exchange: the connection is closed (the engine sees a disconnect) and not reused."""
+        if not self.complete and self._connection is not None:
+            self._connection.abort()
+            self._connection = None
+
+
+def expire_waiter(waiter: asyncio.Future[None]) -> None:
+    """A header or read timeout is up: fail ``waiter`` with ``UpstreamTimeout``, unless it is done."""
+    if not waiter.done():
+        waiter.set_exception(UpstreamTimeout("engine sent nothing within the read timeout"))

@@ -1,0 +1,286 @@
+"""Keeps the residency index true to one vLLM/SGLang engine's KV event streams (one per data-parallel rank):
+applies their batches in seq order, translated by ``cache.foreign_chain``, and replays or resets whenever a
+stream cannot be trusted; ``gateway.zmq_events`` drives it from the engine's sockets.
+
+It never guesses:
+
+- a gap in seq: replay from the last applied batch, whose bytes must match what was applied (otherwise
+  the engine restarted in between and its seq merely passed ours), then apply what follows;
+- seq going back, a replayed batch that differs, an SGLang epoch that changed: the rank restarted;
+  forget what it held and replay its new history from 0;
+- a gap that replay cannot fill (no replay socket, or the engine's buffer has moved on), an unreadable
+  batch: forget what the rank held (the index under-predicts until the engine announces blocks again).
+
+Index seq: the residency index applies a batch only if its seq is newer than the last one for the engine,
+and other engines' seqs restart at 0 and are per rank. So the sequencer numbers index batches itself: each
+resync takes a new base from the wall clock in microseconds (also newer than what a previous gateway
+process wrote, unless the clock went back or it applied a million batches a second), each batch adds 1.
+A resync sets the index seq unconditionally, so one resync re-bases the engine in any case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+
+import xxhash
+import zmq
+import zmq.asyncio
+
+from cache.events import EventDecodeError, KvEventBatch
+from cache.foreign_chain import ForeignChain
+from cache.foreign_events import ForeignBatch, decode_foreign_batch
+from gateway.kv_events import EventSink
+from region_map.fleet import EngineState
+
+log = logging.getLogger("kvgate.zmq_events")  # the follower's log, whichever of its parts speaks
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_EPOCH_MARKER = b"\x00sgl-kv-epoch="  # SGLang with snapshots: topic + marker + publisher lifetime id
+_DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live copies of replayed ones)
+
+
+class ReplayUnavailable(Exception):
+    """The replay socket did not answer (engine down, or no such socket)."""
+
+
+def _epoch(topic: bytes) -> bytes | None:
+    at = topic.find(_EPOCH_MARKER)
+    if at < 0:
+        return None
+    return topic[at + len(_EPOCH_MARKER) :].split(b"\x00", 1)[0]
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(slots=True)
+class RankState:
+    """What is known of one data-parallel rank's stream: the last batch applied, and its sockets' state."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    last_seq: int | None = None  # the engine's seq of the last batch applied; None: no history yet
+    digests: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
+    epoch: bytes | None = None
+    dealer: zmq.asyncio.Socket | None = None
+    warned_rank: bool = False
+    ready: bool = False
+    suspect: bool = False  # the connection dropped since the last check of our history against the engine's
+    replay_silent: bool = False  # its replay socket stopped answering (said once, as a warning)
+
+    def remember(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        self.digests[seq] = _digest(payload)
+        while len(self.digests) > _DIGESTS_KEPT:
+            self.digests.popitem(last=False)
+
+    def forget(self) -> None:
+        self.last_seq = None
+        self.digests.clear()
+
+
+class ZmqEventSequencer:
+    """Applies one engine's KV event batches, rank by rank, into ``sink`` in seq order, recovering through
+    the engine's replay socket (or by forgetting a rank) when a rank's stream cannot be trusted. The
+    counters are for metrics; ``gateway.zmq_events.ZmqKvEventConsumer`` is the follower built on it."""
+
+    def __init__(self, engine: EngineState, sink: EventSink, *, replay_timeout_s: float) -> None:
+        self.engine = engine
+        self._sink = sink
+        self._replay_timeout_s = replay_timeout_s
+        self._lock = asyncio.Lock()  # one index write at a time, across ranks, in index-seq order
+        self._index_seq = 0
+        self._active: zmq.asyncio.Context | None = None  # the context replay sockets open in, while running
+        self.chain: ForeignChain | None = None
+        # Counters
+        self.batches = 0  # engine batches applied
+        self.resyncs = 0  # times the engine's index entries were replaced wholesale
+        self.replays = 0  # replay requests sent
+        self.gaps = 0  # seq gaps seen on the live stream
+        self.restarts = 0  # rank restarts detected (seq back, changed history or epoch)
+        self.decode_errors = 0  # batches that could not be read (treated as lost)
+
+    # -- a rank's live stream ----------------------------------------------------------------------------
+
+    async def _on_live(self, state: RankState, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.debug(
+                "engine %s rank %d: ignoring a message of %d frames", self.engine.id, state.rank, len(frames)
+            )
+            return
+        topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big")
+        epoch = _epoch(topic)
+        if epoch is not None and epoch != state.epoch:
+            known = state.epoch is not None
+            state.epoch = epoch
+            if known:
+                await self._restart(state, seq, payload, "its epoch changed")
+                return
+        last = state.last_seq
+        if last is None or seq == last + 1:
+            await self._apply(state, seq, payload)
+        elif seq <= last:
+            if state.digests.get(seq) == _digest(payload):
+                return  # a live copy of a batch the replay already gave us
+            await self._restart(state, seq, payload, f"seq went back from {last} to {seq}")
+        else:
+            self.gaps += 1
+            log.debug("engine %s rank %d: seq gap %d..%d", self.engine.id, state.rank, last + 1, seq - 1)
+            with suppress(ReplayUnavailable):
+                await self._catch_up(state)
+            why = (
+                "a gap the replay could not fill" if state.replay_endpoint else "a gap, and no replay socket"
+            )
+            await self._continue_with(state, seq, payload, why)
+
+    async def _continue_with(self, state: RankState, seq: int, payload: bytes, why: str) -> None:
+        """Apply a live batch after a recovery, unless the recovery already covered it."""
+        last = state.last_seq
+        if last is not None and seq <= last:
+            return
+        if last is not None and seq != last + 1:
+            await self._lose(state, why)
+        await self._apply(state, seq, payload)
+
+    async def _restart(self, state: RankState, seq: int, payload: bytes, why: str) -> None:
+        self.restarts += 1
+        await self._lose(state, f"engine restarted ({why})")
+        with suppress(ReplayUnavailable):
+            await self._catch_up(state)
+        await self._continue_with(state, seq, payload, "its new history is incomplete")
+
+    async def _lose(self, state: RankState, why: str) -> None:
+        """Forget everything the rank held: the index keeps only what the other ranks hold."""
+        chain = self.chain
+        assert chain is not None
+        async with self._lock:
+            chain.reset_rank(state.rank)
+            state.forget()
+            await self._resync_index(f"rank {state.rank}: {why}")
+
+    # -- replay ------------------------------------------------------------------------------------------
+
+    async def _catch_up(self, state: RankState) -> None:
+        """Apply whatever the engine's replay buffer holds after our last batch, after checking that what
+        it buffers under our last seq is the batch we applied. Raises ``ReplayUnavailable`` when the
+        replay socket does not answer; does nothing without one."""
+        if state.replay_endpoint is None:
+            return
+        verify = state.last_seq is not None
+        start = state.last_seq if state.last_seq is not None else 0
+        checked = diverged = False
+        async with aclosing(self._replay(state, start)) as answers:
+            async for seq, payload in answers:
+                if verify and not checked:
+                    checked = True
+                    diverged = seq != start or state.digests.get(seq) != _digest(payload)
+                elif not diverged:  # once diverged, the answer is only drained: history is read again
+                    await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
+        if verify and (diverged or not checked):
+            # The batch we applied last is not buffered under its seq: the rank restarted, or we fell
+            # further behind than its buffer reaches. What we hold for it is no longer known to be true.
+            self.restarts += 1
+            await self._lose(state, "its history differs from ours")
+            async with aclosing(self._replay(state, 0)) as answers:
+                async for seq, payload in answers:
+                    await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
+
+    async def _replay(self, state: RankState, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
+        """Yield ``(seq, payload)`` for every buffered batch with seq >= start, as the engine answers."""
+        assert state.replay_endpoint is not None
+        dealer = state.dealer
+        if dealer is None:
+            dealer = state.dealer = self._open_dealer(state.replay_endpoint)
+        self.replays += 1
+        complete = False
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            timeout_ms = int(self._replay_timeout_s * 1000)
+            while True:
+                if not await dealer.poll(timeout_ms):
+                    raise ReplayUnavailable(f"no answer from {state.replay_endpoint}")
+                frames = await dealer.recv_multipart()
+                # [b"", seq, payload] (older vLLM, SGLang) or [b"", topic, seq, payload] (vLLM 0.32).
+                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+                    raise ReplayUnavailable(f"malformed replay answer ({len(frames)} frames)")
+                if frames[-2] == END_SEQ:
+                    complete = True
+                    return
+                yield int.from_bytes(frames[-2], "big"), frames[-1]
+        finally:
+            if not complete:
+                # The rest of an unfinished answer would be read as the answer to the next request.
+                self._close_dealer(state)
+
+    def _open_dealer(self, endpoint: str) -> zmq.asyncio.Socket:
+        context = self._active
+        assert context is not None
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        if "[" in endpoint:
+            dealer.setsockopt(zmq.IPV6, 1)
+        dealer.connect(endpoint)
+        return dealer
+
+    def _close_dealer(self, state: RankState) -> None:
+        if state.dealer is not None:
+            state.dealer.close(linger=0)
+            state.dealer = None
+
+    # -- applying ----------------------------------------------------------------------------------------
+
+    async def _apply(self, state: RankState, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_foreign_batch(payload)
+        except EventDecodeError as exc:
+            self.decode_errors += 1
+            log.warning("engine %s rank %d: unreadable batch %d (%s)", self.engine.id, state.rank, seq, exc)
+            await self._lose(state, "an unreadable batch")
+            state.remember(seq, payload)
+            return
+        self._check_rank(state, batch)
+        chain = self.chain
+        assert chain is not None
+        async with self._lock:
+            events = chain.apply(batch.events, state.rank)
+            state.remember(seq, payload)
+            self.batches += 1
+            if not events:
+                return
+            self._index_seq += 1
+            kv_batch = KvEventBatch(self.engine.id, self._index_seq, batch.ts, tuple(events))
+            if not await self._sink.apply_events(self.engine.id, kv_batch):
+                # Someone else wrote a newer seq for this engine: make the index ours again.
+                await self._resync_index("the index refused a batch")
+
+    def _check_rank(self, state: RankState, batch: ForeignBatch) -> None:
+        rank = batch.data_parallel_rank
+        if rank is not None and rank != state.rank and not state.warned_rank:
+            state.warned_rank = True
+            log.warning(
+                "engine %s: batches on %s say rank %d, expected %d (check data_parallel_size and ports)",
+                self.engine.id,
+                state.endpoint,
+                rank,
+                state.rank,
+            )
+
+    async def _resync_index(self, why: str) -> None:
+        """Replace the engine's index entries with what the chain holds, under a new index-seq base.
+        The caller holds ``self._lock``."""
+        chain = self.chain
+        assert chain is not None
+        self._index_seq = max(self._index_seq + 1, time.time_ns() // 1000)
+        held = chain.held()
+        await self._sink.resync(self.engine.id, held, self._index_seq)
+        self.resyncs += 1
+        log.info("engine %s: index resynchronised to %d blocks (%s)", self.engine.id, len(held), why)
