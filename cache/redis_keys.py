@@ -3,6 +3,9 @@
 Every residency key carries the hash tag ``{<prefix>:kv}`` so that the whole index sits in one Redis Cluster
 slot: multi-key writes then run as one atomic Lua script and a lookup is one script call. Session keys carry
 their own tag, so sessions spread over the cluster.
+
+What Redis holds of residency is a bounded, expiring mirror (warm starts, and approximate records shared
+between gateways); routing reads only each gateway's in-process view.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ class RedisKeys:
         return f"{self._kv}:b:"
 
     def block(self, hex_hash: str) -> str:
-        """HASH engine -> expiry in ms since the epoch (0 = exact, from KV events)."""
+        """HASH engine -> expiry in ms since the epoch (0 = exact, from KV events). While it holds no exact
+        entry the key itself expires (PEXPIREAT) with its latest approximate one."""
         return f"{self._kv}:b:{hex_hash}"
 
     def engine_blocks(self, engine: str) -> str:
@@ -34,9 +38,21 @@ class RedisKeys:
         return f"{self._kv}:x:{engine}"
 
     @property
+    def approximate_engines(self) -> str:
+        """SET of the engines whose expiry zset is not empty: while it is empty no block key can expire,
+        and writes skip keeping block keys' expiries (what KV events alone cost stays what it was)."""
+        return f"{self._kv}:approx"
+
+    @property
     def engine_seq(self) -> str:
         """HASH engine -> last applied event seq (-1: none); also the registry of engines."""
         return f"{self._kv}:seq"
+
+    @property
+    def sweep_lock(self) -> str:
+        """STRING, set NX with a TTL: the gateway that set it sweeps the expired approximate entries; the
+        others skip that round (one sweep per interval per Redis, whatever the number of gateways)."""
+        return f"{self._kv}:sweep"
 
     def session(self, tenant: str, session_id: str) -> str:
         digest = xxhash.xxh3_128_hexdigest(f"{tenant}\x00{session_id}".encode())

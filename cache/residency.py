@@ -2,6 +2,11 @@
 
 Exact entries come from engines' KV events and live until removed; approximate entries are a gateway's own
 record of where it sent a prefix (for engines that publish no events) and expire after a TTL.
+
+In production, routing reads only the in-process backend (``MemoryResidencyIndex.lookup``, synchronous);
+the Redis backend is a bounded, expiring mirror that gateways write and read back with ``holdings`` (a warm
+start, a resync after losing the updates channel). Both keep the whole Protocol, ``longest_prefix``
+included, so that one contract suite pins one meaning of every operation for both.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ class ResidencyIndex(Protocol):
 
     async def longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
         """For every engine holding at least ``hashes[0]``, how many leading blocks of ``hashes`` it holds.
-        Engines holding none are absent. Expired approximate entries count as absent. Does not modify."""
+        Engines holding none are absent. Expired approximate entries count as absent. Does not modify.
+        (The contract's read; the gateway routes with the in-process view's synchronous ``lookup``.)"""
         ...
 
     async def holdings(self, engine: str) -> EngineHoldings:
@@ -67,7 +73,8 @@ class ResidencyIndex(Protocol):
         ...
 
     async def sweep(self) -> int:
-        """Delete expired approximate entries; returns how many. Lookups already ignore them."""
+        """Delete expired approximate entries; returns how many. Lookups already ignore them. (In Redis the
+        block keys expire by themselves; this clears the per-engine sets, one gateway at a time.)"""
         ...
 
 

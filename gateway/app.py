@@ -39,7 +39,8 @@ from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.shared_state import SharedState
 from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
-from gateway.upstream import UpstreamClients, engine_tls_context
+from gateway.upstream import UpstreamClients
+from gateway.upstream_tls import engine_tls_context
 from gateway.usage_api import UsageApi
 from gateway.zmq_events import ZmqKvEventConsumer
 from region_map.config import ConfigError, EngineKind
@@ -144,12 +145,13 @@ def build_app(config: KvgateConfig) -> web.Application:
         billing=billing,
     )
     usage = UsageApi(billing)
-    dashboard = DashboardSampler(fleet, lambda: len(state.sessions), interval_s=settings.dashboard_interval_s)
+    sessions = state.sessions.live_count  # (sweeps what expired first: costs what expired since, not a scan)
+    dashboard = DashboardSampler(fleet, sessions, interval_s=settings.dashboard_interval_s)
     metrics.listeners.append(dashboard.observe)
     metrics.watch(
         fleet,
         lambda: {
-            "sessions": ("Session bindings in this gateway's view.", float(len(state.sessions))),
+            "sessions": ("Live session bindings in this gateway's view.", float(sessions())),
             "residency_entries": ("(block, engine) entries in this gateway's view.", float(len(state.index))),
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
             "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),

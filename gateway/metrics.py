@@ -158,6 +158,9 @@ class GatewayMetrics:
             )
         )
 
+    def refused_admission(self, model: str) -> None:
+        self.admission_refused.labels(model).inc()
+
     def routed(self, region: str, engine: str, reason: str, predicted_cached: int, home: str) -> None:
         self.routing.labels(region, engine, reason).inc()
         self.predicted_cached_tokens.labels(region, engine).inc(predicted_cached)

@@ -16,28 +16,25 @@ from typing import Any, cast
 import orjson
 from aiohttp import web
 
-from cache.sessions import SessionBinding
 from cache.tokens import Tokenizer
 from gateway.accounting import RequestAccount
 from gateway.billing import Billing, Caller
 from gateway.config import KvgateConfig
 from gateway.engine_body import engine_body
-from gateway.errors import GatewayError, NoCapacity, Overloaded, UpstreamFailed, UpstreamTimedOut
+from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
 from gateway.metrics import GatewayMetrics
 from gateway.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.prepare import ClientRequest, Prepared, RequestPreparer
 from gateway.relay import error_fields, relay_stream, relay_whole
-from gateway.routing import Candidate, RouteDecision, RouteRequest, RoutingPolicy
-from gateway.routing.base import route_key, with_peers
-from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_only
-from gateway.routing.regional import RemoteShareLimiter
+from gateway.routing import RoutingPolicy
+from gateway.routing.router import Route, Router
 from gateway.shared_state import SharedState
-from gateway.upstream import Response, UpstreamClients, UpstreamConnectError, UpstreamError
+from gateway.upstream import UpstreamClients
+from gateway.upstream_errors import UpstreamConnectError, UpstreamError
+from gateway.upstream_response import Response
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
-
-PENDING_MAX_BLOCKS = 64  # blocks of a new prefix noted as "on its way" until the engine's events confirm
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -74,7 +71,7 @@ class Gateway:
         self.policy = policy
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
-        self.limiter = RemoteShareLimiter(config.gateway.routing.max_remote_share)
+        self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
         self.resilience = r = config.gateway.resilience
         for engine in fleet:
             engine.down_quiet_s = r.unhealthy_silence_s
@@ -85,7 +82,6 @@ class Gateway:
             )
         self.started = int(time.time())
         self.operator_url: str | None = None  # the operator listener's, once it listens (gateway.operator)
-        self._seq = 0
 
     # -- endpoints -------------------------------------------------------------------------------------
 
@@ -150,137 +146,26 @@ class Gateway:
         }
         return _json(body, status=status)
 
-    # -- routing ---------------------------------------------------------------------------------------
-
-    def _cached_tokens(self, p: Prepared, engines: list[EngineState]) -> dict[str, int]:
-        """Leading prompt tokens each engine holds, by the residency view: whole blocks of the size it is
-        routed in (its own, or for vLLM/SGLang at least ``min_block_size``), and never the prompt's last
-        token, which every engine computes (its logits start the decode): a prompt of whole blocks finds
-        one block less. (``prompt - 1`` rounded down to an engine's blocks, then to routing blocks of
-        several of them, is ``prompt - 1`` rounded down to routing blocks.)"""
-        default, minimum = self.settings.block_size, self.settings.min_block_size
-        found = {key: self.state.lookup(chain) for key, chain in p.chains.items()}
-        last = len(p.token_ids) - 1
-        out: dict[str, int] = {}
-        for e in engines:
-            key = e.chain_key(default, minimum)
-            blocks = found[key].get(e.id, 0) if key in found else 0
-            if blocks:
-                out[e.id] = min(blocks, max(0, last) // key.block_size) * key.block_size
-        return out
-
-    def _candidates(self, engines: list[EngineState], cached: dict[str, int], home: str) -> list[Candidate]:
-        out = []
-        for e in engines:
-            total, waiting = e.queue_estimate()
-            out.append(
-                Candidate(
-                    engine=e.id,
-                    region=e.region,
-                    healthy=e.available,
-                    load=total,
-                    waiting=waiting,
-                    cached_tokens=cached.get(e.id, 0),
-                    rtt_s=self.fleet.rtt_s(e.region, home),
-                    queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
-                )
-            )
-        if not self.policy.pulls_kv:
-            return out
-        # Pulls move blocks between engines that name them alike: kvgate engines of the gateway's block size.
-        block_size = self.settings.block_size
-        pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
-        return with_peers(out, pulling) if pulling else out
+    # -- serving -------------------------------------------------------------------------------------
 
     async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> web.StreamResponse:
-        binding = await self.state.lookup_session(p.tenant, p.session_id) if p.session_id else None
-        engines = self.fleet.serving(p.model)
-        if p.tools:
-            engines = [e for e in engines if e.config.tools]
-        cached = self._cached_tokens(p, engines)
-        self._seq += 1
-        route = RouteRequest(
-            prompt_tokens=len(p.token_ids),
-            route_key=route_key(p.tenant, p.session_id, p.hashes, b"" if p.hashes else p.token_ids.tobytes()),
-            seq=self._seq,
-            session_engine=binding.engine if binding else None,
-            home_region=p.home_region,
-        )
-        # With dedicated prefill or decode engines, answers come from decode-capable engines and long uncached
-        # prompts are prefilled elsewhere; with only "both" engines every engine does everything.
-        disaggregated = any(e.role is not Role.BOTH for e in engines)
-        answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
-        prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
-        answering = self._with_room(answering, p.model)
-        excluded: set[str] = set()
-        failed_prefill: set[str] = set()
+        """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
+        await self.router.find_session(p)
+        plan = self.router.plan(p)
         last_error: GatewayError | None = None
-        for attempt in range(self.resilience.max_attempts + len(prefilling)):
-            candidates = self._candidates(
-                [e for e in answering if e.id not in excluded], cached, p.home_region
-            )
-            decision = self.policy.pick(route, self.limiter.eligible(p.home_region, candidates))
-            if decision is None:
-                break
-            if attempt and decision.reason != "failover":
-                decision = RouteDecision(decision.engine, "failover", decision.cached_tokens)
-            engine = self.fleet.engines[decision.engine]
-            prefill: EngineState | None = None
-            if prefilling:
-                chosen = next(c for c in candidates if c.engine == engine.id)
-                if decision.kv_source is not None:  # what it will pull from a peer it need not prefill
-                    chosen = chosen._replace(cached_tokens=decision.pulled_tokens)
-                # K/V moves only between engines of one kind: each kind has its own transfer protocol.
-                able = [e for e in prefilling if e.id not in failed_prefill and e.kind is engine.kind]
-                usable = self._candidates(able, cached, p.home_region)
-                local = not prefills_elsewhere_only(engine)
-                prefill_pick = choose_prefill(
-                    route, chosen, usable, self.settings.routing, local_allowed=local
-                )
-                prefill = self.fleet.engines[prefill_pick.engine] if prefill_pick else None
-                if prefill is None and not local:
-                    excluded.add(engine.id)
-                    last_error = NoCapacity(
-                        f"decode engine {engine.id} needs a prefill engine and none of its kind is available",
-                        headers={"Retry-After": "1"},
-                    )
-                    continue
+        for attempt in range(self.resilience.max_attempts + len(plan.prefilling)):
+            route = self.router.decide(plan)
+            if isinstance(route, GatewayError):  # no engine left: say why the last one failed, if one did
+                raise last_error if last_error is not None else route
             try:
-                return await self._dispatch(request, received, p, engine, decision, cached, prefill)
+                return await self._dispatch(request, received, p, route)
             except _Retryable as exc:
-                last_error = exc.error
-                if exc.prefill_failed and prefill is not None:
-                    failed_prefill.add(prefill.id)  # same decode engine, another prefill engine (or local)
-                else:
-                    excluded.add(engine.id)
+                self.router.failed(plan, route, prefill_only=exc.prefill_failed)
                 log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
+                last_error = exc.error
                 await asyncio.sleep(self._backoff_s(attempt))
-        if last_error is not None:
-            raise last_error
-        raise NoCapacity(
-            f"no healthy engine serves model '{p.model}' right now", headers={"Retry-After": "1"}
-        )
-
-    def _with_room(self, engines: list[EngineState], model: str) -> list[EngineState]:
-        """Admission control: engines at their limits take nothing more. When every available engine is
-        saturated the request is refused at once (503 with Retry-After) rather than queued without bound."""
-        r = self.resilience
-        open_ = [
-            e
-            for e in engines
-            if e.inflight < r.max_inflight_per_engine and e.load.waiting < r.max_waiting_per_engine
-        ]
-        if (
-            len(open_) < len(engines)
-            and not any(e.available for e in open_)
-            and any(e.available for e in engines)
-        ):
-            self.metrics.admission_refused.labels(model).inc()
-            raise Overloaded(
-                "every engine serving this model is at its queue limit; retry shortly",
-                headers={"Retry-After": "1"},
-            )
-        return open_
+        assert last_error is not None  # (max_attempts is at least 1)
+        raise last_error
 
     def _backoff_s(self, attempt: int) -> float:
         """Exponential, with jitter so that requests failed together do not retry together."""
@@ -337,28 +222,14 @@ class Gateway:
                           prefill_failed=True)  # fmt: skip
 
     async def _dispatch(
-        self,
-        request: ClientRequest,
-        received: float,
-        p: Prepared,
-        engine: EngineState,
-        decision: RouteDecision,
-        cached: dict[str, int],
-        prefill: EngineState | None = None,
+        self, request: ClientRequest, received: float, p: Prepared, route: Route
     ) -> web.StreamResponse:
+        engine, decision, prefill, predicted = route.engine, route.decision, route.prefill, route.predicted
         pull = None
-        if prefill is None and decision.kv_source is not None:
-            tokens = min(decision.pulled_tokens, len(p.token_ids) - 1)
-            pull = _Pull(self.fleet.engines[decision.kv_source], tokens)
-        predicted = min(max(decision.cached_tokens, decision.pulled_tokens if pull else 0), len(p.token_ids))
-        if prefill is not None and prefill.kind is not EngineKind.KVGATE:
-            # vLLM's and SGLang's decode engines report the prefill engine's cache hit as cached_tokens.
-            predicted = cached.get(prefill.id, 0)
-        # The prefill work lands where the prompt is computed: the prefill engine, or the engine itself.
-        computing = prefill or engine
-        held = predicted if pull else cached.get(computing.id, 0)
-        computing_cached = min(held, len(p.token_ids))
-        pending = _PendingPrefill(computing, len(p.token_ids) - computing_cached)
+        if route.pulled_tokens:
+            assert decision.kv_source is not None
+            pull = _Pull(self.fleet.engines[decision.kv_source], route.pulled_tokens)
+        computing = route.computing
         account = RequestAccount(
             p,
             engine,
@@ -367,7 +238,7 @@ class Gateway:
             access_log=self.settings.access_log,
             received=received,
             predicted=predicted,
-            settle=pending.settle,
+            settle=route.settle,
         )
         exchanges: list[Response] = []  # (two when a stale pooled connection is retried)
         engine.inflight += 1
@@ -408,7 +279,7 @@ class Gateway:
             if upstream.status >= 500:
                 await self._raise_server_error(upstream, engine)
             engine.breaker.on_success()
-            self._after_dispatch(p, engine, decision, predicted, cached.get(engine.id, 0))
+            self.router.confirm(route, p)
             sglang_prefill = None  # (it finishes by itself now: the decode engine has answered)
             headers = {
                 "x-request-id": p.request_id,
@@ -448,7 +319,7 @@ class Gateway:
                     stall_timeout_s=self.resilience.stall_timeout_s,
                     metrics=self.metrics,
                     accounting=account,
-                    on_first_byte=pending.settle,  # the prefill is done once tokens flow
+                    on_first_byte=route.settle,  # the prefill is done once tokens flow
                 )
             except (UpstreamFailed, UpstreamTimedOut) as exc:
                 # It broke off before anything reached the client: another engine may answer.
@@ -459,7 +330,7 @@ class Gateway:
                 sglang_prefill.cancel()
             engine.inflight -= 1
             engine.breaker.on_abandon()
-            pending.settle()
+            route.settle()
             engine.exchanges.difference_update(exchanges)
             account.void()  # (nothing, when the answer was accounted for)
 
@@ -489,30 +360,6 @@ class Gateway:
             UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
         )
 
-    def _after_dispatch(
-        self, p: Prepared, engine: EngineState, decision: RouteDecision, predicted: int, known_tokens: int
-    ) -> None:
-        """The engine accepted the request: bind the session, remember where the prefix went."""
-        self.limiter.record(p.home_region, engine.region)
-        if p.session_id is not None:
-            current = self.state.sessions.get_now(p.tenant, p.session_id)
-            if current is None or current.engine != engine.id:
-                self.state.bind_session(p.tenant, p.session_id, SessionBinding(engine.region, engine.id))
-        s = self.settings
-        key = engine.chain_key(s.block_size, s.min_block_size)
-        hashes = p.chains.get(key, [])
-        known_blocks = known_tokens // key.block_size
-        if engine.kv_events:
-            # Its events will report these blocks; until then, note the first ones the view does not know:
-            # enough to steer a twin request that arrives before the events to the same engine, without
-            # paying per block for a long prompt twice (here and again in the events).
-            new = hashes[known_blocks : known_blocks + PENDING_MAX_BLOCKS]
-            self.state.record_route(engine.id, new, s.pending_ttl_s, share=False)
-            engine.awaited_blocks += len(new)
-        else:
-            self.state.record_route(engine.id, hashes, s.approx_ttl_s, share=True)
-        self.metrics.routed(engine.region, engine.id, decision.reason, predicted, p.home_region)
-
 
 def _track(engine: EngineState, response: Response, exchanges: list[Response]) -> None:
     """Note an exchange with ``engine``, to be failed at once if the engine is declared unhealthy."""
@@ -526,22 +373,6 @@ class _Pull:
 
     source: EngineState
     tokens: int  # leading prompt tokens the peer holds, as the residency view knows it
-
-
-class _PendingPrefill:
-    """Uncached prompt tokens this gateway has sent to an engine and that are not prefilled yet: an
-    instant load signal for routing, settled exactly once (when the answer starts, or on failure)."""
-
-    __slots__ = ("engine", "tokens")
-
-    def __init__(self, engine: EngineState, tokens: int) -> None:
-        self.engine = engine
-        self.tokens = tokens
-        engine.pending_prefill_tokens += tokens
-
-    def settle(self) -> None:
-        self.engine.pending_prefill_tokens -= self.tokens
-        self.tokens = 0
 
 
 def _json(body: Any, status: int = 200) -> web.Response:

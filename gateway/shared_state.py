@@ -1,15 +1,25 @@
-"""The gateway's in-process view of residency and sessions, following the shared truth in Redis.
+"""The gateway's in-process view of residency and sessions, following the shared state in Redis.
 
 Routing reads only the view (dict lookups, no I/O). Writes land in the view at once and reach Redis through
 the background writer; other gateways hear of them on a pub/sub channel. The single exception to "never
 wait on Redis": a session id this gateway has never seen costs one Redis read, so a conversation started
 through another gateway keeps its engine. Without Redis, the view is the whole state (the embedded mode).
+
+Sessions: every binding carries the time of the decision that made it, and the newest wins everywhere
+(Redis's conditional write, a view hearing of another gateway's binding, a rebuild after an outage). A
+gateway that missed messages catches up three ways: the answer to its own writes says what Redis holds
+instead; the periodic TTL slide of a binding in use says so too; and a follower that lost the channel
+re-reads what it holds once it is back. Residency: Redis keeps a bounded, expiring mirror (warm starts, and
+the approximate records of engines without KV events, shared between gateways), swept by one gateway at a
+time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -17,21 +27,26 @@ from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
 from cache.events import KvEventBatch
 from cache.redis_keys import RedisKeys
 from cache.residency_memory import MemoryResidencyIndex
-from cache.residency_redis import RedisResidencyIndex
+from cache.residency_redis import DEFAULT_MAX_APPROXIMATE_PER_ENGINE, RedisResidencyIndex
 from cache.sessions import MemorySessionStore, SessionBinding
-from cache.sessions_redis import RedisSessionStore
+from cache.sessions_redis import HeldBinding, RedisSessionStore
 from gateway.background import BackgroundWriter
 
 log = logging.getLogger("kvgate.state")
 
-# Pub/sub message kinds
-_SESSION = "s"
-_APPROX = "a"
+# Pub/sub message kinds. A binding travels as [region, engine, made_at].
+_SESSION = "s"  # [s, gateway, tenant, session id, region, engine, made_at]: a binding Redis now holds
+_SESSIONS = "S"  # [S, gateway, [[tenant, session id, region, engine, made_at], ...]]: a rebuild's bindings
+_RELEASE = "r"  # [r, gateway, tenant, session id, claimed binding, previous binding or nil]: a claim undone
+_APPROX = "a"  # [a, gateway, engine, ttl_s, hashes]
+
+_BATCH = 500  # sessions per pipelined round trip when rebuilding or re-reading them
 
 
 class SharedState:
@@ -43,13 +58,19 @@ class SharedState:
         keys: RedisKeys | None = None,
         session_ttl_s: float = 3600.0,
         redis_read_timeout_s: float = 0.25,
+        max_approximate_per_engine: int = DEFAULT_MAX_APPROXIMATE_PER_ENGINE,
+        redis_sweep_every_s: float = 30.0,
     ) -> None:
         self.gateway_id = gateway_id
         self.index = MemoryResidencyIndex()
         self.sessions = MemorySessionStore(session_ttl_s)
         self.redis = redis
         self.keys = keys or RedisKeys()
-        self.redis_index = RedisResidencyIndex(redis, self.keys) if redis is not None else None
+        self.redis_index = (
+            RedisResidencyIndex(redis, self.keys, max_approximate_per_engine=max_approximate_per_engine)
+            if redis is not None
+            else None
+        )
         self.redis_sessions = (
             RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
         )
@@ -57,15 +78,20 @@ class SharedState:
             on_recovered=self._rebuild_redis, probe=redis.ping if redis is not None else None
         )
         self._read_timeout_s = redis_read_timeout_s
+        self._redis_sweep_every_s = redis_sweep_every_s
+        self._engine_ids: list[str] = []
         self._follower: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._resyncing: asyncio.Task[None] | None = None
         self._synced_at: dict[tuple[str, str], float] = {}
         self.redis_errors = 0
+        self.resyncs = 0  # times the follower re-read Redis after losing the channel
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self, engine_ids: Sequence[str]) -> None:
         """Warm the view from Redis (a restarted gateway does not start cold), then follow it."""
+        self._engine_ids = list(engine_ids)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvgate-sweeper")
         if self.redis is None:
             return
@@ -78,12 +104,12 @@ class SharedState:
         self._follower = asyncio.create_task(self._follow(), name="kvgate-follower")
 
     async def stop(self) -> None:
-        for task in (self._follower, self._sweeper):
+        for task in (self._follower, self._sweeper, self._resyncing):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._follower = self._sweeper = None
+        self._follower = self._sweeper = self._resyncing = None
         await self.writer.stop()
 
     async def warm_start(self, engine_ids: Sequence[str]) -> None:
@@ -99,7 +125,7 @@ class SharedState:
     async def lookup_session(self, tenant: str, session_id: str) -> SessionBinding | None:
         binding = self.sessions.get_now(tenant, session_id)
         if binding is not None:
-            self._slide_in_redis(tenant, session_id)
+            self._slide_in_redis(tenant, session_id, binding)
             return binding
         if self.redis_sessions is None or self.writer.failing:
             return None  # Redis is away: don't wait on it; the session starts afresh here
@@ -110,30 +136,62 @@ class SharedState:
             self.redis_errors += 1
             log.debug("session lookup in Redis failed: %s", exc)
             return None
-        if binding is not None:
-            self.sessions.bind_now(tenant, session_id, binding)
-            self._synced_at[(tenant, session_id)] = time.monotonic()
-        return binding
+        if binding is None:
+            return None
+        # (GETEX restarted its Redis TTL: the full TTL here too.) A binding that arrived meanwhile by
+        # another way is kept if it is newer.
+        self.sessions.offer_now(tenant, session_id, binding)
+        self._synced_at[(tenant, session_id)] = time.monotonic()
+        return self.sessions.peek_now(tenant, session_id) or binding
 
-    def bind_session(self, tenant: str, session_id: str, binding: SessionBinding) -> None:
+    def bind_session(self, tenant: str, session_id: str, binding: SessionBinding) -> SessionBinding:
+        """Claim or move a session: this gateway's decision, held here at once whatever was held, and
+        written to Redis where the newest binding wins (a newer one there comes back here). The caller
+        stamps ``made_at`` when it decides; an unstamped binding is stamped now. Returns what was bound."""
+        if binding.made_at <= 0.0:
+            binding = dataclasses.replace(binding, made_at=time.time())
         self.sessions.bind_now(tenant, session_id, binding)
-        if self.redis_sessions is None:
-            return
         store, redis = self.redis_sessions, self.redis
-        assert redis is not None
-        message = msgpack.packb(
-            [_SESSION, self.gateway_id, tenant, session_id, binding.region, binding.engine]
-        )
+        if store is None or redis is None:
+            return binding
+        message = msgpack.packb([_SESSION, self.gateway_id, tenant, session_id, *_fields(binding)])
 
         async def write() -> None:
-            await store.bind(tenant, session_id, binding)
-            await redis.publish(self.keys.updates_channel, message)
+            held = await store.offer(tenant, session_id, binding)
+            if held.binding == binding:
+                await redis.publish(self.keys.updates_channel, message)
+            else:  # a newer decision (another gateway's) is in Redis: it wins here too
+                self._correct(tenant, session_id, binding, held)
 
         self._synced_at[(tenant, session_id)] = time.monotonic()
         self.writer.submit(write)
+        return binding
 
-    def _slide_in_redis(self, tenant: str, session_id: str) -> None:
-        """Restart the Redis TTL now and then (not on every request): the view slides locally."""
+    def release_session(
+        self, tenant: str, session_id: str, claimed: SessionBinding, previous: SessionBinding | None
+    ) -> None:
+        """Undo a claim (``bind_session``) whose request failed before the engine took it: wherever the
+        binding held is still ``claimed`` (here, in Redis, in the views that heard of it), hold ``previous``
+        again, or nothing. A binding made since the claim is left alone."""
+        self.sessions.replace_if_now(tenant, session_id, claimed, previous)
+        store, redis = self.redis_sessions, self.redis
+        if store is None or redis is None:
+            return
+        message = msgpack.packb(
+            [_RELEASE, self.gateway_id, tenant, session_id, _fields(claimed),
+             _fields(previous) if previous is not None else None]
+        )  # fmt: skip
+
+        async def write() -> None:  # after the claim's own write: the writer keeps their order
+            if await store.release(tenant, session_id, claimed, previous):
+                await redis.publish(self.keys.updates_channel, message)
+
+        self.writer.submit(write)
+
+    def _slide_in_redis(self, tenant: str, session_id: str, binding: SessionBinding) -> None:
+        """Restart the Redis TTL now and then (not on every request): the view slides locally. The script
+        slides only the binding held here and otherwise answers what Redis holds, which replaces it: a
+        binding moved, released or expired elsewhere is corrected here although its message was missed."""
         store = self.redis_sessions
         if store is None:
             return
@@ -144,12 +202,29 @@ class SharedState:
         if len(self._synced_at) > 1_000_000:
             self._synced_at.clear()
         self._synced_at[key] = now
-        self.writer.submit(lambda: store.touch(tenant, session_id))
+
+        async def slide() -> None:
+            held = await store.slide(tenant, session_id, binding)
+            # While writes fail, Redis may lack what the rebuild after the outage will put back.
+            if held.binding != binding and not self.writer.failing:
+                self._correct(tenant, session_id, binding, held)
+
+        self.writer.submit(slide)
+
+    def _correct(self, tenant: str, session_id: str, mine: SessionBinding, held: HeldBinding) -> None:
+        """Redis holds ``held`` where this view holds ``mine``: follow Redis, unless the view has moved on
+        since (a decision made while the answer travelled is this gateway's newest)."""
+        self.sessions.replace_if_now(tenant, session_id, mine, held.binding, held.ttl_s)
 
     # -- residency -------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
-        return self.index.lookup(hashes)
+    def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
+        return self.index.lookup(hashes, exact_only=exact_only)
+
+    def forget_route(self, engine: str, hashes: Sequence[int]) -> None:
+        """Take back a local note (``record_route(share=False)``) of a request the engine never took; what
+        the engine's KV events said stays."""
+        self.index.forget_approximate_now(engine, hashes)
 
     def record_route(self, engine: str, hashes: Sequence[int], ttl_s: float, *, share: bool) -> None:
         """Remember where a prefix was sent. ``share`` it through Redis when the engine publishes no events
@@ -184,8 +259,9 @@ class SharedState:
 
     def _rebuild_redis(self) -> None:
         """Redis is back after writes failed: put this gateway's view there again. The view never stopped
-        following the engines' KV events, so it is the truth to restore; session bindings made meanwhile
-        are rewritten (the newest binding of a session wins, as it would have)."""
+        following the engines' KV events, so it is the truth to restore. Session bindings are offered with
+        their own times: one that another gateway replaced meanwhile stays replaced (and is replaced here),
+        and the others' views hear of those that Redis takes."""
         redis_index, redis_sessions = self.redis_index, self.redis_sessions
         if redis_index is None or redis_sessions is None:
             return
@@ -204,12 +280,22 @@ class SharedState:
 
         self.writer.submit(restore)
         bindings = self.sessions.items_now()
+        for i in range(0, len(bindings), _BATCH):
+            batch = bindings[i : i + _BATCH]
+            self.writer.submit(functools.partial(self._rebind, batch))
 
-        async def rebind() -> None:
-            for (tenant, session_id), binding in bindings:
-                await redis_sessions.bind(tenant, session_id, binding)
-
-        self.writer.submit(rebind)
+    async def _rebind(self, batch: list[tuple[tuple[str, str], SessionBinding]]) -> None:
+        assert self.redis_sessions is not None and self.redis is not None
+        answers = await self.redis_sessions.offer_many(batch)
+        taken: list[list[Any]] = []
+        for ((tenant, session_id), binding), held in zip(batch, answers, strict=True):
+            if held.binding == binding:
+                taken.append([tenant, session_id, *_fields(binding)])
+            else:
+                self._correct(tenant, session_id, binding, held)
+        if taken:
+            message = msgpack.packb([_SESSIONS, self.gateway_id, taken])
+            await self.redis.publish(self.keys.updates_channel, message)
 
     # -- following the other gateways ------------------------------------------------------------------
 
@@ -217,13 +303,24 @@ class SharedState:
         try:
             message: list[Any] = msgpack.unpackb(raw)
             kind, source = message[0], message[1]
+            if source != self.gateway_id:
+                self._apply_update(kind, message)
         except (ValueError, TypeError, IndexError, msgpack.UnpackException):
-            return
-        if source == self.gateway_id:
-            return
-        if kind == _SESSION and len(message) == 6:
-            _, _, tenant, session_id, region, engine = message
-            self.sessions.bind_now(tenant, session_id, SessionBinding(region, engine))
+            return  # not a message of ours (or of a gateway too new or too old): ignore it
+
+    def _apply_update(self, kind: str, message: list[Any]) -> None:
+        sessions = self.sessions
+        if kind == _SESSION and len(message) in (6, 7):  # (6: from a gateway that did not stamp bindings)
+            _, _, tenant, session_id, *fields = message
+            sessions.offer_now(tenant, session_id, _binding(fields))
+        elif kind == _SESSIONS and len(message) == 3:
+            for tenant, session_id, *fields in message[2]:
+                sessions.offer_now(tenant, session_id, _binding(fields))
+        elif kind == _RELEASE and len(message) == 6:
+            _, _, tenant, session_id, claimed, previous = message
+            sessions.replace_if_now(
+                tenant, session_id, _binding(claimed), _binding(previous) if previous else None
+            )
         elif kind == _APPROX and len(message) == 5:
             _, _, engine, ttl_s, hashes = message
             self.index.add_now(engine, hashes, float(ttl_s))
@@ -231,11 +328,21 @@ class SharedState:
     async def _follow(self) -> None:
         assert self.redis is not None
         backoff = 0.5
+        lost = False
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            connection: AbstractConnection | None = None
             try:
                 await pubsub.subscribe(self.keys.updates_channel)
                 backoff = 0.5
+                # The client reconnects and resubscribes by itself after a short break, without a word:
+                # hear of it, since messages sent during the break are lost.
+                connection = pubsub.connection
+                if connection is not None:
+                    connection.register_connect_callback(self._on_channel_reconnected)
+                if lost:
+                    lost = False
+                    self._schedule_resync()
                 async for item in pubsub.listen():
                     if item.get("type") == "message":
                         self._on_update(item["data"])
@@ -243,14 +350,85 @@ class SharedState:
                 raise
             except (RedisError, OSError) as exc:
                 self.redis_errors += 1
+                lost = True
                 log.warning("lost the Redis updates channel (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
             finally:
+                if connection is not None:
+                    connection.deregister_connect_callback(  # type: ignore[no-untyped-call]
+                        self._on_channel_reconnected
+                    )
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def _sweep_forever(self, every_s: float = 10.0) -> None:
+    def _on_channel_reconnected(self, connection: AbstractConnection) -> None:
+        """The updates channel's connection came back (and was subscribed again) after a break."""
+        log.warning("the Redis updates channel reconnected; re-reading what may have been missed")
+        self._schedule_resync()
+
+    def _schedule_resync(self) -> None:
+        if self._resyncing is not None:
+            self._resyncing.cancel()  # a new break: start over from now
+        self._resyncing = asyncio.create_task(self._resync(), name="kvgate-resync")
+
+    async def _resync(self) -> None:
+        """Catch up with what the channel's messages said while it was away: re-read from Redis the session
+        bindings this view holds, and the approximate residency entries, as a warm start does."""
+        self.resyncs += 1
+        sessions = [key for key, _ in self.sessions.items_now()]
+        for i in range(0, len(sessions), _BATCH):
+            batch = sessions[i : i + _BATCH]
+            # Through the writer: this view's own writes submitted before reach Redis before the read.
+            self.writer.submit(functools.partial(self._recheck, batch))
+        if self.redis_index is None:
+            return
+        try:
+            for engine in sorted(set(self._engine_ids).union(self.index.engines_now())):
+                held = await self.redis_index.holdings(engine)
+                for h, ttl_s in held.approximate.items():
+                    self.index.add_now(engine, [h], ttl_s)  # (never downgrades an exact entry)
+        except (RedisError, OSError) as exc:
+            self.redis_errors += 1
+            log.warning("could not re-read the residency mirror from Redis: %s", exc)
+
+    async def _recheck(self, sessions: list[tuple[str, str]]) -> None:
+        assert self.redis_sessions is not None
+        mine = [self.sessions.peek_now(tenant, session_id) for tenant, session_id in sessions]
+        answers = await self.redis_sessions.read_many(sessions)
+        # Redis is the truth, except while writes fail: it may then lack what the rebuild will put back,
+        # so only newer bindings are taken from it.
+        authoritative = not self.writer.failing
+        for (tenant, session_id), binding, held in zip(sessions, mine, answers, strict=True):
+            if binding is None or held.binding == binding:
+                continue
+            newer = held.binding is not None and held.binding.made_at > binding.made_at
+            if authoritative or newer:
+                self._correct(tenant, session_id, binding, held)
+
+    async def _sweep_forever(self) -> None:
+        """Drop expired entries from the view (so that counts are of live ones), and every
+        ``redis_sweep_every_s`` from the Redis mirror's per-engine sets, by one gateway at a time."""
+        every_s = min(10.0, self._redis_sweep_every_s)
+        swept_redis = time.monotonic()
         while True:
             await asyncio.sleep(every_s)
             self.index.sweep_now()
+            self.sessions.sweep_now()
+            index = self.redis_index
+            now = time.monotonic()
+            if index is None or self.writer.failing or now - swept_redis < self._redis_sweep_every_s:
+                continue
+            swept_redis = now
+            sweep = functools.partial(index.sweep_shared, self._redis_sweep_every_s, self.gateway_id)
+            self.writer.submit(sweep)
+
+
+def _fields(binding: SessionBinding) -> list[Any]:
+    return [binding.region, binding.engine, binding.made_at]
+
+
+def _binding(fields: Sequence[Any]) -> SessionBinding:
+    """A binding from a message's [region, engine, made_at] ([region, engine]: made_at 0)."""
+    made_at = float(fields[2]) if len(fields) > 2 else 0.0
+    return SessionBinding(str(fields[0]), str(fields[1]), made_at)

@@ -1,10 +1,11 @@
-"""``kvgate simulate``: replay a Mooncake trace through the gateway's real routing, on simulated regions.
+"""``kvgate simulate``: replay a Mooncake trace through the gateway's own ``Router`` on simulated regions.
 
 The engines, their caches and their clock are region_map's discrete-event model; every decision is made by
-the very policy objects the gateway runs (``gateway.routing``), fed the way the gateway feeds them: a
-residency view kept up to date by the engines' (simulated) KV events, session bindings for the key a client
-would send (see ``region_map.trace``), per-candidate load, and the round trip from the client's home
-region. Cross-region traffic is capped by the same limiter the gateway uses.
+``gateway.routing.router.Router``, the object the gateway itself routes with, over a ``Fleet`` of engine
+states that mirror the simulated engines (their load before each decision, their stored and evicted blocks
+as KV events) and a ``SharedState`` without Redis, as an embedded gateway runs. Session bindings use the key
+a client would send (see ``region_map.trace``), round trips are measured from the client's home region,
+and cross-region traffic is capped by the Router's own limiter. Simulated time is the clock of the view.
 """
 
 from __future__ import annotations
@@ -12,89 +13,137 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cache.residency_memory import MemoryResidencyIndex
-from cache.sessions import MemorySessionStore, SessionBinding
-from gateway.routing import POLICIES, Candidate, RouteRequest, RoutingPolicy
-from gateway.routing.base import RoutingSettings, route_key, with_peers
-from gateway.routing.regional import RemoteShareLimiter
+from cache.sessions import MemorySessionStore
+from gateway.config import GatewaySettings, ResilienceSettings
+from gateway.errors import GatewayError
+from gateway.routing import POLICIES, RoutingPolicy
+from gateway.routing.base import RoutingSettings, route_key
+from gateway.routing.router import Router
+from gateway.shared_state import SharedState
+from region_map.config import EngineConfig, RegionConfig, TopologyConfig
+from region_map.fleet import ChainKey, EngineLoad, Fleet
 from region_map.simulator import CostModel, SimEngine, SimResult, simulate
 from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 
 POLICY_ALIASES = {"prefix": "cache_aware"}
 SESSION_POLICIES = frozenset({"session", "default"})  # policies that read x-session-affinity
 TENANT = "trace"
+MODEL = "trace-model"
+UNLIMITED = 1 << 40  # admission limits: the simulated engines queue whatever they are sent
 
 
+@dataclass(slots=True)
+class TraceAsk:
+    """A trace request as the Router reads a prepared one: its blocks are the hash ids of the trace."""
+
+    session_id: str | None
+    home_region: str
+    chains: dict[ChainKey, list[int]]
+    prompt_tokens: int
+    route_key: int
+    tenant: str = TENANT
+    model: str = MODEL
+    tools: bool = False
+
+
+@dataclass
 class SimRouter:
-    """What the gateway does for one request, minus HTTP: lookup, candidates, policy, bindings."""
+    """The gateway's Router in front of simulated engines: mirrors their load into the fleet before each
+    decision and their stored/evicted blocks into the residency view, as health polls and KV events do."""
 
-    def __init__(
-        self,
-        policy: RoutingPolicy,
-        *,
-        rtt_s: float,
-        uses_sessions: bool,
-        limiter: RemoteShareLimiter | None = None,
-        block_tokens: int = TRACE_BLOCK_TOKENS,
-    ) -> None:
-        self.policy = policy
-        self.index = MemoryResidencyIndex(clock=lambda: 0.0)  # exact entries only: no TTLs in the replay
-        self.sessions = MemorySessionStore(ttl_s=float("inf"))
-        self.uses_sessions = uses_sessions
-        self.limiter = limiter
-        self.rtt_s = rtt_s
-        self.block_tokens = block_tokens
-        self.seq = 0
+    router: Router
+    fleet: Fleet
+    uses_sessions: bool
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    now: list[float] = field(default_factory=lambda: [0.0])  # the simulated clock the view reads
 
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
+        index = self.router.state.index
         if stored:
-            self.index.add_now(engine_id, stored)
+            index.add_now(engine_id, stored)
         if evicted:
-            self.index.remove_now(engine_id, evicted)
+            index.remove_now(engine_id, evicted)
 
     def route(
         self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]
     ) -> tuple[SimEngine, SimEngine | None]:
-        self.seq += 1
-        cached = self.index.lookup(request.blocks)
-        session_id = str(request.conversation) if self.uses_sessions else None
-        binding = self.sessions.get_now(TENANT, session_id) if session_id else None
-        candidates = [
-            Candidate(
-                engine=e.id,
-                region=e.region,
-                healthy=True,
-                load=e.in_flight(now),
-                waiting=e.waiting(now),
-                cached_tokens=cached.get(e.id, 0) * self.block_tokens,
-                rtt_s=0.0 if e.region == home else self.rtt_s,
-                queued_prefill_tokens=e.queued_prefill_tokens(now),
+        self.now[0] = now
+        for sim in engines:
+            state = self.fleet.engines[sim.id]
+            running, waiting = sim.in_flight(now), sim.waiting(now)
+            state.load = EngineLoad(
+                running=running - waiting, waiting=waiting, waiting_tokens=sim.queued_prefill_tokens(now)
             )
-            for e in engines
-        ]
-        if self.policy.pulls_kv:
-            candidates = with_peers(candidates)
-        usable = self.limiter.eligible(home, candidates) if self.limiter else candidates
-        decision = self.policy.pick(
-            RouteRequest(
-                prompt_tokens=request.input_tokens,
-                route_key=route_key(TENANT, session_id, request.blocks),
-                seq=self.seq,
-                session_engine=binding.engine if binding else None,
-            ),
-            usable,
+        session_id = str(request.conversation) if self.uses_sessions else None
+        ask = TraceAsk(
+            session_id=session_id,
+            home_region=home,
+            chains={ChainKey(self.block_tokens, True): list(request.blocks)},
+            prompt_tokens=request.input_tokens,
+            route_key=route_key(TENANT, session_id, request.blocks),
         )
-        if decision is None:
-            raise RuntimeError("the policy found no engine (every simulated engine is healthy)")
-        engine = next(e for e in engines if e.id == decision.engine)
-        if session_id is not None and (binding is None or binding.engine != engine.id):
-            self.sessions.bind_now(TENANT, session_id, SessionBinding(engine.region, engine.id))
-        if self.limiter is not None:
-            self.limiter.record(home, engine.region)
-        return engine, next((e for e in engines if e.id == decision.kv_source), None)
+        route = self.router.decide(self.router.plan(ask))
+        if isinstance(route, GatewayError):
+            raise RuntimeError(f"the router found no engine: {route.message}")
+        self.router.confirm(route, ask)
+        route.settle()  # (the simulated engine reports its queue itself, as waiting_tokens)
+        by_id = {e.id: e for e in engines}
+        return by_id[route.engine.id], by_id.get(route.decision.kv_source or "")
+
+
+def sim_router(
+    policy: RoutingPolicy,
+    settings: RoutingSettings,
+    *,
+    regions: Sequence[str],
+    engines_per_region: int,
+    rtt_s: float,
+    uses_sessions: bool,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> SimRouter:
+    """A Router over a fleet shaped like the simulation's: every engine healthy, kvgate's kind, publishing
+    KV events, pulling from its peers when the settings let the policy ask for pulls."""
+    topology = TopologyConfig(
+        region=regions[0],
+        regions=[
+            RegionConfig(
+                name=region,
+                engines=[
+                    EngineConfig(
+                        name=f"e{i}",
+                        url=f"http://sim-{n}-{i}.invalid:1",  # type: ignore[arg-type]
+                        model=MODEL,
+                        block_size=block_tokens,
+                        kv_events=True,
+                        kv_pull=settings.kv_pull,
+                    )
+                    for i in range(engines_per_region)
+                ],
+            )
+            for n, region in enumerate(regions)
+        ],
+        default_rtt_ms=rtt_s * 1000,
+    )
+    fleet = Fleet(topology)
+    for engine in fleet:
+        engine.healthy = True
+    gateway = GatewaySettings(
+        routing=settings,
+        block_size=block_tokens,
+        min_block_size=block_tokens,
+        resilience=ResilienceSettings(max_inflight_per_engine=UNLIMITED, max_waiting_per_engine=UNLIMITED),
+    )
+    now = [0.0]
+    state = SharedState(gateway_id="simulate", session_ttl_s=float("inf"))
+    state.index = MemoryResidencyIndex(clock=lambda: now[0])
+    state.sessions = MemorySessionStore(ttl_s=float("inf"), clock=lambda: now[0])
+    router = Router(gateway, fleet, state, policy, wall_clock=lambda: now[0])
+    return SimRouter(router, fleet, uses_sessions, block_tokens, now)
 
 
 def run_simulation(
@@ -120,14 +169,17 @@ def run_simulation(
         kv_pull=pulls,
         kv_pull_s_per_token=1.0 / cost.kv_pull_tokens_per_s if pulls else 0.0,
     )
-    router = SimRouter(
+    settings = settings.model_copy(update={"max_remote_share": max_remote_share})
+    names = [f"region-{i}" for i in range(regions)]
+    router = sim_router(
         POLICIES[name](settings),
+        settings,
+        regions=names,
+        engines_per_region=engines_per_region,
         rtt_s=cost.rtt_s,
         uses_sessions=name in SESSION_POLICIES,
-        limiter=RemoteShareLimiter(max_remote_share) if regions > 1 else None,
         block_tokens=cost.block_tokens,
     )
-    names = [f"region-{i}" for i in range(regions)]
     return simulate(
         trace,
         regions=names,

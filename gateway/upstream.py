@@ -25,16 +25,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-# ``X as X``: gateway/service.py and gateway/app.py still import Response, UpstreamConnectError,
-# UpstreamError and engine_tls_context from here (they were being edited elsewhere when this module was
-# split); once they import them from where they live, these become plain imports.
-from gateway.upstream_errors import UpstreamClosed, UpstreamProtocolError, UpstreamTimeout
-from gateway.upstream_errors import UpstreamConnectError as UpstreamConnectError
-from gateway.upstream_errors import UpstreamError as UpstreamError
-from gateway.upstream_response import Response as Response
-from gateway.upstream_response import expire_waiter
-from gateway.upstream_tls import engine_tls_context as engine_tls_context
-from gateway.upstream_tls import tls_failure_reason
+from gateway.upstream_errors import (
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from gateway.upstream_response import Response, expire_waiter
+from gateway.upstream_tls import engine_tls_context, tls_failure_reason
 
 
 class UpstreamConnection(asyncio.Protocol):

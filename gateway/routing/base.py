@@ -7,7 +7,7 @@ lets the trace simulator run the very same objects.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -141,26 +141,34 @@ def rendezvous(route_key: int, engine: str) -> int:
     return xxhash.xxh3_64_intdigest(engine.encode(), seed=route_key)
 
 
-def with_peers(candidates: Sequence[Candidate], able: Container[str] | None = None) -> list[Candidate]:
+def with_peers(
+    candidates: Sequence[Candidate],
+    able: Container[str] | None = None,
+    sources: Mapping[str, int] | None = None,
+) -> list[Candidate]:
     """``candidates`` with ``peer``/``peer_tokens`` filled in: for each, the healthy engine of its own region
     (not itself) holding the longest prefix of the prompt. Only engines in ``able`` (all when None) pull or
-    are pulled from. Two passes over the candidates, whatever the number of cached prefixes: each region's
-    best and second-best holder is all a peer lookup needs."""
-    best: dict[str, tuple[Candidate | None, Candidate | None]] = {}
+    are pulled from; ``sources`` says what each can give (default: its ``cached_tokens``; a prefix only
+    "held soon", still being computed, cannot be pulled yet). Two passes over the candidates, whatever the
+    number of cached prefixes: each region's best and second-best holder is all a peer lookup needs."""
+    best: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {}
     for c in candidates:
-        if not c.healthy or c.cached_tokens == 0 or (able is not None and c.engine not in able):
+        if not c.healthy or (able is not None and c.engine not in able):
+            continue
+        held = c.cached_tokens if sources is None else sources.get(c.engine, 0)
+        if held == 0:
             continue
         first, second = best.get(c.region, (None, None))
-        if first is None or c.cached_tokens > first.cached_tokens:
-            best[c.region] = (c, first)
-        elif second is None or c.cached_tokens > second.cached_tokens:
-            best[c.region] = (first, c)
+        if first is None or held > first[0]:
+            best[c.region] = ((held, c.engine), first)
+        elif second is None or held > second[0]:
+            best[c.region] = (first, (held, c.engine))
     out = []
     for c in candidates:
         first, second = best.get(c.region, (None, None))
-        peer = second if first is not None and first.engine == c.engine else first
-        if peer is not None and peer.cached_tokens > c.cached_tokens and (able is None or c.engine in able):
-            c = c.with_peer(peer.engine, peer.cached_tokens)
+        peer = second if first is not None and first[1] == c.engine else first
+        if peer is not None and peer[0] > c.cached_tokens and (able is None or c.engine in able):
+            c = c.with_peer(peer[1], peer[0])
         out.append(c)
     return out
 

@@ -11,10 +11,16 @@ the policy pulls (``kv_pull=True``, as the default policy's is): then it is the 
 candidate's best same-region peer (``Candidate.peer``) holds beyond the candidate's own prefix, when that is
 at least ``kv_pull_min_tokens`` and pulling is cheaper than computing. Estimates within
 ``tie_tolerance_s`` or ``tie_tolerance_frac`` of the best are ties; among them a candidate in the client's
-home region wins, then the least loaded, then rendezvous hashing of the route key. The relative tolerance
-matters: a popular shared prefix (everyone's system prompt) is worth a few percent of a long prompt, and
-without it every new conversation would pile onto the engines that happened to cache it first, starving
-the others for good. An engine that holds the prefix but is queued deep loses to an idle one as soon as its
+home region wins, then one that holds (or pulls) most of the prompt, then the least loaded, then rendezvous
+hashing of the route key. The relative tolerance matters: a popular shared prefix (everyone's system
+prompt) is worth a few percent of a long prompt, and without it every new conversation would pile onto the
+engines that happened to cache it first, starving the others for good; such a prefix is far from most of
+a prompt, so load still spreads those. A twin is not: a request sent together with another that shares
+all but its last words finds their prefix "held soon" where the first went (gateway.routing.router), and
+its estimate there ties with an idle engine's (it waits for that prefill instead of computing its own);
+computing the prefix once, where the next turn will look for it, settles the tie.
+
+An engine that holds the prefix but is queued deep loses to an idle one as soon as its
 queue costs more than the recomputation it would save.
 """
 
@@ -81,5 +87,14 @@ class CacheAwarePolicy:
         best = min(t for t, _ in scored)
         s = self.settings
         tied = [c for t, c in scored if t <= best + max(s.tie_tolerance_s, s.tie_tolerance_frac * best)]
-        chosen = min(tied, key=lambda c: (c.rtt_s > 0, c.load, -rendezvous(request.route_key, c.engine)))
+        half = request.prompt_tokens / 2
+        chosen = min(
+            tied,
+            key=lambda c: (
+                c.rtt_s > 0,
+                c.cached_tokens + self.pulled_tokens(request, c) < half,
+                c.load,
+                -rendezvous(request.route_key, c.engine),
+            ),
+        )
         return self.decision(request, chosen)

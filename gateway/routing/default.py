@@ -44,9 +44,11 @@ class DefaultPolicy:
             if self._worth_staying(request, candidates, bound):
                 return self._cache_aware.decision(request, bound, kept.reason)
         decision = self._cache_aware.pick(request, eligible)
-        if decision is not None and request.session_engine is not None:
-            return dataclasses.replace(decision, reason="moved")
-        return decision
+        if decision is None or request.session_engine is None:
+            return decision
+        # The estimate may find the bound engine best after all: the session stayed, it did not move.
+        stayed = decision.engine == request.session_engine
+        return dataclasses.replace(decision, reason="session" if stayed else "moved")
 
     def _worth_staying(
         self, request: RouteRequest, candidates: Sequence[Candidate], bound: Candidate

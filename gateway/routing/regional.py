@@ -3,7 +3,10 @@
 Sending a request to the region that holds its KV is worth a round trip, but a hot session or prefix must
 not drag a home region's whole load onto a remote one. The limiter watches, per home region, the share of
 its recent decisions that went to other regions; while that share is at its cap, remote candidates are left
-out (unless nothing at home can serve). Policies stay pure: the caller filters their candidates.
+out (unless nothing at home can serve) for that request. The cap limits new remote placements only: a
+session already bound to a remote engine keeps it (its affinity is not revoked for the whole region), so
+while the cap holds the remote share can only fall as such sessions end or come home. Policies stay pure:
+the caller filters their candidates.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ class RemoteShareLimiter:
     def allows_remote(self, home: str) -> bool:
         return self.share(home) < self.max_share
 
-    def eligible(self, home: str, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-        """The candidates a policy may choose from for a request whose client lives in ``home``."""
+    def eligible(
+        self, home: str, candidates: Sequence[Candidate], session_engine: str | None = None
+    ) -> Sequence[Candidate]:
+        """The candidates a policy may choose from for a request whose client lives in ``home``: at the
+        cap, the home region's engines and the engine the request's session is bound to."""
         if self.allows_remote(home):
             return candidates
-        local = [c for c in candidates if c.region == home and c.healthy]
-        return local or candidates
+        local = [c for c in candidates if (c.region == home or c.engine == session_engine) and c.healthy]
+        return local if any(c.region == home for c in local) else candidates
 
     def record(self, home: str, served_in: str) -> None:
         recent = self._recent.setdefault(home, deque())

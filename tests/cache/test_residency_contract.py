@@ -177,3 +177,88 @@ async def test_redis_lookup_is_one_round_trip(redis_client: aioredis.Redis, redi
 @given(st.lists(st.integers(0, 2**64 - 1), max_size=50))
 def test_a_hex_run_is_the_hashes_as_redis_keys_name_them(hashes: list[int]) -> None:
     assert hex_run(hashes) == "".join(to_hex(h) for h in hashes)
+
+
+# -- Redis: a bounded, expiring mirror ---------------------------------------------------------------------
+
+
+async def test_redis_forgets_an_approximate_entry_after_its_ttl_without_a_sweep(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    index = RedisResidencyIndex(redis_client, redis_keys)
+    await index.add("a", H[:4], ttl_s=0.3)
+    blocks = [redis_keys.block(to_hex(h)) for h in H[:4]]
+    assert await redis_client.exists(*blocks) == 4
+    assert all(0 < ms <= 300 for ms in [await redis_client.pttl(b) for b in blocks])
+    await asyncio.sleep(0.45)
+    assert await redis_client.exists(*blocks) == 0  # gone by itself: no sweep ran
+    assert (await index.holdings("a")).approximate == {}
+    assert await index.longest_prefix(H) == {}
+    assert await index.sweep() == 4
+    assert await redis_client.scard(redis_keys.engine_blocks("a")) == 0
+    assert await redis_client.zcard(redis_keys.engine_expiry("a")) == 0
+
+
+async def test_redis_block_key_expires_only_while_it_holds_no_exact_entry(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    index = RedisResidencyIndex(redis_client, redis_keys)
+    key = redis_keys.block(to_hex(H[0]))
+    await index.add("a", H[:1], ttl_s=60)
+    assert 59_000 < await redis_client.pttl(key) <= 60_000
+    await index.add("b", H[:1], ttl_s=120)  # a later approximate entry extends the key's life
+    assert 119_000 < await redis_client.pttl(key) <= 120_000
+    await index.add("c", H[:1])  # an exact entry lands: the key stays
+    assert await redis_client.pttl(key) == -1
+    await index.add("a", H[:1], ttl_s=600)  # approximate entries beside an exact one: still no expiry
+    assert await redis_client.pttl(key) == -1
+    await index.apply("c", KvEventBatch("c", 1, 0.0, (BlockRemoved((H[0],)),)))
+    assert 599_000 < await redis_client.pttl(key) <= 600_000  # the last exact entry left: expires again
+    await index.clear("a")
+    await index.clear("b")
+    assert await redis_client.exists(key) == 0
+
+
+async def test_redis_heals_a_persistent_key_of_approximate_entries_only(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    # Written before block keys expired: a persistent key with an approximate entry and no exact one.
+    index = RedisResidencyIndex(redis_client, redis_keys)
+    key = redis_keys.block(to_hex(H[0]))
+    server_ms = int((await redis_client.time())[0]) * 1000
+    await redis_client.hset(key, "old", server_ms + 30_000)
+    await index.add("a", H[:1], ttl_s=60)
+    assert 59_000 < await redis_client.pttl(key) <= 60_000
+
+
+async def test_redis_caps_approximate_entries_per_engine(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    index = RedisResidencyIndex(redis_client, redis_keys, max_approximate_per_engine=5)
+    await index.add("a", H[:2])  # exact entries do not count
+    await index.add("a", OTHER, ttl_s=120)
+    await index.add("a", H[2:6], ttl_s=30)  # 8 approximate entries: the 3 soonest to expire go
+    await index.add("b", H[2:6], ttl_s=30)  # another engine has a cap of its own
+    held = await index.holdings("a")
+    assert held.exact == frozenset(H[:2])
+    assert set(OTHER) <= set(held.approximate) and len(held.approximate) == 5
+    assert await redis_client.zcard(redis_keys.engine_expiry("a")) == 5
+    assert await redis_client.scard(redis_keys.engine_blocks("a")) == 2 + 5
+    dropped = [h for h in H[2:6] if h not in held.approximate]
+    assert len(dropped) == 3
+    for h in dropped:  # gone from the block key too, where the other engine's entry stays
+        assert await redis_client.hkeys(redis_keys.block(to_hex(h))) == [b"b"]
+    assert set((await index.holdings("b")).approximate) == set(H[2:6])
+
+
+async def test_redis_sweep_runs_once_per_interval_however_many_gateways(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    first, second = (RedisResidencyIndex(redis_client, redis_keys) for _ in range(2))
+    await first.add("a", H[:3], ttl_s=0.05)
+    await asyncio.sleep(0.1)
+    assert await first.sweep_shared(0.3, "gw-1") == 3
+    assert await second.sweep_shared(0.3, "gw-2") is None  # within the interval: the other one swept
+    await second.add("a", H[:1], ttl_s=0.05)
+    await asyncio.sleep(0.35)
+    assert await second.sweep_shared(0.3, "gw-2") == 1

@@ -175,4 +175,8 @@ async def test_request_preparation_encodes_in_the_tenants_namespace(tok: HFToken
     assert np.array_equal(again, a_ids) and not pieces  # acme's own, found
     _, client_split = await encoded(acme, cache_salt="alice")
     assert client_split == a_pieces  # a client's cache_salt splits its tenant's namespace as it splits KV
-    assert {namespace for namespace, _ in tok._cache} == {"tenant:acme", "tenant:globex", "11:tenant:acme/alice"}
+    assert {namespace for namespace, _ in tok._cache} == {
+        "tenant:acme",
+        "tenant:globex",
+        "11:tenant:acme/alice",
+    }

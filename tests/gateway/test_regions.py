@@ -67,6 +67,21 @@ def test_the_limiter_caps_the_remote_share_over_a_window() -> None:
     assert limiter.allows_remote("eu-west")  # the window moved on
 
 
+def test_at_the_cap_a_session_bound_remotely_keeps_its_engine_and_new_placements_stay_home() -> None:
+    """The cap limits new remote placements, request by request: it never revokes the region's existing
+    remote affinity wholesale."""
+    limiter = RemoteShareLimiter(max_share=0.25, window=4)
+    local = Candidate("eu-west/e0", "eu-west", True, 0, 0, 0, 0.0)
+    bound = Candidate("us-east/e0", "us-east", True, 0, 0, 30 * 16, 0.04)
+    other = Candidate("us-east/e1", "us-east", True, 0, 0, 30 * 16, 0.04)
+    for served in ("eu-west", "eu-west", "us-east", "us-east"):
+        limiter.record("eu-west", served)
+    assert not limiter.allows_remote("eu-west")
+    assert list(limiter.eligible("eu-west", [local, bound, other], "us-east/e0")) == [local, bound]
+    assert list(limiter.eligible("eu-west", [local, bound, other], None)) == [local]
+    assert list(limiter.eligible("eu-west", [local, bound, other], "eu-west/e0")) == [local]
+
+
 S = RoutingSettings(prefill_s_per_token=1e-4)
 
 

@@ -208,3 +208,15 @@ def test_with_peer_keeps_every_other_field() -> None:
     assert set(kwargs) == set(Candidate._fields)
     c = Candidate(**kwargs)
     assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_tokens=3)
+
+
+def test_a_session_kept_by_the_estimate_after_all_is_reported_as_session_not_moved() -> None:
+    """Staying was judged not worth it (no slack), yet the estimate's tie-break chose the bound engine: the
+    session did not move, and the label must say so."""
+    strict = RoutingSettings(
+        prefill_s_per_token=1e-4, load_penalty_s=0.002, session_slack_s=0.0, session_slack_frac=0.0
+    )
+    bound = Candidate("a", "r", True, 0, 0, 0, 0.0, queued_prefill_tokens=4)  # 0.4 ms slower than b
+    remote = cand("b", rtt=0.0001)  # a near-tie: home (rtt 0) wins it
+    decision = DefaultPolicy(strict).pick(req(session="a"), [bound, remote])
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")

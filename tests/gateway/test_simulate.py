@@ -13,9 +13,10 @@ import pytest
 
 from gateway.routing import POLICIES
 from gateway.routing.base import RoutingSettings
-from gateway.simulate import SimRouter, run_simulation
-from region_map.simulator import CostModel
-from region_map.trace import load_trace
+from gateway.routing.router import Router
+from gateway.simulate import run_simulation, sim_router
+from region_map.simulator import CostModel, SimEngine
+from region_map.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 KEYS = {"hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean",
@@ -66,11 +67,20 @@ def test_only_the_default_policy_asks_engines_to_pull() -> None:
     assert runs["default", 85_000.0].hit_rate > runs["default", 0.0].hit_rate
 
 
-def test_the_router_follows_kv_events_into_the_real_residency_view() -> None:
-    router = SimRouter(POLICIES["cache_aware"](RoutingSettings()), rtt_s=0.04, uses_sessions=False)
-    router.kv_changed("r/e0", [1, 2, 3], [])
-    router.kv_changed("r/e0", [], [3])
-    assert router.index.lookup([1, 2, 3]) == {"r/e0": 2}
+def test_the_simulator_routes_with_the_gateways_router_fed_by_kv_events() -> None:
+    """No second copy of the decision: the simulation drives gateway.routing.router.Router, whose residency
+    view follows the simulated engines' stored and evicted blocks."""
+    sim = sim_router(POLICIES["cache_aware"](RoutingSettings()), RoutingSettings(), regions=["r"],
+                     engines_per_region=2, rtt_s=0.04, uses_sessions=False)  # fmt: skip
+    assert isinstance(sim.router, Router)
+    sim.kv_changed("r/e0", [1, 2, 3], [])
+    sim.kv_changed("r/e0", [], [3])
+    assert sim.router.state.lookup([1, 2, 3]) == {"r/e0": 2}
+    engines = [SimEngine(f"r/e{i}", "r", 100, CostModel(), sim.kv_changed) for i in range(2)]
+    request = TraceRequest(arrival_s=0.0, input_tokens=3 * 512 + 1, output_tokens=1, blocks=(1, 2, 9, 10),
+                           conversation=7)  # fmt: skip
+    engine, source = sim.route(request, "r", 0.0, engines)
+    assert engine.id == "r/e0" and source is None  # where its first two blocks are
 
 
 def test_the_cli_prints_the_documented_json(tmp_path: Path) -> None:

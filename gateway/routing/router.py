@@ -1,0 +1,352 @@
+"""Where the routing decision is made: one request, one engine, decided and committed in one place.
+
+``Router.decide`` builds the candidates (health, circuit breaker, admission, cached prefixes, peers, the
+remote-share cap), asks the policy, chooses the prefill engine when engines are disaggregated, and commits
+the decision before it returns, with no await in between: the session is bound to the chosen engine, the
+prompt's new blocks are noted as held soon there, and its uncached tokens as queued there. A parallel
+request decided a microsecond later therefore sees the first one's choice: the twin requests of an agent's
+fan-out, or the first requests of a new session sent at once, land together. ``confirm`` finishes the
+commit once the engine took the request; ``release`` takes the claim back when it failed before that.
+
+The gateway (``gateway.service``) and ``kvgate simulate`` (``gateway.simulate``) both drive this class: the
+simulator feeds it simulated engines' load and KV events, the gateway real ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cache.sessions import SessionBinding
+from gateway.config import GatewaySettings
+from gateway.errors import GatewayError, NoCapacity, Overloaded
+from gateway.routing.base import Candidate, RouteDecision, RouteRequest, RoutingPolicy, with_peers
+from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_only
+from gateway.routing.regional import RemoteShareLimiter
+from gateway.shared_state import SharedState
+from region_map.config import EngineKind, Role
+from region_map.fleet import ChainKey, EngineState, Fleet
+
+# Blocks of a new prefix noted as "held soon" until the engine's events confirm them: a parallel request
+# counts them as cached (16k tokens of 16-token blocks, ~0.15 us a block; longer prompts note their start).
+PENDING_MAX_BLOCKS = 1024
+
+
+class RoutingAsk(Protocol):
+    """What routing reads of a request (``gateway.prepare.Prepared`` is one)."""
+
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def home_region(self) -> str: ...
+    @property
+    def tools(self) -> bool: ...
+    @property
+    def chains(self) -> dict[ChainKey, list[int]]: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def route_key(self) -> int: ...
+
+
+class RoutingMetrics(Protocol):
+    """The counters the router moves (``gateway.metrics.GatewayMetrics``; None in the simulator)."""
+
+    def routed(self, region: str, engine: str, reason: str, cached_tokens: int, home: str) -> None: ...
+    def refused_admission(self, model: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Plan:
+    """One request's routing inputs, computed once and kept across its attempts."""
+
+    ask: RoutingAsk
+    answering: list[EngineState]  # engines that may answer (decode-capable), admission applied
+    prefilling: list[EngineState]  # dedicated prefill engines (empty unless disaggregated)
+    cached: dict[str, int]  # leading prompt tokens each engine holds, by the residency view
+    confirmed: dict[str, int] | None  # ... by its KV events alone: what a peer can pull (None: no pulls)
+    excluded: set[str] = field(default_factory=set)  # engines that failed this request before answering
+    failed_prefill: set[str] = field(default_factory=set)  # prefill engines whose transfer broke
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class Route:
+    """A committed decision: where the request goes, what it is predicted to find there, and the claim
+    made for it (undone by ``Router.release`` if the engine never takes the request)."""
+
+    decision: RouteDecision
+    engine: EngineState
+    prefill: EngineState | None
+    predicted: int  # cached tokens the answer should report
+    pulled_tokens: int  # tokens the engine pulls from ``decision.kv_source`` (0: no pull)
+    computing: EngineState  # where the prompt is prefilled: the prefill engine, or the engine itself
+    queued_tokens: int  # uncached prompt tokens noted as queued on ``computing`` until settled
+    session: tuple[str, str] | None = None  # (tenant, session id) bound by this decision
+    claimed: SessionBinding | None = None
+    previous: SessionBinding | None = None
+    held_soon: list[int] = field(default_factory=list)  # blocks noted on ``engine`` as held soon
+
+    def settle(self) -> None:
+        """The prompt's prefill is done (tokens flow) or will never run: its queued tokens leave the
+        engine's load signal. Idempotent."""
+        self.computing.pending_prefill_tokens -= self.queued_tokens
+        self.queued_tokens = 0
+
+
+class Router:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        fleet: Fleet,
+        state: SharedState,
+        policy: RoutingPolicy,
+        *,
+        metrics: RoutingMetrics | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.state = state
+        self.policy = policy
+        self.metrics = metrics
+        self.limiter = RemoteShareLimiter(settings.routing.max_remote_share)
+        self._wall_clock = wall_clock  # stamps session bindings: the newest binding wins across gateways
+        self._seq = 0
+
+    # -- inputs ----------------------------------------------------------------------------------------
+
+    async def find_session(self, ask: RoutingAsk) -> None:
+        """The one await of routing: a session id this gateway has never seen is looked up in Redis; its
+        binding then sits in the local view that ``decide`` reads (at decision time, so that a claim made
+        meanwhile by a parallel request of the same session is what counts)."""
+        if ask.session_id is not None:
+            await self.state.lookup_session(ask.tenant, ask.session_id)
+
+    def plan(self, ask: RoutingAsk) -> Plan:
+        """The request's engines and cached prefixes, computed once for all its attempts."""
+        engines = self.fleet.serving(ask.model)
+        if ask.tools:
+            engines = [e for e in engines if e.config.tools]
+        # With dedicated prefill or decode engines, answers come from decode-capable engines and long uncached
+        # prompts are prefilled elsewhere; with only "both" engines every engine does everything.
+        disaggregated = any(e.role is not Role.BOTH for e in engines)
+        answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
+        prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
+        cached = self.cached_tokens(ask, engines)
+        pulls = self.policy.pulls_kv and any(e.kv_pull for e in engines)
+        confirmed = self.cached_tokens(ask, engines, exact_only=True) if pulls and cached else None
+        return Plan(ask, self._with_room(answering, ask.model), prefilling, cached, confirmed)
+
+    def cached_tokens(
+        self, ask: RoutingAsk, engines: Sequence[EngineState], *, exact_only: bool = False
+    ) -> dict[str, int]:
+        """Leading prompt tokens each engine holds, by the residency view: whole blocks of the size it is
+        routed in (its own, or for vLLM/SGLang at least ``min_block_size``), and never the prompt's last
+        token, which every engine computes (its logits start the decode): a prompt of whole blocks finds
+        one block less. (``prompt - 1`` rounded down to an engine's blocks, then to routing blocks of
+        several of them, is ``prompt - 1`` rounded down to routing blocks.)"""
+        default, minimum = self.settings.block_size, self.settings.min_block_size
+        found = {key: self.state.lookup(chain, exact_only=exact_only) for key, chain in ask.chains.items()}
+        last = ask.prompt_tokens - 1
+        out: dict[str, int] = {}
+        for e in engines:
+            key = e.chain_key(default, minimum)
+            blocks = found[key].get(e.id, 0) if key in found else 0
+            if blocks:
+                out[e.id] = min(blocks, max(0, last) // key.block_size) * key.block_size
+        return out
+
+    def _with_room(self, engines: list[EngineState], model: str) -> list[EngineState]:
+        """Admission control: engines at their limits take nothing more. When every available engine is
+        saturated the request is refused at once (503 with Retry-After) rather than queued without bound."""
+        r = self.settings.resilience
+        open_ = [
+            e
+            for e in engines
+            if e.inflight < r.max_inflight_per_engine and e.load.waiting < r.max_waiting_per_engine
+        ]
+        if (
+            len(open_) < len(engines)
+            and not any(e.available for e in open_)
+            and any(e.available for e in engines)
+        ):
+            if self.metrics is not None:
+                self.metrics.refused_admission(model)
+            raise Overloaded(
+                "every engine serving this model is at its queue limit; retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        return open_
+
+    def candidates(
+        self,
+        engines: Sequence[EngineState],
+        cached: dict[str, int],
+        home: str,
+        confirmed: dict[str, int] | None = None,
+    ) -> list[Candidate]:
+        out = []
+        for e in engines:
+            total, waiting = e.queue_estimate()
+            out.append(
+                Candidate(
+                    engine=e.id,
+                    region=e.region,
+                    healthy=e.available,
+                    load=total,
+                    waiting=waiting,
+                    cached_tokens=cached.get(e.id, 0),
+                    rtt_s=self.fleet.rtt_s(e.region, home),
+                    queued_prefill_tokens=max(e.pending_prefill_tokens, e.load.waiting_tokens),
+                )
+            )
+        if not self.policy.pulls_kv:
+            return out
+        # Pulls move blocks between engines that name them alike: kvgate engines of the gateway's block size.
+        block_size = self.settings.block_size
+        pulling = {e.id for e in engines if e.kv_pull and e.block_size in (None, block_size)}
+        return with_peers(out, pulling, confirmed if confirmed is not None else cached) if pulling else out
+
+    # -- the decision ----------------------------------------------------------------------------------
+
+    def decide(self, plan: Plan) -> Route | GatewayError:
+        """The next attempt's engine, committed; or the error to answer when no engine is left. Call it
+        again after a failed attempt (``failed``): what failed is left out."""
+        ask = plan.ask
+        binding = (
+            self.state.sessions.get_now(ask.tenant, ask.session_id) if ask.session_id is not None else None
+        )
+        self._seq += 1
+        request = RouteRequest(
+            prompt_tokens=ask.prompt_tokens,
+            route_key=ask.route_key,
+            seq=self._seq,
+            session_engine=binding.engine if binding else None,
+            home_region=ask.home_region,
+        )
+        error: GatewayError | None = None
+        while True:
+            engines = [e for e in plan.answering if e.id not in plan.excluded]
+            candidates = self.candidates(engines, plan.cached, ask.home_region, plan.confirmed)
+            eligible = self.limiter.eligible(ask.home_region, candidates, request.session_engine)
+            decision = self.policy.pick(request, eligible)
+            if decision is None:
+                return error or NoCapacity(
+                    f"no healthy engine serves model '{ask.model}' right now", headers={"Retry-After": "1"}
+                )
+            if plan.attempts and decision.reason != "failover":
+                decision = RouteDecision(
+                    decision.engine,
+                    "failover",
+                    decision.cached_tokens,
+                    decision.kv_source,
+                    decision.pulled_tokens,
+                )
+            engine = self.fleet.engines[decision.engine]
+            prefill: EngineState | None = None
+            if plan.prefilling:
+                prefill = self._prefill_for(plan, request, engine, decision, candidates)
+                if prefill is None and prefills_elsewhere_only(engine):
+                    plan.excluded.add(engine.id)
+                    error = NoCapacity(
+                        f"decode engine {engine.id} needs a prefill engine and none of its kind is available",
+                        headers={"Retry-After": "1"},
+                    )
+                    continue
+            plan.attempts += 1
+            return self._commit(plan, decision, engine, prefill, binding)
+
+    def _prefill_for(
+        self,
+        plan: Plan,
+        request: RouteRequest,
+        engine: EngineState,
+        decision: RouteDecision,
+        candidates: Sequence[Candidate],
+    ) -> EngineState | None:
+        chosen = next(c for c in candidates if c.engine == engine.id)
+        if decision.kv_source is not None:  # what it will pull from a peer it need not prefill
+            chosen = chosen._replace(cached_tokens=decision.pulled_tokens)
+        # K/V moves only between engines of one kind: each kind has its own transfer protocol.
+        able = [e for e in plan.prefilling if e.id not in plan.failed_prefill and e.kind is engine.kind]
+        usable = self.candidates(able, plan.cached, plan.ask.home_region, plan.confirmed)
+        local = not prefills_elsewhere_only(engine)
+        pick = choose_prefill(request, chosen, usable, self.settings.routing, local_allowed=local)
+        return self.fleet.engines[pick.engine] if pick else None
+
+    def _commit(
+        self,
+        plan: Plan,
+        decision: RouteDecision,
+        engine: EngineState,
+        prefill: EngineState | None,
+        binding: SessionBinding | None,
+    ) -> Route:
+        """Make the decision visible to the next one before anything is awaited: the session's binding, the
+        prompt's blocks as held soon on the engine, its uncached tokens as queued where it is computed."""
+        ask, cached = plan.ask, plan.cached
+        prompt = ask.prompt_tokens
+        pulled = min(decision.pulled_tokens, prompt - 1) if prefill is None and decision.kv_source else 0
+        predicted = min(max(decision.cached_tokens, pulled), prompt)
+        if prefill is not None and prefill.kind is not EngineKind.KVGATE:
+            # vLLM's and SGLang's decode engines report the prefill engine's cache hit as cached_tokens.
+            predicted = cached.get(prefill.id, 0)
+        computing = prefill or engine
+        held = predicted if pulled else cached.get(computing.id, 0)
+        queued = prompt - min(held, prompt)
+        computing.pending_prefill_tokens += queued
+        route = Route(decision, engine, prefill, predicted, pulled, computing, queued)
+        if ask.session_id is not None and (binding is None or binding.engine != engine.id):
+            made = SessionBinding(engine.region, engine.id, self._wall_clock())
+            claimed = self.state.bind_session(ask.tenant, ask.session_id, made)
+            route.session, route.claimed, route.previous = (ask.tenant, ask.session_id), claimed, binding
+        s = self.settings
+        key = engine.chain_key(s.block_size, s.min_block_size)
+        known = cached.get(engine.id, 0) // key.block_size
+        # The first new blocks only, until the engine's events (or the confirmation) say the rest: enough to
+        # steer a twin decided before the events arrive, without paying per block for a long prompt twice.
+        route.held_soon = ask.chains.get(key, [])[known : known + PENDING_MAX_BLOCKS]
+        self.state.record_route(engine.id, route.held_soon, s.pending_ttl_s, share=False)
+        self.limiter.record(ask.home_region, engine.region)
+        return route
+
+    def failed(self, plan: Plan, route: Route, *, prefill_only: bool) -> None:
+        """The attempt failed before the engine took the request: take its claim back and leave the engine
+        (or, when only its K/V transfer broke, the prefill engine) out of the next attempt."""
+        self.release(route)
+        if prefill_only and route.prefill is not None:
+            plan.failed_prefill.add(route.prefill.id)  # same decode engine, another prefill engine (or local)
+        else:
+            plan.excluded.add(route.engine.id)
+
+    def release(self, route: Route) -> None:
+        route.settle()
+        if route.session is not None and route.claimed is not None:
+            tenant, session_id = route.session
+            self.state.release_session(tenant, session_id, route.claimed, route.previous)
+            route.session = None
+        if route.held_soon:
+            self.state.forget_route(route.engine.id, route.held_soon)
+            route.held_soon = []
+
+    def confirm(self, route: Route, ask: RoutingAsk) -> None:
+        """The engine took the request: remember where the prefix went for good. An engine that publishes KV
+        events will announce the blocks itself; for one that does not, this record is all anyone will know,
+        so it is shared with the other gateways and lives ``approx_ttl_s``."""
+        engine, s = route.engine, self.settings
+        if engine.kv_events:
+            engine.awaited_blocks += len(route.held_soon)
+        else:
+            key = engine.chain_key(s.block_size, s.min_block_size)
+            self.state.record_route(engine.id, ask.chains.get(key, []), s.approx_ttl_s, share=True)
+        route.held_soon = []  # (no longer ours to take back)
+        if self.metrics is not None:
+            d = route.decision
+            self.metrics.routed(engine.region, engine.id, d.reason, route.predicted, ask.home_region)

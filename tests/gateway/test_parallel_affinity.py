@@ -1,0 +1,156 @@
+"""Requests decided at the same moment see each other's decisions: an agent's fan-out stays together.
+
+The routing decision is committed when it is made (gateway.routing.router): the session's binding and the
+prompt's blocks as "held soon" are in the view before the first request reaches its engine, so the next
+request, decided a microsecond later, follows it instead of preferring the engine the first one left idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import msgpack
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from cache.redis_keys import RedisKeys
+from tests.harness import MODEL, Cluster, ClusterFactory
+
+# Prefill takes time, so that parallel requests really overlap inside the engines.
+SLOW_PREFILL = {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.0005}
+
+
+def prefix(tag: str, words: int = 300) -> str:
+    return " ".join(f"{tag}-{i}" for i in range(words))
+
+
+async def ask(
+    cluster: Cluster, prompt: str, *, session: str | None, stream: bool, url: str | None = None
+) -> tuple[str, int, int]:
+    """(engine, prompt tokens, cached tokens) of one completion."""
+    assert cluster.session is not None
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    headers = {"x-session-affinity": session} if session else {}
+    async with cluster.session.post(
+        (url or cluster.url) + "/v1/completions", json=body, headers=headers
+    ) as r:
+        assert r.status == 200, await r.text()
+        engine = r.headers["x-kvgate-engine"]
+        if not stream:
+            usage = (await r.json())["usage"]
+        else:
+            usage = None
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    event = orjson.loads(line[6:])
+                    usage = event.get("usage") or usage
+            assert usage is not None
+    return engine, usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+async def fan_out(
+    cluster: Cluster, base: str, n: int, *, session: str | None, stream: bool
+) -> list[tuple[str, int, int]]:
+    return await asyncio.gather(
+        *(ask(cluster, f"{base} call-{i} do {i}", session=session, stream=stream) for i in range(n))
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("redis", [False, True], ids=["embedded", "redis"])
+async def test_parallel_first_requests_of_a_new_session_land_on_one_engine(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys, stream: bool, redis: bool
+) -> None:
+    shared = {"redis_url": redis_url, "redis_prefix": redis_keys.prefix} if redis else {}
+    cluster = await make_cluster({"eu-west": 4}, sim=SLOW_PREFILL, **shared)
+    for n in (2, 4, 8, 16):
+        for trial in range(3):
+            session = f"agent-{uuid.uuid4().hex[:8]}"
+            base = prefix(f"t{n}x{trial}")
+            first = await fan_out(cluster, base, n, session=session, stream=stream)
+            engines = {engine for engine, _, _ in first}
+            assert len(engines) == 1, (n, trial, sorted(engines))
+            # The next turn resends the conversation: every call of its fan-out finds it cached.
+            second = await fan_out(cluster, base + " result ok next", n, session=session, stream=stream)
+            assert {engine for engine, _, _ in second} == engines
+            assert all(cached > 0 for _, _, cached in second), second
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_simultaneous_twin_prefixes_land_together_without_a_session(
+    make_cluster: ClusterFactory, stream: bool
+) -> None:
+    cluster = await make_cluster({"eu-west": 4}, sim=SLOW_PREFILL)
+    for trial in range(6):
+        twins = await fan_out(cluster, prefix(f"twin{trial}"), 3, session=None, stream=stream)
+        assert len({engine for engine, _, _ in twins}) == 1, (trial, twins)
+
+
+async def test_a_claim_is_taken_back_when_the_engine_fails_before_taking_the_request(
+    make_cluster: ClusterFactory,
+) -> None:
+    """The first choice refuses connections: the session ends bound to the engine that answered, and the
+    refused engine holds no "held soon" prefix in the view."""
+    cluster = await make_cluster({"eu-west": 2}, sim=SLOW_PREFILL)
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    await cluster.stop_engine("eu-west/e0")
+    gateway = cluster.gateway
+    # Until its health check notices, the gateway still believes e0 healthy: make it the obvious choice.
+    gateway.fleet.engines["eu-west/e1"].pending_prefill_tokens += 10**6
+    gateway.fleet.engines["eu-west/e0"].healthy = True
+    try:
+        engine, _, _ = await ask(cluster, prefix("refused"), session="s-refused", stream=False)
+    finally:
+        gateway.fleet.engines["eu-west/e1"].pending_prefill_tokens -= 10**6
+    assert engine == "eu-west/e1"
+    binding = gateway.state.sessions.get_now("default", "s-refused")
+    assert binding is not None and binding.engine == "eu-west/e1"
+    assert gateway.fleet.engines["eu-west/e0"].pending_prefill_tokens == 0
+    assert not (await gateway.state.index.holdings("eu-west/e0")).approximate  # no "held soon" left there
+
+
+async def test_two_gateways_on_one_redis_agree_on_a_session_claimed_in_parallel(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys
+) -> None:
+    """Both gateways get half of a new session's fan-out at once: the newest claim wins everywhere, and the
+    next turn, through either gateway, goes to that one engine."""
+    shared = {"redis_url": redis_url, "redis_prefix": redis_keys.prefix}
+    cluster = await make_cluster({"eu-west": 4}, sim=SLOW_PREFILL, **shared)
+    _, second_url = await cluster.add_gateway("eu-west", **shared)
+    session, base = "shared-agent", prefix("two-gateways")
+    first_url = cluster.url
+
+    calls = [
+        ask(
+            cluster, f"{base} call-{i}", session=session, stream=False, url=first_url if i % 2 else second_url
+        )
+        for i in range(4)
+    ]
+    await asyncio.gather(*calls)
+    client = Redis.from_url(redis_url)
+    try:
+        engines: set[str] = set()
+        stored: list[Any] = []
+        for _ in range(100):
+            raw = await client.get(redis_keys.session("default", session))
+            views = [g.state.sessions.get_now("default", session) for g, _ in cluster.gateways]
+            engines = {b.engine for b in views if b is not None}
+            stored = msgpack.unpackb(raw) if raw is not None else []
+            if len(engines) == 1 and stored and stored[1] in engines:
+                break
+            await asyncio.sleep(0.05)
+        assert len(engines) == 1 and stored and stored[1] in engines, (engines, stored)
+    finally:
+        await client.aclose()
+    # The next turn, through either gateway, goes to that engine.
+    (engine,) = engines
+    for url in (first_url, second_url):
+        answered, _, cached = await ask(
+            cluster, f"{base} call-0 next", session=session, stream=False, url=url
+        )
+        assert answered == engine and cached > 0
