@@ -25,9 +25,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 from cache.events import KvEvent
+from engine.engine_types import ImportTicket, StepOutput
 from engine.kv_export import ExportSink
 from engine.kv_transfer import KvTransferError, frame
-from engine.llm_engine import ImportTicket, LLMEngine, StepOutput
+from engine.llm_engine import LLMEngine
 from engine.sequence import CacheNamespace, SamplingParams
 
 log = logging.getLogger("kvgate.engine")

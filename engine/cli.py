@@ -145,7 +145,8 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sim_engine(args: argparse.Namespace) -> int:
     """Serve the simulator until SIGINT/SIGTERM; returns the exit status."""
-    from engine.sim.server import SimEngineConfig, serve
+    from engine.sim.run import serve
+    from engine.sim.server import SimEngineConfig
 
     ssl_context = tls_context(args)
     sock: socket.socket | None = None

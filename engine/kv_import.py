@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 
 from engine.attention import KVCache
+from engine.engine_types import ImportTicket
+from engine.kv_source_request import kv_source_body
 from engine.kv_transfer import KvChunk, KvTransferError, position_slots, read_frame
-from engine.llm_engine import ImportTicket
-from engine.openai_api import kv_source_body
 from engine.sequence import CacheNamespace
 
 

@@ -1,4 +1,8 @@
-"""The engine: requests in, tokens out, one ``step()`` at a time (synchronous; see async_engine)."""
+"""The engine: requests in, tokens out, one ``step()`` at a time (synchronous; see async_engine).
+
+Its K/V transfer (export, import, pull) is mixed in from :mod:`engine.kv_engine`; the values it hands out
+and the error it raises are in :mod:`engine.engine_types`.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from cache.tokens import Tokenizer, load_tokenizer
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_export import send_cached, send_positions
+from engine.engine_types import RequestRejected, StepOutput
+from engine.kv_engine import KvTransferMixin
 from engine.metrics import EngineCounters
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
@@ -28,10 +33,9 @@ from engine.parallel.distributed import (
 )
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
-from engine.sequence import CacheNamespace, SamplingParams, SeqStatus, Sequence
+from engine.sequence import CacheNamespace, SamplingParams, Sequence
 
 if TYPE_CHECKING:
-    from engine.kv_export import ExportSink
     from engine.model.llama import CausalLM
     from engine.parallel.executor import ParallelExecutor
 
@@ -63,37 +67,7 @@ class EngineConfig:
         return self.served_model_name or Path(self.model_dir).resolve().name
 
 
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    request_id: str
-    text: str  # new text since the last output
-    token_ids: tuple[int, ...]  # new tokens since the last output
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    kv_transferred_tokens: int = 0  # prompt positions whose K/V came from a prefill engine or a peer's cache
-
-
-@dataclass(frozen=True, slots=True)
-class ImportTicket:
-    """A decode-side sequence that now holds blocks and waits for positions ``start .. end`` of its K/V.
-    With ``pull`` they come from a peer's prefix cache, which may hold fewer (``LLMEngine.finish_pull``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    start: int
-    end: int
-    block_table: list[int]
-    pull: bool = False
-
-
-class RequestRejected(ValueError):
-    """A request the engine can never serve (too long for its context or its KV cache)."""
-
-
-class LLMEngine:
+class LLMEngine(KvTransferMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -249,108 +223,6 @@ class LLMEngine:
         self._sent_tokens[request_id] = 0
         self.scheduler.add(seq)
 
-    def add_export(
-        self,
-        request_id: str,
-        prompt_token_ids: Seq[int],
-        namespace: CacheNamespace,
-        from_position: int,
-        sink: ExportSink,
-    ) -> None:
-        """Prefill ``prompt_token_ids`` without sampling; stream their K/V from ``from_position`` on."""
-        if request_id in self._seqs:
-            raise RequestRejected(f"request id {request_id!r} is already running")
-        if self.kv_cache is None:
-            raise RequestRejected("KV export is not supported with tensor or pipeline parallelism")
-        prompt = [int(t) for t in prompt_token_ids]
-        self.check_request(prompt, SamplingParams(max_tokens=0))
-        if not 0 <= from_position < len(prompt):
-            raise RequestRejected(
-                f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
-            )
-        seq = self._sequence(request_id, prompt, SamplingParams(max_tokens=0), namespace)
-        seq.export, seq.export_from = sink, from_position
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-
-    def take_import_tickets(self) -> list[ImportTicket]:
-        """Sequences admitted since the last call that wait for their K/V (the rest of their prompt). One
-        whose own prefix cache already covers what it would import gets no ticket: it computes the rest."""
-        tickets = []
-        for seq in self.scheduler.admitted_importers:
-            if seq.status is not SeqStatus.RUNNING or not seq.awaiting_kv:
-                continue
-            if seq.num_computed >= seq.import_end:
-                self._imported(seq, seq.num_computed, seq.num_computed)  # nothing to fetch
-                continue
-            tickets.append(
-                ImportTicket(seq.request_id, list(seq.token_ids), seq.num_computed, seq.import_end,
-                             list(seq.block_table), pull=seq.kv_pull)
-            )  # fmt: skip
-        self.scheduler.admitted_importers.clear()
-        return tickets
-
-    def finish_import(self, request_id: str, prefill_cached_tokens: int) -> None:
-        """The K/V of every prompt position but the last has arrived: the sequence computes its last prompt
-        token itself (so sampling starts from the very generator state a colocated run would have)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.awaiting_kv or seq.kv_pull:
-            return
-        # Tokens nobody computed for this request: those the prefill engine found in its own cache.
-        self._imported(seq, seq.import_end, prefill_cached_tokens)
-
-    def finish_pull(self, request_id: str, pulled_to: int | None) -> None:
-        """A pull from a peer's prefix cache ended. Positions up to ``pulled_to`` hold the peer's K/V (fewer
-        than asked when the peer had evicted some); ``None``: the pull failed, and the sequence computes
-        everything past its own cached prefix, overwriting whatever the pull had written. Either way the
-        request goes on: a pull only ever saves work."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.awaiting_kv or not seq.kv_pull:
-            return
-        start = seq.num_computed
-        end = start if pulled_to is None else max(start, min(pulled_to, seq.import_end))
-        outcome = "failed" if pulled_to is None else "ok" if end == seq.import_end else "partial"
-        self.counters.pulled(outcome, end - start)
-        # Nobody computed the pulled positions for this request: they count as cached, like its own hits.
-        self._imported(seq, end, end)
-
-    def _imported(self, seq: Sequence, computed_to: int, cached_tokens: int) -> None:
-        """Positions up to ``computed_to`` now hold K/V: the sequence computes the rest of its prompt."""
-        self._transferred[seq.request_id] = computed_to - seq.num_computed
-        seq.num_computed = computed_to
-        seq.awaiting_kv = False
-        seq.num_cached_prompt_tokens = min(cached_tokens, seq.num_prompt_tokens)
-        self.blocks.register_full_blocks(seq)
-
-    def export_cached(
-        self, prompt_token_ids: Seq[int], namespace: CacheNamespace, from_position: int, sink: ExportSink
-    ) -> int:
-        """Serve a peer's pull: the K/V of positions ``from_position .. k`` of the prompt, where ``k`` ends
-        the longest run of its full blocks in the prefix cache, then the done frame (``tokens`` = ``k``, or
-        ``from_position`` when the cache holds no more). Computes nothing and queues nothing, so it never
-        waits behind requests; it runs between two steps and copies the K/V out at once, so no later step
-        can evict a block before it is sent. The sent blocks nobody uses are then demoted to be evicted
-        first: the peer holds them now, so the pull migrates them rather than duplicating them. Returns the
-        positions sent."""
-        if self.kv_cache is None:
-            raise RequestRejected("KV pull is not supported with tensor or pipeline parallelism")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not 0 <= from_position < len(prompt):
-            raise RequestRejected(
-                f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
-            )
-        probe = self._sequence("kv-pull", prompt, SamplingParams(max_tokens=0), namespace)
-        probe.export = sink  # an exporting sequence matches every full block (it has nothing to sample)
-        run = self.blocks.match_prefix(probe)
-        block_size = self.config.block_size
-        end = max(len(run) * block_size, from_position)
-        if end > from_position:
-            send_positions(sink.send, self.kv_cache, run, from_position, end)
-        sink.close({"t": "done", "tokens": end, "cached_tokens": end})
-        self.blocks.demote(run[from_position // block_size :])
-        self.counters.pull_served(end - from_position)
-        return end - from_position
-
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.finished:
@@ -393,21 +265,6 @@ class LLMEngine:
             seq.token_ids.append(token)
             outputs.append(self._after_token(seq, token))
         return outputs
-
-    def _send_cached_exports(self) -> None:
-        """Exports whose every position was already cached: send them from the cache, no model step."""
-        for seq in self.scheduler.cached_exports:
-            assert seq.export is not None and self.kv_cache is not None
-            send_cached(seq, self.kv_cache)
-            self._finish_export(seq)
-        self.scheduler.cached_exports.clear()
-
-    def _finish_export(self, seq: Sequence) -> None:
-        assert seq.export is not None
-        cached = seq.num_cached_prompt_tokens or 0
-        self.scheduler.finish(seq, "prefilled")
-        seq.export.close({"t": "done", "tokens": seq.num_tokens, "cached_tokens": cached})
-        self._forget(seq.request_id)
 
     def _after_token(self, seq: Sequence, token: int) -> StepOutput:
         detok = self._detok[seq.request_id]

@@ -2,7 +2,8 @@
 
 Parsing turns a ``/v1/completions`` or ``/v1/chat/completions`` body into a :class:`GenerationRequest`;
 every client mistake becomes an :class:`OpenAIError` (an OpenAI-shaped 4xx), never a 500. The answers'
-bodies, SSE chunks and usage object are built in :mod:`engine.openai_format`. Engines own only the
+bodies, SSE chunks and usage object are built in :mod:`engine.openai_format`; the error in
+:mod:`engine.openai_errors`; single fields are read by :mod:`engine.openai_params`. Engines own only the
 generation in between.
 """
 
@@ -11,61 +12,32 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import orjson
-from aiohttp import web
 
 from cache.openai_fields import tools_requested
-from cache.tokens import ChatContentError, Tokenizer, render_messages, uint32_array
+from cache.tokens import ChatContentError, Tokenizer, render_messages
+from engine.openai_errors import OpenAIError
+from engine.openai_params import (
+    PACKED_IDS_FIELD,
+    bool_param,
+    int_param,
+    number_param,
+    stop_param,
+    token_ids_param,
+    unpack_token_ids,
+)
 
 RequestKind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
 
 DEFAULT_MAX_TOKENS = 16
-MAX_STOP_STRINGS = 4
 
-JSON_CONTENT_TYPE = "application/json"
 SSE_CONTENT_TYPE = "text/event-stream"
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-class OpenAIError(Exception):
-    """A request the engine refuses, rendered as OpenAI's ``{"error": {...}}`` body with a 4xx status."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.error_type = error_type
-
-    def body(self) -> bytes:
-        return orjson.dumps(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.error_type,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            }
-        )
-
-    def to_response(self, headers: Mapping[str, str] | None = None) -> web.Response:
-        return json_response(self.body(), status=self.status, headers=headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +134,7 @@ def parse_request(
         ids = unpack_token_ids(data[PACKED_IDS_FIELD])
     elif data.get("prompt_token_ids") is not None:
         prompt_param = "prompt_token_ids"
-        ids = _token_ids(data["prompt_token_ids"], prompt_param)
+        ids = token_ids_param(data["prompt_token_ids"], prompt_param)
     elif kind == "chat":
         prompt_param = "messages"
         ids = tokenizer.encode(_render_messages(data.get("messages"), tokenizer))
@@ -177,7 +149,7 @@ def parse_request(
     if kind == "chat" and data.get("max_completion_tokens") is not None:
         max_tokens_param, max_tokens_raw = "max_completion_tokens", data["max_completion_tokens"]
     max_tokens = (
-        DEFAULT_MAX_TOKENS if max_tokens_raw is None else _int(max_tokens_raw, max_tokens_param, lo=1)
+        DEFAULT_MAX_TOKENS if max_tokens_raw is None else int_param(max_tokens_raw, max_tokens_param, lo=1)
     )
     prompt_tokens = int(ids.shape[0])
     if max_model_len is not None and prompt_tokens + max_tokens > max_model_len:
@@ -189,13 +161,13 @@ def parse_request(
             code="context_length_exceeded",
         )
 
-    stream = _bool(data.get("stream"), "stream", default=False)
+    stream = bool_param(data.get("stream"), "stream", default=False)
     include_usage = False
     stream_options = data.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
             raise OpenAIError("stream_options must be an object", param="stream_options")
-        include_usage = _bool(
+        include_usage = bool_param(
             stream_options.get("include_usage"), "stream_options.include_usage", default=False
         )
 
@@ -204,10 +176,10 @@ def parse_request(
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise OpenAIError("cache_salt must be a string", param="cache_salt")
     top_k_raw = data.get("top_k")
-    top_k = 0 if top_k_raw is None else _int(top_k_raw, "top_k", lo=-1)
+    top_k = 0 if top_k_raw is None else int_param(top_k_raw, "top_k", lo=-1)
     prefill_url, kv_pull = _kv_transfer_params(data.get("kv_transfer_params"))
     shared_raw = data.get("cache_shared_blocks")
-    shared_blocks = 0 if shared_raw is None else _int(shared_raw, "cache_shared_blocks", lo=0)
+    shared_blocks = 0 if shared_raw is None else int_param(shared_raw, "cache_shared_blocks", lo=0)
 
     return GenerationRequest(
         kind=kind,
@@ -216,12 +188,12 @@ def parse_request(
         model=served_model,
         prompt_token_ids=ids,
         max_tokens=max_tokens,
-        stop=_stop(data.get("stop")),
+        stop=stop_param(data.get("stop")),
         stream=stream,
         include_usage=stream and include_usage,
-        seed=None if seed_raw is None else _int(seed_raw, "seed"),
-        temperature=_number(data.get("temperature"), "temperature", lo=0.0, hi=2.0, default=1.0),
-        top_p=_number(data.get("top_p"), "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
+        seed=None if seed_raw is None else int_param(seed_raw, "seed"),
+        temperature=number_param(data.get("temperature"), "temperature", lo=0.0, hi=2.0, default=1.0),
+        top_p=number_param(data.get("top_p"), "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
         top_k=max(top_k, 0),
         cache_salt=cache_salt or "",
         prefill_url=prefill_url,
@@ -265,61 +237,6 @@ def _url(params: dict[str, Any], key: str) -> str | None:
     return url.rstrip("/")
 
 
-@dataclass(frozen=True, slots=True)
-class KvSourceRequest:
-    """What an engine that sends K/V is asked for: ``KvImporter``'s body to ``/v1/kv/prefill`` (compute and
-    send) and ``/v1/kv/cached`` (send what the prefix cache holds), in the kvgate and the simulated engine."""
-
-    prompt_token_ids: np.ndarray  # uint32
-    from_position: int  # the first position to send: the receiver holds the ones before
-    cache_salt: str
-    cache_shared_blocks: int
-
-
-def kv_source_body(
-    *,
-    model: str,
-    block_size: int,
-    request_id: str,
-    prompt_token_ids: list[int],
-    from_position: int,
-    cache_salt: str,
-    cache_shared_blocks: int,
-) -> dict[str, Any]:
-    """The body ``parse_kv_source_request`` reads: what a receiving engine (kvgate's, or a simulated one
-    pulling) sends to ``/v1/kv/prefill`` or ``/v1/kv/cached``."""
-    return {"model": model, "prompt_token_ids": prompt_token_ids, "cache_salt": cache_salt,
-            "cache_shared_blocks": cache_shared_blocks, "from_position": from_position,
-            "block_size": block_size, "request_id": request_id}  # fmt: skip
-
-
-def parse_kv_source_request(raw: bytes, *, served_model: str, block_size: int) -> KvSourceRequest:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise OpenAIError("the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise OpenAIError("the body must be a JSON object")
-    if body.get("model") != served_model:
-        raise OpenAIError(
-            f"the model '{body.get('model')}' does not exist; this engine serves '{served_model}'",
-            status=404, param="model", code="model_not_found",
-        )  # fmt: skip
-    if body.get("block_size") != block_size:
-        raise OpenAIError(f"block_size must be {block_size}", param="block_size")
-    ids = _token_ids(body.get("prompt_token_ids"), "prompt_token_ids")
-    if not len(ids):
-        raise OpenAIError("prompt_token_ids must not be empty", param="prompt_token_ids")
-    start = _int(body.get("from_position"), "from_position", lo=0)
-    if start >= len(ids):
-        raise OpenAIError(f"from_position must lie in [0, {len(ids)})", param="from_position")
-    salt = body.get("cache_salt") or ""
-    if not isinstance(salt, str):
-        raise OpenAIError("cache_salt must be a string", param="cache_salt")
-    shared = _int(body.get("cache_shared_blocks") or 0, "cache_shared_blocks", lo=0)
-    return KvSourceRequest(ids, start, salt, shared)
-
-
 def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
     n = data.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
@@ -340,44 +257,6 @@ def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
         raise OpenAIError("tool calling is not supported by this engine", param=tools_field)
 
 
-# The prompt's ids packed by ``cache.tokens.pack_token_ids``: what kvgate's gateway sends engines that report
-# ``"token_ids_hex": true`` on /health. JSON numbers cost an engine about 25 ns per id to read (a 100k-token
-# prompt stalls its event loop for 2.5 ms), hex digits about 6 (tests/bench/bench_token_ids.py).
-PACKED_IDS_FIELD = "prompt_token_ids_hex"
-
-
-def unpack_token_ids(value: Any) -> np.ndarray:
-    """``prompt_token_ids_hex`` as uint32 ids; anything but 8 hex digits per id is the client's error."""
-    if not isinstance(value, str):
-        raise OpenAIError(f"{PACKED_IDS_FIELD} must be a string of hex digits", param=PACKED_IDS_FIELD)
-    try:
-        raw = bytes.fromhex(value)
-    except ValueError:
-        raise OpenAIError(f"{PACKED_IDS_FIELD} must hold only hex digits", param=PACKED_IDS_FIELD) from None
-    if len(raw) % 4:
-        raise OpenAIError(f"{PACKED_IDS_FIELD} must hold 8 hex digits per token id", param=PACKED_IDS_FIELD)
-    return np.frombuffer(raw, dtype=">u4").astype(np.uint32)
-
-
-def _token_ids(value: Any, param: str) -> np.ndarray:
-    """A list of token ids as uint32, checked in C (prompts can be 100k long: this takes a quarter of the
-    time ``np.asarray`` did, tests/bench/bench_token_ids.py)."""
-    if not isinstance(value, list):
-        raise OpenAIError(f"{param} must be an array of token ids", param=param)
-    if not value:
-        return np.empty(0, dtype=np.uint32)
-    try:
-        ids = uint32_array(value)
-    except TypeError:
-        raise OpenAIError(f"{param} must be an array of integers", param=param) from None
-    except OverflowError:
-        raise OpenAIError(f"{param} must lie in [0, 2**32)", param=param) from None
-    # JSON true/false arrive as bools, which are ints to Python: an array of nothing else is no prompt.
-    if int(ids.max()) <= 1 and all(type(v) is bool for v in value):
-        raise OpenAIError(f"{param} must be an array of integers", param=param)
-    return ids
-
-
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:
     if prompt is None:
         raise OpenAIError("prompt is required", param="prompt")
@@ -390,16 +269,16 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:
     if not prompt:
         raise OpenAIError("prompt must not be empty", param="prompt")
     # Looking at the first element only keeps long token-id prompts off a per-element Python loop;
-    # _token_ids then checks every element in C.
+    # token_ids_param then checks every element in C.
     if isinstance(prompt[0], int):
-        return _token_ids(prompt, "prompt")
+        return token_ids_param(prompt, "prompt")
     if len(prompt) > 1:
         raise OpenAIError("only one prompt per request is supported", param="prompt")
     only = prompt[0]
     if isinstance(only, str):
         return tokenizer.encode(only)
     if isinstance(only, list):
-        return _token_ids(only, "prompt")
+        return token_ids_param(only, "prompt")
     raise OpenAIError(
         "prompt must be a string, an array of token ids, or an array of one prompt", param="prompt"
     )
@@ -419,49 +298,3 @@ def _render_messages(messages: Any, tokenizer: Tokenizer) -> str:
         return render_messages(tokenizer, messages)
     except ChatContentError as exc:
         raise OpenAIError(str(exc), param="messages") from None
-
-
-def _int(value: Any, param: str, *, lo: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise OpenAIError(f"{param} must be an integer", param=param)
-    if lo is not None and value < lo:
-        raise OpenAIError(f"{param} must be >= {lo}", param=param)
-    return value
-
-
-def _number(value: Any, param: str, *, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
-    if value is None:
-        return default
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise OpenAIError(f"{param} must be a number", param=param)
-    if value > hi or value < lo or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise OpenAIError(f"{param} must lie in {bracket}{lo:g}, {hi:g}]", param=param)
-    return float(value)
-
-
-def _bool(value: Any, param: str, *, default: bool) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise OpenAIError(f"{param} must be a boolean", param=param)
-    return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,) if value else ()
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise OpenAIError("stop must be a string or an array of strings", param="stop")
-    if len(value) > MAX_STOP_STRINGS:
-        raise OpenAIError(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
-    # An empty stop string would match before the first token; it cannot be what the client meant.
-    return tuple(s for s in value if s)
-
-
-def json_response(
-    body: bytes, *, status: int = 200, headers: Mapping[str, str] | None = None
-) -> web.Response:
-    return web.Response(body=body, status=status, content_type=JSON_CONTENT_TYPE, headers=headers)

@@ -16,21 +16,16 @@ import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.engine_types import RequestRejected, StepOutput
 from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
+from engine.kv_source_request import parse_kv_source_request
 from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
 from engine.kv_transfer import KvTransferError, frame
-from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected, StepOutput
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
-from engine.openai_api import (
-    GenerationRequest,
-    OpenAIError,
-    RequestKind,
-    json_response,
-    new_request_id,
-    parse_kv_source_request,
-    parse_request,
-)
+from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
+from engine.openai_errors import OpenAIError, json_response
 from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
 from engine.sequence import CacheNamespace, SamplingParams
 

@@ -17,15 +17,11 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from engine.kv_source_request import kv_source_body, parse_kv_source_request
 from engine.kv_wire import CONTENT_TYPE, KvTransferError, pack, payload_bytes, read_header
 from engine.metrics import EngineCounters
-from engine.openai_api import (
-    GenerationRequest,
-    KvPull,
-    OpenAIError,
-    kv_source_body,
-    parse_kv_source_request,
-)
+from engine.openai_api import GenerationRequest, KvPull
+from engine.openai_errors import OpenAIError
 from engine.sim.prefix_cache import PrefixCache
 
 log = logging.getLogger("kvgate.sim.kv_pull")

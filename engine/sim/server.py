@@ -15,11 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import random
-import signal
-import socket
-import ssl
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,22 +30,15 @@ from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced
 from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
-from engine.openai_api import (
-    FinishReason,
-    GenerationRequest,
-    OpenAIError,
-    RequestKind,
-    json_response,
-    new_request_id,
-    parse_request,
-)
+from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
+from engine.openai_errors import OpenAIError, json_response
 from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
 from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
+from engine.sim.pseudo_text import cut_at_stop, pseudo_text
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
-_SHUTDOWN_TIMEOUT_S = 2.0  # a simulator need not let long streams finish before it stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,62 +70,6 @@ class SimEngineConfig:
             raise ValueError("costs must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must lie in [0, 65535]")
-
-
-# ------------------------------------------------------------------------------------ pseudo-text
-
-_WORDS = (
-    "the", "a", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "on", "cache", "block",
-    "token", "prefix", "model", "gateway", "engine", "region", "latency", "memory", "request", "stream",
-    "batch", "kernel", "layer", "hash", "route", "edge", "query", "answer", "value", "key", "time",
-    "simple", "fast", "small", "large", "every", "some", "many", "this", "we", "they", "can", "will",
-)  # fmt: skip
-
-
-def _build_tape(size: int = 1 << 16) -> tuple[str, tuple[int, ...]]:
-    """A fixed ASCII text of words and sentences, and the offsets where its words start.
-
-    A request's output is a slice of it starting at a word picked by its seed: O(1) per request instead
-    of drawing words one by one.
-    """
-    rng = random.Random(0x6B76676174)
-    parts: list[str] = []
-    starts: list[int] = []
-    pos = 0
-    capital = True
-    while pos < size:
-        word = rng.choice(_WORDS)
-        if capital:
-            word = word.capitalize()
-        capital = rng.random() < 0.1
-        text = word + (". " if capital else " ")
-        starts.append(pos)
-        parts.append(text)
-        pos += len(text)
-    return "".join(parts), tuple(starts)
-
-
-_TAPE, _WORD_STARTS = _build_tape()
-
-
-def pseudo_text(seed: int, length: int) -> str:
-    """``length`` ASCII characters of deterministic pseudo-text, the same for the same ``seed``."""
-    mixed = xxhash.xxh3_64_intdigest((seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"))
-    start = _WORD_STARTS[mixed % len(_WORD_STARTS)]
-    text = _TAPE[start : start + length]
-    while len(text) < length:  # longer than what is left of the tape: wrap around
-        text += _TAPE[: length - len(text)]
-    return text
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, FinishReason]:
-    """``text`` up to (not including) the earliest stop string, and why generation ended."""
-    cut = -1
-    for s in stop:
-        i = text.find(s)
-        if i >= 0 and (cut < 0 or i < cut):
-            cut = i
-    return (text, "length") if cut < 0 else (text[:cut], "stop")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -435,7 +367,7 @@ def build_app(config: SimEngineConfig) -> web.Application:
     """The simulator as an aiohttp application; ``app[SIM_ENGINE]`` is its :class:`SimEngine`.
 
     Run it with ``web.AppRunner(app, handler_cancellation=True)`` so that a client that disconnects
-    cancels its request and frees its slot (:func:`serve` does).
+    cancels its request and frees its slot (:func:`engine.sim.run.serve` does).
     """
     engine = SimEngine(config)
     app = web.Application(client_max_size=_MAX_BODY_BYTES)
@@ -456,57 +388,3 @@ def build_app(config: SimEngineConfig) -> web.Application:
 
     app.on_cleanup.append(close_kv_peer)
     return app
-
-
-def _new_event_loop_factory() -> Any:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional (and absent on Windows)
-        return None
-    return uvloop.new_event_loop
-
-
-def serve(
-    config: SimEngineConfig, *, sock: socket.socket | None = None, ssl_context: ssl.SSLContext | None = None
-) -> int:
-    """Run the simulator until SIGINT or SIGTERM (on uvloop when installed); returns the exit status.
-
-    ``sock``: an already bound socket to serve on instead of ``config.host``/``config.port``;
-    ``ssl_context``: serve https:// with it.
-    """
-    with asyncio.Runner(loop_factory=_new_event_loop_factory()) as runner:
-        return runner.run(_serve(config, sock, ssl_context))
-
-
-async def _serve(
-    config: SimEngineConfig, sock: socket.socket | None, ssl_context: ssl.SSLContext | None
-) -> int:
-    app = build_app(config)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
-    )
-    await runner.setup()
-    try:
-        site: web.BaseSite
-        if sock is not None:
-            site = web.SockSite(runner, sock, backlog=2048, ssl_context=ssl_context)
-        else:
-            site = web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context)
-        await site.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows loops
-                loop.add_signal_handler(sig, stop.set)
-        host, port = runner.addresses[0][:2]
-        url_host = f"[{host}]" if ":" in host else host
-        print(
-            f"kvgate sim-engine {config.engine_id}: SIMULATED engine serving {config.model!r} "
-            f"on {'http' if ssl_context is None else 'https'}://{url_host}:{port}",
-            file=sys.stderr,
-            flush=True,
-        )
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    return 0

@@ -56,8 +56,8 @@ import torch
 from tqdm import tqdm
 
 from engine.attention import KVCache
+from engine.engine_types import ImportTicket
 from engine.kv_import import KvImporter
-from engine.llm_engine import ImportTicket
 from engine.make_model import count_parameters
 from engine.model.config import ModelConfig
 from engine.sequence import CacheNamespace

@@ -11,11 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.tokens import ByteTokenizer, pack_token_ids, render_chat
-from engine.openai_api import (
-    GenerationRequest,
-    OpenAIError,
-    parse_request,
-)
+from engine.openai_api import GenerationRequest, parse_request
+from engine.openai_errors import OpenAIError
 from engine.openai_format import SseFormatter, response_body, usage
 
 TOK = ByteTokenizer()

@@ -9,7 +9,8 @@ import pytest
 
 from cache.events import BlockStored
 from cache.hashing import namespace_seed, namespaced_block_hashes
-from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.engine_types import RequestRejected
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import CacheNamespace, SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

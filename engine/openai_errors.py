@@ -1,0 +1,51 @@
+"""The error a kvgate engine answers a bad request with: OpenAI's ``{"error": {...}}`` body, as JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from aiohttp import web
+
+JSON_CONTENT_TYPE = "application/json"
+
+
+class OpenAIError(Exception):
+    """A request the engine refuses, rendered as OpenAI's ``{"error": {...}}`` body with a 4xx status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.error_type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+    def to_response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        return json_response(self.body(), status=self.status, headers=headers)
+
+
+def json_response(
+    body: bytes, *, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(body=body, status=status, content_type=JSON_CONTENT_TYPE, headers=headers)
