@@ -11,7 +11,8 @@ gateway that missed messages catches up three ways: the answer to its own writes
 instead; the periodic TTL slide of a binding in use says so too; and a follower that lost the channel
 re-reads what it holds once it is back. Residency: Redis keeps a bounded, expiring mirror (warm starts, and
 the approximate records of engines without KV events, shared between gateways), swept by one gateway at a
-time.
+time. Hearing the other gateways on the channel, and catching up after losing it, is the job of
+``gateway.state_follower``, which also holds the channel's wire format.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
 from cache.events import KvEventBatch
@@ -37,16 +37,9 @@ from cache.residency_redis import DEFAULT_MAX_APPROXIMATE_PER_ENGINE, RedisResid
 from cache.sessions import MemorySessionStore, SessionBinding
 from cache.sessions_redis import HeldBinding, RedisSessionStore
 from gateway.background import BackgroundWriter
+from gateway.state_follower import APPROX, BATCH, RELEASE, SESSION, SESSIONS, GatewaysFollower, binding_fields
 
 log = logging.getLogger("kvgate.state")
-
-# Pub/sub message kinds. A binding travels as [region, engine, made_at].
-_SESSION = "s"  # [s, gateway, tenant, session id, region, engine, made_at]: a binding Redis now holds
-_SESSIONS = "S"  # [S, gateway, [[tenant, session id, region, engine, made_at], ...]]: a rebuild's bindings
-_RELEASE = "r"  # [r, gateway, tenant, session id, claimed binding, previous binding or nil]: a claim undone
-_APPROX = "a"  # [a, gateway, engine, ttl_s, hashes]
-
-_BATCH = 500  # sessions per pipelined round trip when rebuilding or re-reading them
 
 
 class SharedState:
@@ -79,19 +72,20 @@ class SharedState:
         )
         self._read_timeout_s = redis_read_timeout_s
         self._redis_sweep_every_s = redis_sweep_every_s
-        self._engine_ids: list[str] = []
-        self._follower: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._resyncing: asyncio.Task[None] | None = None
         self._synced_at: dict[tuple[str, str], float] = {}
         self.redis_errors = 0
-        self.resyncs = 0  # times the follower re-read Redis after losing the channel
+        self.follower = GatewaysFollower(self)  # the other gateways' messages, and catching up after a break
+
+    @property
+    def resyncs(self) -> int:
+        """Times the follower re-read Redis after losing the channel."""
+        return self.follower.resyncs
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self, engine_ids: Sequence[str]) -> None:
         """Warm the view from Redis (a restarted gateway does not start cold), then follow it."""
-        self._engine_ids = list(engine_ids)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvgate-sweeper")
         if self.redis is None:
             return
@@ -101,15 +95,15 @@ class SharedState:
         except (RedisError, OSError) as exc:
             self.redis_errors += 1
             log.warning("could not warm the residency view from Redis: %s", exc)
-        self._follower = asyncio.create_task(self._follow(), name="kvgate-follower")
+        self.follower.start(engine_ids)
 
     async def stop(self) -> None:
-        for task in (self._follower, self._sweeper, self._resyncing):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._follower = self._sweeper = self._resyncing = None
+        await self.follower.stop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        self._sweeper = None
         await self.writer.stop()
 
     async def warm_start(self, engine_ids: Sequence[str]) -> None:
@@ -154,7 +148,7 @@ class SharedState:
         store, redis = self.redis_sessions, self.redis
         if store is None or redis is None:
             return binding
-        message = msgpack.packb([_SESSION, self.gateway_id, tenant, session_id, *_fields(binding)])
+        message = msgpack.packb([SESSION, self.gateway_id, tenant, session_id, *binding_fields(binding)])
 
         async def write() -> None:
             held = await store.offer(tenant, session_id, binding)
@@ -178,8 +172,8 @@ class SharedState:
         if store is None or redis is None:
             return
         message = msgpack.packb(
-            [_RELEASE, self.gateway_id, tenant, session_id, _fields(claimed),
-             _fields(previous) if previous is not None else None]
+            [RELEASE, self.gateway_id, tenant, session_id, binding_fields(claimed),
+             binding_fields(previous) if previous is not None else None]
         )  # fmt: skip
 
         async def write() -> None:  # after the claim's own write: the writer keeps their order
@@ -234,7 +228,7 @@ class SharedState:
         self.index.add_now(engine, hashes, ttl_s)
         if share and self.redis_index is not None and self.redis is not None:
             index, redis = self.redis_index, self.redis
-            message = msgpack.packb([_APPROX, self.gateway_id, engine, ttl_s, list(hashes)])
+            message = msgpack.packb([APPROX, self.gateway_id, engine, ttl_s, list(hashes)])
 
             async def write() -> None:
                 await index.add(engine, hashes, ttl_s=ttl_s)
@@ -280,8 +274,8 @@ class SharedState:
 
         self.writer.submit(restore)
         bindings = self.sessions.items_now()
-        for i in range(0, len(bindings), _BATCH):
-            batch = bindings[i : i + _BATCH]
+        for i in range(0, len(bindings), BATCH):
+            batch = bindings[i : i + BATCH]
             self.writer.submit(functools.partial(self._rebind, batch))
 
     async def _rebind(self, batch: list[tuple[tuple[str, str], SessionBinding]]) -> None:
@@ -290,121 +284,14 @@ class SharedState:
         taken: list[list[Any]] = []
         for ((tenant, session_id), binding), held in zip(batch, answers, strict=True):
             if held.binding == binding:
-                taken.append([tenant, session_id, *_fields(binding)])
+                taken.append([tenant, session_id, *binding_fields(binding)])
             else:
                 self._correct(tenant, session_id, binding, held)
         if taken:
-            message = msgpack.packb([_SESSIONS, self.gateway_id, taken])
+            message = msgpack.packb([SESSIONS, self.gateway_id, taken])
             await self.redis.publish(self.keys.updates_channel, message)
 
-    # -- following the other gateways ------------------------------------------------------------------
-
-    def _on_update(self, raw: bytes) -> None:
-        try:
-            message: list[Any] = msgpack.unpackb(raw)
-            kind, source = message[0], message[1]
-            if source != self.gateway_id:
-                self._apply_update(kind, message)
-        except (ValueError, TypeError, IndexError, msgpack.UnpackException):
-            return  # not a message of ours (or of a gateway too new or too old): ignore it
-
-    def _apply_update(self, kind: str, message: list[Any]) -> None:
-        sessions = self.sessions
-        if kind == _SESSION and len(message) in (6, 7):  # (6: from a gateway that did not stamp bindings)
-            _, _, tenant, session_id, *fields = message
-            sessions.offer_now(tenant, session_id, _binding(fields))
-        elif kind == _SESSIONS and len(message) == 3:
-            for tenant, session_id, *fields in message[2]:
-                sessions.offer_now(tenant, session_id, _binding(fields))
-        elif kind == _RELEASE and len(message) == 6:
-            _, _, tenant, session_id, claimed, previous = message
-            sessions.replace_if_now(
-                tenant, session_id, _binding(claimed), _binding(previous) if previous else None
-            )
-        elif kind == _APPROX and len(message) == 5:
-            _, _, engine, ttl_s, hashes = message
-            self.index.add_now(engine, hashes, float(ttl_s))
-
-    async def _follow(self) -> None:
-        assert self.redis is not None
-        backoff = 0.5
-        lost = False
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            connection: AbstractConnection | None = None
-            try:
-                await pubsub.subscribe(self.keys.updates_channel)
-                backoff = 0.5
-                # The client reconnects and resubscribes by itself after a short break, without a word:
-                # hear of it, since messages sent during the break are lost.
-                connection = pubsub.connection
-                if connection is not None:
-                    connection.register_connect_callback(self._on_channel_reconnected)
-                if lost:
-                    lost = False
-                    self._schedule_resync()
-                async for item in pubsub.listen():
-                    if item.get("type") == "message":
-                        self._on_update(item["data"])
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                self.redis_errors += 1
-                lost = True
-                log.warning("lost the Redis updates channel (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-            finally:
-                if connection is not None:
-                    connection.deregister_connect_callback(  # type: ignore[no-untyped-call]
-                        self._on_channel_reconnected
-                    )
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-
-    def _on_channel_reconnected(self, connection: AbstractConnection) -> None:
-        """The updates channel's connection came back (and was subscribed again) after a break."""
-        log.warning("the Redis updates channel reconnected; re-reading what may have been missed")
-        self._schedule_resync()
-
-    def _schedule_resync(self) -> None:
-        if self._resyncing is not None:
-            self._resyncing.cancel()  # a new break: start over from now
-        self._resyncing = asyncio.create_task(self._resync(), name="kvgate-resync")
-
-    async def _resync(self) -> None:
-        """Catch up with what the channel's messages said while it was away: re-read from Redis the session
-        bindings this view holds, and the approximate residency entries, as a warm start does."""
-        self.resyncs += 1
-        sessions = [key for key, _ in self.sessions.items_now()]
-        for i in range(0, len(sessions), _BATCH):
-            batch = sessions[i : i + _BATCH]
-            # Through the writer: this view's own writes submitted before reach Redis before the read.
-            self.writer.submit(functools.partial(self._recheck, batch))
-        if self.redis_index is None:
-            return
-        try:
-            for engine in sorted(set(self._engine_ids).union(self.index.engines_now())):
-                held = await self.redis_index.holdings(engine)
-                for h, ttl_s in held.approximate.items():
-                    self.index.add_now(engine, [h], ttl_s)  # (never downgrades an exact entry)
-        except (RedisError, OSError) as exc:
-            self.redis_errors += 1
-            log.warning("could not re-read the residency mirror from Redis: %s", exc)
-
-    async def _recheck(self, sessions: list[tuple[str, str]]) -> None:
-        assert self.redis_sessions is not None
-        mine = [self.sessions.peek_now(tenant, session_id) for tenant, session_id in sessions]
-        answers = await self.redis_sessions.read_many(sessions)
-        # Redis is the truth, except while writes fail: it may then lack what the rebuild will put back,
-        # so only newer bindings are taken from it.
-        authoritative = not self.writer.failing
-        for (tenant, session_id), binding, held in zip(sessions, mine, answers, strict=True):
-            if binding is None or held.binding == binding:
-                continue
-            newer = held.binding is not None and held.binding.made_at > binding.made_at
-            if authoritative or newer:
-                self._correct(tenant, session_id, binding, held)
+    # -- the sweeper -----------------------------------------------------------------------------------
 
     async def _sweep_forever(self) -> None:
         """Drop expired entries from the view (so that counts are of live ones), and every
@@ -422,13 +309,3 @@ class SharedState:
             swept_redis = now
             sweep = functools.partial(index.sweep_shared, self._redis_sweep_every_s, self.gateway_id)
             self.writer.submit(sweep)
-
-
-def _fields(binding: SessionBinding) -> list[Any]:
-    return [binding.region, binding.engine, binding.made_at]
-
-
-def _binding(fields: Sequence[Any]) -> SessionBinding:
-    """A binding from a message's [region, engine, made_at] ([region, engine]: made_at 0)."""
-    made_at = float(fields[2]) if len(fields) > 2 else 0.0
-    return SessionBinding(str(fields[0]), str(fields[1]), made_at)
