@@ -23,26 +23,26 @@ from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from cache.spool import Spool
 from cache.tokens import load_tokenizer
-from gateway.billing import Billing, spool_path
 from gateway.config import KvgateConfig
-from gateway.dashboard import DashboardSampler
-from gateway.dashboard import add_routes as add_dashboard_routes
-from gateway.engine_probe import check_tokenizers_forever
-from gateway.errors import GatewayError, http_exception_to_error
-from gateway.kv_events import KvEventConsumer
-from gateway.lean_http import LeanHandler, LeanRequest
-from gateway.ledger_writer import LedgerWriter
-from gateway.metrics import GatewayMetrics
-from gateway.operator import access_middleware, public_health, start_operator_site
-from gateway.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
+from gateway.http.engine_probe import check_tokenizers_forever
+from gateway.http.errors import GatewayError, http_exception_to_error
+from gateway.http.lean_http import LeanHandler, LeanRequest
+from gateway.http.upstream import UpstreamClients
+from gateway.http.upstream_tls import engine_tls_context
+from gateway.observability.dashboard import DashboardSampler
+from gateway.observability.dashboard import add_routes as add_dashboard_routes
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.operator import access_middleware, public_health, start_operator_site
 from gateway.routing import POLICIES
 from gateway.service import Gateway
-from gateway.shared_state import SharedState
-from gateway.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
-from gateway.upstream import UpstreamClients
-from gateway.upstream_tls import engine_tls_context
-from gateway.usage_api import UsageApi
-from gateway.zmq_events import ZmqKvEventConsumer
+from gateway.state.kv_events import KvEventConsumer
+from gateway.state.shared_state import SharedState
+from gateway.state.zmq_events import ZmqKvEventConsumer
+from gateway.tenancy.billing import Billing, spool_path
+from gateway.tenancy.ledger_writer import LedgerWriter
+from gateway.tenancy.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
+from gateway.tenancy.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
+from gateway.tenancy.usage_api import UsageApi
 from region_map.config import ConfigError, EngineKind
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -89,8 +89,8 @@ def _error_middleware(metrics: GatewayMetrics) -> Middleware:
 
 
 def lean_routes(app: web.Application) -> dict[str, LeanHandler]:
-    """The endpoints ``gateway.lean_http`` serves itself, with the same error handling and counting as the
-    app's middleware gives every other endpoint (empty when the gateway is configured without it)."""
+    """The endpoints ``gateway.http.lean_http`` serves itself, with the same error handling and counting as
+    the app's middleware gives every other endpoint (empty when the gateway is configured without it)."""
     gateway = app[GATEWAY]
     if not gateway.settings.lean_http:
         return {}

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from gateway.logs import configure_logging
+from gateway.observability.logs import configure_logging
 from region_map.config import ConfigError
 
 
@@ -88,14 +88,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     sim.set_defaults(func=_simulate)
 
-    from gateway import accounts_cli
+    from gateway.tenancy import accounts_cli
 
     accounts_cli.register(subparsers)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config import load_config
-    from gateway.server import run_gateway, run_workers
+    from gateway.http.server import run_gateway, run_workers
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -128,7 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from gateway.simulate import main as simulate_main
-    from region_map.trace import TraceError
+    from region_map.simulation.trace import TraceError
 
     if args.regions < 1 or args.engines_per_region < 1 or args.capacity_blocks < 1:
         raise ConfigError("--regions, --engines-per-region and --capacity-blocks must be at least 1")

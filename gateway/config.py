@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cache.ledger import PRICE_DECIMALS, Prices
-from gateway.home import HomeSettings
 from gateway.routing.base import RoutingSettings
-from gateway.tenants import TENANT_PATTERN, TenantConfig
+from gateway.routing.home import HomeSettings
+from gateway.tenancy.tenants import TENANT_PATTERN, TenantConfig
 from region_map.config import (
     ConfigError,
     TopologyConfig,
@@ -258,7 +258,8 @@ class GatewaySettings(BaseModel):
     dashboard_interval_s: float = Field(default=2.0, gt=0, description="the dashboard's sampling period")
     access_log: bool = Field(default=True, description="one JSON line per finished request (kvgate.access)")
     lean_http: bool = Field(
-        default=True, description="serve the completion endpoints with gateway.lean_http; false: all aiohttp"
+        default=True,
+        description="serve the completion endpoints with gateway.http.lean_http; false: all aiohttp",
     )
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     edge: EdgeSettings = Field(default_factory=EdgeSettings)

@@ -26,9 +26,9 @@ import aiohttp
 
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.loop import install_best_loop, raise_open_file_limit
-from gateway.server import serve_until_signal
-from gateway.tenants import create_key
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.server import serve_until_signal
+from gateway.tenancy.tenants import create_key
 
 REGION_NAMES = ("eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ap-east", "us-west")
 SIM_MODEL = "kvgate-sim"

@@ -17,11 +17,11 @@ from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_b
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
-from gateway.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
-from gateway.home import HomeRegions
+from gateway.http.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.routing.base import route_key
+from gateway.routing.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
-from gateway.tenants import Tenant
+from gateway.tenancy.tenants import Tenant
 from region_map.fleet import ChainKey, Fleet
 
 SESSION_HEADER = "x-session-affinity"
@@ -31,7 +31,7 @@ DEFAULT = Tenant("default", "")  # every request's tenant while authentication i
 
 
 class ClientRequest(Protocol):
-    """What the gateway reads of a client's request: an aiohttp request, or gateway.lean_http's."""
+    """What the gateway reads of a client's request: an aiohttp request, or gateway.http.lean_http's."""
 
     @property
     def headers(self) -> Mapping[str, str]: ...
@@ -60,7 +60,7 @@ class Prepared:
     token_ids: np.ndarray
     chains: dict[ChainKey, list[int]]  # the prompt's block hashes in each routing block size (see chain_keys)
     cache_salt: str  # the tenant's salt (and the client's, if it sent one): engines get it as cache_salt
-    home_region: str  # where the client is (see gateway.home)
+    home_region: str  # where the client is (see gateway.routing.home)
     shared_tokens: int = 0  # leading tokens of an operator-declared public prefix every tenant shares
     key_id: str = ""
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends

@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import InvalidRequest
+from gateway.http.errors import InvalidRequest
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 StopSpec = Annotated[str, StringConstraints(min_length=1)] | Annotated[list[str], Field(max_length=4)]

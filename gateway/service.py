@@ -17,21 +17,21 @@ import orjson
 from aiohttp import web
 
 from cache.tokens import Tokenizer
-from gateway.accounting import RequestAccount
-from gateway.billing import Billing, Caller
 from gateway.config import KvgateConfig
-from gateway.engine_body import engine_body
-from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
-from gateway.metrics import GatewayMetrics
-from gateway.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
+from gateway.http.engine_body import engine_body
+from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
+from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
+from gateway.http.relay import error_fields, relay_stream, relay_whole
+from gateway.http.upstream import UpstreamClients
+from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
+from gateway.http.upstream_response import Response
+from gateway.observability.metrics import GatewayMetrics
 from gateway.prepare import ClientRequest, Prepared, RequestPreparer
-from gateway.relay import error_fields, relay_stream, relay_whole
 from gateway.routing import RoutingPolicy
 from gateway.routing.router import Route, Router
-from gateway.shared_state import SharedState
-from gateway.upstream import UpstreamClients
-from gateway.upstream_errors import UpstreamConnectError, UpstreamError
-from gateway.upstream_response import Response
+from gateway.state.shared_state import SharedState
+from gateway.tenancy.accounting import RequestAccount
+from gateway.tenancy.billing import Billing, Caller
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
@@ -81,7 +81,9 @@ class Gateway:
                 max_cooldown_s=r.breaker_max_cooldown_s,
             )
         self.started = int(time.time())
-        self.operator_url: str | None = None  # the operator listener's, once it listens (gateway.operator)
+        self.operator_url: str | None = (
+            None  # the operator listener's, once it listens (gateway.observability.operator)
+        )
 
     # -- endpoints -------------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class Gateway:
         return await self._admit_and_serve(request, received, caller, p)
 
     async def _caller(self, request: ClientRequest) -> Caller:
-        """Who sent the request, known before its body is read: gateway.lean_http checks the key once the
+        """Who sent the request, known before its body is read: gateway.http.lean_http checks the key once the
         headers are in and hands the verdict on (``caller``: the Caller, or its look-up still under way
         when the body came whole first); aiohttp's requests are identified here (aiohttp reads no body
         before the handler does)."""

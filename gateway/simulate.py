@@ -4,8 +4,9 @@ The engines, their caches and their clock are region_map's discrete-event model;
 ``gateway.routing.router.Router``, the object the gateway itself routes with, over a ``Fleet`` of engine
 states that mirror the simulated engines (their load before each decision, their stored and evicted blocks
 as KV events) and a ``SharedState`` without Redis, as an embedded gateway runs. Session bindings use the key
-a client would send (see ``region_map.trace``), round trips are measured from the client's home region,
-and cross-region traffic is capped by the Router's own limiter. Simulated time is the clock of the view.
+a client would send (see ``region_map.simulation.trace``), round trips are measured from the client's home
+region, and cross-region traffic is capped by the Router's own limiter. Simulated time is the clock of the
+view.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from typing import Any
 from cache.residency_memory import MemoryResidencyIndex
 from cache.sessions import MemorySessionStore
 from gateway.config import GatewaySettings, ResilienceSettings
-from gateway.errors import GatewayError
+from gateway.http.errors import GatewayError
 from gateway.routing import POLICIES, RoutingPolicy
 from gateway.routing.base import RoutingSettings, route_key
 from gateway.routing.router import Router
-from gateway.shared_state import SharedState
+from gateway.state.shared_state import SharedState
 from region_map.config import EngineConfig, RegionConfig, TopologyConfig
 from region_map.fleet import ChainKey, EngineLoad, Fleet
-from region_map.simulator import CostModel, SimEngine, SimResult, simulate
-from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from region_map.simulation.simulator import CostModel, SimEngine, SimResult, simulate
+from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 
 POLICY_ALIASES = {"prefix": "cache_aware"}
 SESSION_POLICIES = frozenset({"session", "default"})  # policies that read x-session-affinity

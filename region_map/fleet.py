@@ -62,7 +62,7 @@ class EngineState:
     reported_token_ids_hex: bool = False
     simulated: bool = False
     # Whether its tokenizer and chat template give the gateway's ids (a /tokenize probe once per healthy
-    # spell, gateway.engine_probe; None: not checked, so a text prompt is sent as text).
+    # spell, gateway.http.engine_probe; None: not checked, so a text prompt is sent as text).
     tokenizer_agrees: bool | None = None
     # Blocks this gateway sent it that its KV events have yet to announce, in all: a follower that has heard
     # nothing while this grows is listening in the wrong place.

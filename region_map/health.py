@@ -17,7 +17,7 @@ A ``/metrics`` that cannot be read never makes an engine unhealthy: its load is 
 requests in flight there.
 
 ``https://`` engines are checked over TLS with the session's connector, which the gateway builds with the
-same context as its requests (``gateway.upstream_tls.engine_tls_context``): an engine the requests would
+same context as its requests (``gateway.http.upstream_tls.engine_tls_context``): an engine the requests would
 refuse is never reported healthy.
 """
 

@@ -20,7 +20,7 @@ from engine.sim.server import SIM_ENGINE, SimEngine, SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.server import runner_for
+from gateway.http.server import runner_for
 from gateway.service import Gateway
 from tests.serving import serve
 

@@ -21,11 +21,11 @@ from typing import Protocol
 
 from cache.sessions import SessionBinding
 from gateway.config import GatewaySettings
-from gateway.errors import GatewayError, NoCapacity, Overloaded
+from gateway.http.errors import GatewayError, NoCapacity, Overloaded
 from gateway.routing.base import Candidate, RouteDecision, RouteRequest, RoutingPolicy, with_peers
 from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_only
 from gateway.routing.regional import RemoteShareLimiter
-from gateway.shared_state import SharedState
+from gateway.state.shared_state import SharedState
 from region_map.config import EngineKind, Role
 from region_map.fleet import ChainKey, EngineState, Fleet
 
@@ -56,7 +56,8 @@ class RoutingAsk(Protocol):
 
 
 class RoutingMetrics(Protocol):
-    """The counters the router moves (``gateway.metrics.GatewayMetrics``; None in the simulator)."""
+    """The counters the router moves (``gateway.observability.metrics.GatewayMetrics``; None in the
+    simulator)."""
 
     def routed(self, region: str, engine: str, reason: str, cached_tokens: int, home: str) -> None: ...
     def refused_admission(self, model: str) -> None: ...

@@ -47,9 +47,9 @@ from bench_flood import one as flood_one
 from bench_gateway_overhead import pct
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
-from gateway.loop import install_best_loop, raise_open_file_limit
-from gateway.tenants import FileKeyStore, create_key
-from gateway.upstream import UpstreamPool
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.upstream import UpstreamPool
+from gateway.tenancy.tenants import FileKeyStore, create_key
 
 PATH = "/v1/chat/completions"
 FLOOD_ADDRESS = "127.0.1.250"

@@ -65,8 +65,8 @@ from bench_gateway_overhead import MODEL, pct
 from bench_routers import Router, byte_tokenizer_dir, start_engines, start_kvgate, wait_ready
 
 from gateway.demo import stop_engines, wait_healthy
-from gateway.loop import install_best_loop, raise_open_file_limit
-from gateway.upstream import UpstreamPool
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.upstream import UpstreamPool
 
 REPO = Path(__file__).resolve().parents[2]
 _WORDS = (

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway_overhead import pct, start_gateway
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
-from gateway.loop import install_best_loop, raise_open_file_limit
-from gateway.upstream import UpstreamPool
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.upstream import UpstreamPool
 
 MODEL = "kvgate-sim"
 SYSTEM = "You are a helpful assistant. " * 40

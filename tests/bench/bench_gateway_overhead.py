@@ -30,8 +30,8 @@ import orjson
 from tqdm import tqdm
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
-from gateway.loop import install_best_loop
-from gateway.upstream import UpstreamPool
+from gateway.http.loop import install_best_loop
+from gateway.http.upstream import UpstreamPool
 
 MODEL = "kvgate-sim"
 SYSTEM = ["You are a helpful assistant. " * 60]  # ~1.7 kB: a realistic system prompt to tokenize and hash

@@ -27,8 +27,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gateway.simulate import run_simulation
-from region_map.simulator import CostModel, LRUBlocks, percentile
-from region_map.trace import TraceRequest, load_trace
+from region_map.simulation.simulator import CostModel, LRUBlocks, percentile
+from region_map.simulation.trace import TraceRequest, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 CONFIGS = [(1, 8), (4, 2)]

@@ -37,17 +37,17 @@ from cache.tokens import Tokenizer, pack_token_ids, render_messages
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import stop_engines, wait_healthy
-from gateway.engine_body import engine_body
-from gateway.lean_http import LeanRequest
-from gateway.loop import install_best_loop
+from gateway.http.engine_body import engine_body
+from gateway.http.lean_http import LeanRequest
+from gateway.http.loop import install_best_loop
+from gateway.http.upstream import UpstreamPool
 from gateway.prepare import Prepared
 from gateway.routing import RouteRequest
 from gateway.routing.base import route_key
 from gateway.schemas import parse_chat
 from gateway.service import Gateway
-from gateway.upstream import UpstreamPool
 from region_map.fleet import EngineState
-from region_map.trace import TraceRequest, load_trace
+from region_map.simulation.trace import TraceRequest, load_trace
 
 
 def gateway_for(tokenizer: Path) -> Gateway:
@@ -70,7 +70,7 @@ def lean_request(raw: bytes, path: str) -> LeanRequest:
 
 
 def upstream_body(gateway: Gateway, p: Prepared, engine: EngineState) -> bytes:
-    """The bytes the engine is sent (gateway.engine_body, serialized as the gateway does)."""
+    """The bytes the engine is sent (gateway.http.engine_body, serialized as the gateway does)."""
     body = engine_body(p, engine, default_block_size=gateway.settings.block_size)
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 

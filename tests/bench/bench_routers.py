@@ -15,10 +15,10 @@ with a line saying so. Every router runs in its own process in front of 4 simula
    random order), against direct.
 2. The Mooncake conversation trace (``tests/data``), time-compressed: every hash id becomes the same 512-token
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
-   requests with the same ``x-session-affinity`` (the conversation key of region_map.trace). Hit rate from
-   the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per engine;
-   and, request by request, kvgate's TTFT minus each other router's where both got the same cached tokens
-   (their own overheads apart from their routing, within this machine's noise).
+   requests with the same ``x-session-affinity`` (the conversation key of region_map.simulation.trace). Hit
+   rate from the engines' reported ``cached_tokens``, TTFT p50/p90 of streamed answers, max/mean requests per
+   engine; and, request by request, kvgate's TTFT minus each other router's where both got the same cached
+   tokens (their own overheads apart from their routing, within this machine's noise).
 3. Prompt length: a new prompt (cached nowhere) of 2k, 14k and 40k tokens, one at a time down every path,
    median time to first byte; and kvgate's mean receive-to-dispatch time (tokenize, hash, route) per length.
    What a router's own work costs a long prompt, apart from routing and contention.
@@ -59,9 +59,9 @@ from bench_gateway_overhead import MODEL, one, pct, start_floor, throughput_roun
 from trace_workload import LENGTHS, TRACE, by_length, engine_counts, overhead_mean_ms, paired_with, replay
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
-from gateway.loop import install_best_loop, raise_open_file_limit
-from gateway.upstream import UpstreamPool
-from region_map.trace import load_trace
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.upstream import UpstreamPool
+from region_map.simulation.trace import load_trace
 
 SYSTEM = "You are a helpful assistant. " * 60
 # A pull from a peer engine costs this fraction of computing the same tokens (the engines' default ratio:

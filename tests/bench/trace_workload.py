@@ -22,8 +22,8 @@ from bench_gateway_overhead import MODEL, pct
 from tqdm import tqdm
 
 from gateway.demo import EngineProcess
-from gateway.upstream import UpstreamPool
-from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from gateway.http.upstream import UpstreamPool
+from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 

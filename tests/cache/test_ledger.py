@@ -19,8 +19,8 @@ from cache.ledger import MemoryLedger, Prices, UsageLedger, UsageRecord, day_of,
 from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from cache.spool import Spool
-from gateway.billing import usage_counts
-from gateway.ledger_writer import LedgerWriter
+from gateway.tenancy.billing import usage_counts
+from gateway.tenancy.ledger_writer import LedgerWriter
 from tests.redis_process import RedisProcess
 
 PRICES = Prices(Decimal("0.50"), Decimal("0.05"), Decimal("1.50"))

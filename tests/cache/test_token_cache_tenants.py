@@ -18,7 +18,7 @@ from cache.token_chunks import CHUNK_CHARS
 from cache.tokens import HFTokenizer, load_tokenizer, render_chat
 from gateway.config import GatewaySettings
 from gateway.prepare import RequestPreparer
-from gateway.tenants import tenant_from_config
+from gateway.tenancy.tenants import tenant_from_config
 from region_map.config import parse_topology
 from region_map.fleet import Fleet
 from tests.models import make_tokenizer_dir

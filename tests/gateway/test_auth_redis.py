@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.redis_keys import RedisKeys
-from gateway.tenants import Authenticator, KeyRecord, KeyStoreUnavailable, RedisKeyStore, create_key
+from gateway.tenancy.tenants import Authenticator, KeyRecord, KeyStoreUnavailable, RedisKeyStore, create_key
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_process import RedisProcess
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.tenants import create_key
+from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, Cluster, start_cluster
 
 

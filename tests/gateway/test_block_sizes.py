@@ -12,7 +12,7 @@ import pytest
 
 from engine.sim.server import SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
-from gateway.zmq_events import ZmqKvEventConsumer
+from gateway.state.zmq_events import ZmqKvEventConsumer
 from tests import vllm_publisher as vp
 from tests.conftest import ThirdPartyFleet
 from tests.harness import FAST_SIM, MODEL, ClusterFactory

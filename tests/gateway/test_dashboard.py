@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dashboard import DashboardSampler
 from gateway.demo import free_port
+from gateway.observability.dashboard import DashboardSampler
 from region_map.config import TopologyConfig
 from region_map.fleet import Fleet
 from tests.harness import MODEL, ClusterFactory

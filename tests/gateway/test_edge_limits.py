@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from gateway.edge import ConnectionLimits
-from gateway.server import GatewayServer
-from gateway.tenants import create_key
+from gateway.http.edge import ConnectionLimits
+from gateway.http.server import GatewayServer
+from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.raw_http import Replies, Reply
 

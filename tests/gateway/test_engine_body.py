@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from gateway.engine_body import engine_body, prefill_only
+from gateway.http.engine_body import engine_body, prefill_only
 from gateway.prepare import Prepared
 from region_map.config import EngineConfig
 from region_map.fleet import EngineState

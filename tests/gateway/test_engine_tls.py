@@ -27,11 +27,11 @@ from engine.sim.server import SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.server import runner_for
+from gateway.http.server import runner_for
+from gateway.http.upstream import UpstreamClients
+from gateway.http.upstream_errors import UpstreamConnectError
+from gateway.http.upstream_tls import engine_tls_context
 from gateway.service import Gateway
-from gateway.upstream import UpstreamClients
-from gateway.upstream_errors import UpstreamConnectError
-from gateway.upstream_tls import engine_tls_context
 from region_map.config import ConfigError
 from tests.harness import FAST_SIM, MODEL
 from tests.serving import serve

@@ -1,4 +1,4 @@
-"""gateway.lean_http at the socket: what it serves itself, what it hands to aiohttp, and how it fails.
+"""gateway.http.lean_http at the socket: what it serves itself, what it hands to aiohttp, and how it fails.
 
 The rest of the suite reaches the completion endpoints through it too (the harness runs the gateway's own
 runner); these tests speak raw HTTP/1.1 to reach the cases clients rarely produce.

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.logs import JsonFormatter, TextFormatter
+from gateway.observability.logs import JsonFormatter, TextFormatter
 from tests.faulty_engines import Recorder
 from tests.harness import MODEL, ClusterFactory
 

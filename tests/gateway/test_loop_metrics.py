@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from gateway.loop_metrics import LoopCounter, LoopHistogram
+from gateway.observability.loop_metrics import LoopCounter, LoopHistogram
 
 BUCKETS = (0.005, 0.01, 0.025, 0.1, 1, 10)
 LABELS = st.sampled_from(["a", "b", "c"])

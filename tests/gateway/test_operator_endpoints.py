@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from gateway.config import parse_config
-from gateway.tenants import create_key
+from gateway.tenancy.tenants import create_key
 from region_map.config import ConfigError
 from tests.harness import MODEL, Cluster, ClusterFactory
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.tenants import create_key
+from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, ClusterFactory
 
 PROMPT = "Count to ten, slowly."

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.redis_keys import RedisKeys
-from gateway.ratelimit import BucketStore, LimitExceeded, MemoryBuckets, RateLimiter, RedisBuckets
+from gateway.tenancy.ratelimit import BucketStore, LimitExceeded, MemoryBuckets, RateLimiter, RedisBuckets
 
 
 @pytest.fixture(params=["memory", "redis"])

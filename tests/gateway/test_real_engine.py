@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cache.tokens import render_messages
-from gateway.tenants import create_key
+from gateway.tenancy.tenants import create_key
 from tests.harness import ClusterFactory
 
 

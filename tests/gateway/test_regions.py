@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from gateway.home import HomeRegions, HomeSettings
 from gateway.routing import Candidate, DefaultPolicy, RouteRequest
 from gateway.routing.base import RoutingSettings
+from gateway.routing.home import HomeRegions, HomeSettings
 from gateway.routing.regional import RemoteShareLimiter
 from tests.harness import MODEL, ClusterFactory
 

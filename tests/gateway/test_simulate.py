@@ -15,8 +15,8 @@ from gateway.routing import POLICIES
 from gateway.routing.base import RoutingSettings
 from gateway.routing.router import Router
 from gateway.simulate import run_simulation, sim_router
-from region_map.simulator import CostModel, SimEngine
-from region_map.trace import TraceRequest, load_trace
+from region_map.simulation.simulator import CostModel, SimEngine
+from region_map.simulation.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
 KEYS = {"hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.sse import SseUsageTap
+from gateway.http.sse import SseUsageTap
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}

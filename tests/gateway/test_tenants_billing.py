@@ -18,10 +18,10 @@ import redis.asyncio as aioredis
 from cache.ledger import Prices, day_of
 from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
-from gateway.billing import usage_counts
 from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
-from gateway.tenants import Tenant, create_key, tenant_from_config
+from gateway.tenancy.billing import usage_counts
+from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
 from tests.faulty_engines import cut_stream
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.zmq_events import ZmqKvEventConsumer
+from gateway.state.zmq_events import ZmqKvEventConsumer
 from tests import vllm_publisher as vp
 from tests.conftest import ThirdPartyFleet
 from tests.harness import Cluster

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from gateway.upstream import UpstreamPool
-from gateway.upstream_errors import UpstreamClosed, UpstreamConnectError, UpstreamTimeout
+from gateway.http.upstream import UpstreamPool
+from gateway.http.upstream_errors import UpstreamClosed, UpstreamConnectError, UpstreamTimeout
 
 
 class Server:

@@ -19,9 +19,9 @@ import zmq
 import zmq.asyncio
 
 from cache.hashing import block_hashes, namespace_seed
-from gateway.shared_state import SharedState
-from gateway.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
-from gateway.zmq_events import ZmqKvEventConsumer
+from gateway.state.shared_state import SharedState
+from gateway.state.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
+from gateway.state.zmq_events import ZmqKvEventConsumer
 from region_map.config import EngineConfig, EngineKind
 from region_map.fleet import EngineState
 from tests import vllm_publisher as vp

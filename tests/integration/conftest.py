@@ -16,7 +16,7 @@ import pytest
 
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.server import runner_for
+from gateway.http.server import runner_for
 from gateway.service import Gateway
 from tests.serving import serve
 

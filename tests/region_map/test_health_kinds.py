@@ -1,7 +1,7 @@
 """The health poller per engine kind, against real HTTP servers on 127.0.0.1 that answer as vLLM 0.32, SGLang
 and a plain OpenAI server do: what it discovers (model, block size, load), the contradictions it reports
 (a model the engine does not serve, a block size other than the engine's, prefix caching off) and what it
-tolerates (an unreadable ``/metrics``). Also gateway.engine_probe.check_tokenizer against a vLLM-like
+tolerates (an unreadable ``/metrics``). Also gateway.http.engine_probe.check_tokenizer against a vLLM-like
 ``/tokenize``.
 """
 
@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from cache.tokens import Tokenizer, load_tokenizer, render_messages
-from gateway.engine_probe import SAMPLE_PROMPT, check_tokenizer
+from gateway.http.engine_probe import SAMPLE_PROMPT, check_tokenizer
 from region_map.config import parse_topology
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -402,7 +402,8 @@ async def test_a_kvgate_engine_is_still_read_from_its_health_alone(
         await runner.cleanup()
 
 
-# -- gateway.engine_probe.check_tokenizer --------------------------------------------------------------------
+# -- gateway.http.engine_probe.check_tokenizer
+# --------------------------------------------------------------------
 
 
 def vllm_tokenize(

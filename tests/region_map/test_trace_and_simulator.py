@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from region_map.simulator import CostModel, LRUBlocks, SimEngine, simulate
-from region_map.trace import TraceError, TraceRequest, load_trace
+from region_map.simulation.simulator import CostModel, LRUBlocks, SimEngine, simulate
+from region_map.simulation.trace import TraceError, TraceRequest, load_trace
 
 
 def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:

@@ -16,23 +16,22 @@ pipelined right behind another in the same read is refused with a 400 and the co
 The handlers are the application's own (``gateway.service``): they read a ``LeanRequest`` as they would an
 aiohttp request, and stream through a ``LeanStream``, a ``web.StreamResponse`` that writes here.
 
-The edge (``gateway.edge``, an ``Edge`` every connection shares): a request's line and headers must arrive
-within ``header_timeout_s`` of its first byte and its body at ``body_min_rate`` after ``body_timeout_s``, or
-it gets a 408 and the connection closes; a connection with nothing in progress closes after
-``idle_timeout_s``. One timer per connection does all of it, lazily: it fires at the earliest deadline it was
-armed for and re-arms itself for the deadline of whatever the connection is doing by then, so a busy
+The edge (``gateway.http.edge``, an ``Edge`` every connection shares): a request's line and headers must
+arrive within ``header_timeout_s`` of its first byte and its body at ``body_min_rate`` after
+``body_timeout_s``, or it gets a 408 and the connection closes; a connection with nothing in progress closes
+after ``idle_timeout_s``. One timer per connection does all of it, lazily: it fires at the earliest deadline
+it was armed for and re-arms itself for the deadline of whatever the connection is doing by then, so a busy
 keep-alive connection costs no timer operation per request. The edge's ``ConnectionLimits`` admits each
 connection here (or refuses it past a cap with a 503 on accept), and bodies being read count against its
-body budget. With authentication on, a
-request's key is checked once its headers are here, before its body is read: a refused request never has
-its body buffered (it is read and dropped, as a body over the size limit is), and the caller found is
-handed to the handler (``LeanRequest.caller``). ``gateway.server`` applies the same deadlines and caps to
-the connections aiohttp serves.
+body budget. With authentication on, a request's key is checked once its headers are here, before its body
+is read: a refused request never has its body buffered (it is read and dropped, as a body over the size
+limit is), and the caller found is handed to the handler (``LeanRequest.caller``). ``gateway.http.server``
+applies the same deadlines and caps to the connections aiohttp serves.
 
-A connection is built in layers, a module each: what it keeps and how it writes (``gateway.lean_http_state``),
-its deadlines (``gateway.lean_http_deadlines``), answering, refusals and the hand-off, with ``LeanStream``
-(``gateway.lean_http_answering``); here, reading requests with httptools and checking their keys
-(``LeanConnection``), and the request the handlers get (``LeanRequest``).
+A connection is built in layers, a module each: what it keeps and how it writes
+(``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), answering, refusals
+and the hand-off, with ``LeanStream`` (``gateway.http.lean_http_answering``); here, reading requests with
+httptools and checking their keys (``LeanConnection``), and the request the handlers get (``LeanRequest``).
 """
 
 from __future__ import annotations
@@ -46,14 +45,14 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.carry_on import carry_on
-from gateway.edge import Identify
-from gateway.errors import GatewayError, PayloadTooLarge, Unavailable
-from gateway.lean_http_answering import LeanAnswering, LeanStream
-from gateway.lean_http_state import BODY, HEAD, IDLE, StopParsing
+from gateway.http.carry_on import carry_on
+from gateway.http.edge import Identify
+from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
+from gateway.http.lean_http_answering import LeanAnswering, LeanStream
+from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
 
 if TYPE_CHECKING:
-    from gateway.billing import Caller
+    from gateway.tenancy.billing import Caller
 
 log = logging.getLogger("kvgate.lean_http")
 

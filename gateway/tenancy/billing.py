@@ -16,10 +16,10 @@ from typing import Any
 from cache.journal import UsageJournal
 from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
-from gateway.errors import AuthenticationFailed, RateLimited, Unavailable
-from gateway.ledger_writer import LedgerWriter
-from gateway.ratelimit import LimitExceeded, RateLimiter
-from gateway.tenants import (
+from gateway.http.errors import AuthenticationFailed, RateLimited, Unavailable
+from gateway.tenancy.ledger_writer import LedgerWriter
+from gateway.tenancy.ratelimit import LimitExceeded, RateLimiter
+from gateway.tenancy.tenants import (
     Authenticator,
     KeyRecord,
     KeyStore,

@@ -16,13 +16,13 @@ from typing import Any, Literal, Protocol, cast
 import orjson
 from aiohttp import web
 
-from gateway.errors import UpstreamFailed, UpstreamTimedOut
-from gateway.lean_http import LeanRequest
-from gateway.metrics import GatewayMetrics
+from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
+from gateway.http.lean_http import LeanRequest
+from gateway.http.sse import SseUsageTap
+from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
+from gateway.http.upstream_response import Response
+from gateway.observability.metrics import GatewayMetrics
 from gateway.prepare import ClientRequest
-from gateway.sse import SseUsageTap
-from gateway.upstream_errors import UpstreamError, UpstreamTimeout
-from gateway.upstream_response import Response
 
 # completed: the whole answer reached the client; aborted: the client left after tokens streamed;
 # failed: the engine broke off a stream that had started.
@@ -104,7 +104,7 @@ async def relay_stream(
     has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
     most; a stream that breaks off ends with an error event and is billed for what was sent."""
-    # On gateway.lean_http's connections the stream is written there; else it is aiohttp's.
+    # On gateway.http.lean_http's connections the stream is written there; else it is aiohttp's.
     response = (
         request.stream_response(headers)
         if isinstance(request, LeanRequest)

@@ -24,11 +24,11 @@ from typing import Any
 
 import orjson
 
-from gateway.engine_body import prefill_only
-from gateway.relay import error_fields
-from gateway.upstream import UpstreamPool, split_base_url
-from gateway.upstream_errors import UpstreamError
-from gateway.upstream_response import Response
+from gateway.http.engine_body import prefill_only
+from gateway.http.relay import error_fields
+from gateway.http.upstream import UpstreamPool, split_base_url
+from gateway.http.upstream_errors import UpstreamError
+from gateway.http.upstream_response import Response
 
 log = logging.getLogger("kvgate.pd")
 

@@ -1,5 +1,6 @@
 """A lean HTTP/1.1 connection's state, and the primitives its parts share: writing with flow control, the
-request's path and headers, its place in the edge's body budget. ``gateway.lean_http`` is the connection."""
+request's path and headers, its place in the edge's body budget. ``gateway.http.lean_http`` is the
+connection."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from gateway.edge import Edge
-from gateway.errors import GatewayError
+from gateway.http.edge import Edge
+from gateway.http.errors import GatewayError
 
 if TYPE_CHECKING:
-    from gateway.billing import Caller
-    from gateway.lean_http import LeanConnection, LeanHandler, LeanRequest
+    from gateway.http.lean_http import LeanConnection, LeanHandler, LeanRequest
+    from gateway.tenancy.billing import Caller
 
-# What a connection is reading, for its deadline (gateway.lean_http_deadlines).
+# What a connection is reading, for its deadline (gateway.http.lean_http_deadlines).
 IDLE, HEAD, BODY, LINGER = 0, 1, 2, 3
 NEVER = float("inf")
 

@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from region_map.fleet import Fleet
-from region_map.simulator import percentile
+from region_map.simulation.simulator import percentile
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 ASSETS_DIR = Path(__file__).with_name("dashboard_assets")  # shipped as package data

@@ -12,7 +12,7 @@ instead; the periodic TTL slide of a binding in use says so too; and a follower 
 re-reads what it holds once it is back. Residency: Redis keeps a bounded, expiring mirror (warm starts, and
 the approximate records of engines without KV events, shared between gateways), swept by one gateway at a
 time. Hearing the other gateways on the channel, and catching up after losing it, is the job of
-``gateway.state_follower``, which also holds the channel's wire format.
+``gateway.state.state_follower``, which also holds the channel's wire format.
 """
 
 from __future__ import annotations
@@ -36,8 +36,16 @@ from cache.residency_memory import MemoryResidencyIndex
 from cache.residency_redis import DEFAULT_MAX_APPROXIMATE_PER_ENGINE, RedisResidencyIndex
 from cache.sessions import MemorySessionStore, SessionBinding
 from cache.sessions_redis import HeldBinding, RedisSessionStore
-from gateway.background import BackgroundWriter
-from gateway.state_follower import APPROX, BATCH, RELEASE, SESSION, SESSIONS, GatewaysFollower, binding_fields
+from gateway.state.background import BackgroundWriter
+from gateway.state.state_follower import (
+    APPROX,
+    BATCH,
+    RELEASE,
+    SESSION,
+    SESSIONS,
+    GatewaysFollower,
+    binding_fields,
+)
 
 log = logging.getLogger("kvgate.state")
 

@@ -9,8 +9,8 @@ the handshake happens once per pooled connection, so plain ``http://`` and reuse
 nothing per request. A refused certificate is an ``UpstreamConnectError``, like a refused connection.
 
 Here: the connections (``UpstreamConnection``), their pool per engine and the pools per base URL. The
-response is ``gateway.upstream_response``'s, the errors ``gateway.upstream_errors``', the TLS context
-``gateway.upstream_tls``'s.
+response is ``gateway.http.upstream_response``'s, the errors ``gateway.http.upstream_errors``', the TLS
+context ``gateway.http.upstream_tls``'s.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.upstream_errors import (
+from gateway.http.upstream_errors import (
     UpstreamClosed,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from gateway.upstream_response import Response, expire_waiter
-from gateway.upstream_tls import engine_tls_context, tls_failure_reason
+from gateway.http.upstream_response import Response, expire_waiter
+from gateway.http.upstream_tls import engine_tls_context, tls_failure_reason
 
 
 class UpstreamConnection(asyncio.Protocol):

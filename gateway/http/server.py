@@ -1,7 +1,7 @@
 """Running the gateway app: uvloop, handler cancellation (a client that leaves aborts its engine request),
 OpenAI-shaped errors even for requests aiohttp cannot parse, graceful shutdown on SIGINT/SIGTERM, and the
 edge of the public port (``[gateway.edge]``): connection caps and read deadlines on every connection,
-whether ``gateway.lean_http`` or aiohttp serves it."""
+whether ``gateway.http.lean_http`` or aiohttp serves it."""
 
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.app import GATEWAY, build_app, lean_routes
-from gateway.billing import spool_path
 from gateway.config import KvgateConfig
-from gateway.edge import ConnectionLimits, Edge
-from gateway.errors import GatewayError, RequestTimedOut
-from gateway.http_wire import whole_response
-from gateway.lean_http import LeanConnection, LeanHandler
-from gateway.loop import install_best_loop, raise_open_file_limit
+from gateway.http.edge import ConnectionLimits, Edge
+from gateway.http.errors import GatewayError, RequestTimedOut
+from gateway.http.http_wire import whole_response
+from gateway.http.lean_http import LeanConnection, LeanHandler
+from gateway.http.loop import install_best_loop, raise_open_file_limit
 from gateway.service import Gateway
+from gateway.tenancy.billing import spool_path
 
 log = logging.getLogger("kvgate.server")
 
@@ -69,7 +69,7 @@ _IDLE, _HEAD, _BODY = 0, 1, 2  # what an _EdgeRequestHandler is reading
 
 
 class _EdgeRequestHandler(_JsonErrorRequestHandler):
-    """aiohttp's handler on the gateway's public port: the connection caps (unless ``gateway.lean_http``
+    """aiohttp's handler on the gateway's public port: the connection caps (unless ``gateway.http.lean_http``
     admitted the connection before handing it over) and the ``[gateway.edge]`` read deadlines for the
     requests aiohttp reads itself: every request with ``lean_http = false``, and on a handed-over keep-alive
     connection every request after the first.
@@ -214,9 +214,9 @@ class _EdgeRequestHandler(_JsonErrorRequestHandler):
 
 
 class GatewayServer(web.Server):
-    """aiohttp's server, but each connection starts on ``gateway.lean_http`` when the app has lean routes:
-    the completion endpoints are served there, and a connection is handed to aiohttp's own handler (with
-    the JSON errors above) at its first request for anything else. Shutdown drains both kinds. For the
+    """aiohttp's server, but each connection starts on ``gateway.http.lean_http`` when the app has lean
+    routes: the completion endpoints are served there, and a connection is handed to aiohttp's own handler
+    (with the JSON errors above) at its first request for anything else. Shutdown drains both kinds. For the
     gateway's app every connection is under ``edge`` (caps, read deadlines); other apps (engines served
     by the same runner) get aiohttp's handler as it is."""
 
@@ -243,7 +243,7 @@ class GatewayServer(web.Server):
 
     def aiohttp_handler(self, client: str | None) -> RequestHandler:
         """aiohttp's handler for a connection of the public port; ``client``: its slot in the caps, when
-        ``gateway.lean_http`` admitted it already (None: admitted on connection_made)."""
+        ``gateway.http.lean_http`` admitted it already (None: admitted on connection_made)."""
         assert self.edge is not None
         kwargs = {"keepalive_timeout": self.edge.idle_s, **self._kwargs}
         return _EdgeRequestHandler(self, loop=self._loop, edge=self.edge, client=client, **kwargs)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from region_map.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(frozen=True)

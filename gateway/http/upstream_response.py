@@ -1,5 +1,5 @@
-"""An engine's response as ``gateway.upstream``'s connections deliver it: status and headers at once, the body
-read whole or in batches, with backpressure on the socket and read timeouts."""
+"""An engine's response as ``gateway.http.upstream``'s connections deliver it: status and headers at once, the
+body read whole or in batches, with backpressure on the socket and read timeouts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from gateway.upstream_errors import UpstreamEngineDown, UpstreamError, UpstreamTimeout
+from gateway.http.upstream_errors import UpstreamEngineDown, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from gateway.upstream import UpstreamConnection
+    from gateway.http.upstream import UpstreamConnection
 
 _PAUSE_ABOVE = 1 << 20  # buffered, unconsumed body bytes above which the socket stops reading
 _RESUME_BELOW = 1 << 16
@@ -19,7 +19,7 @@ _RESUME_BELOW = 1 << 16
 
 class Response:
     """An engine's response: status and raw headers at once, the body read whole or in batches. Its
-    underscore members are the side its connection (``gateway.upstream.UpstreamConnection``) drives."""
+    underscore members are the side its connection (``gateway.http.upstream.UpstreamConnection``) drives."""
 
     __slots__ = (
         "_buffered",

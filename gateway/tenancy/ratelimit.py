@@ -19,7 +19,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.single_flight import SingleFlight
+from gateway.state.single_flight import SingleFlight
 
 STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
 

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
-from gateway.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
-from gateway.usage_api import day_range
+from gateway.tenancy.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
+from gateway.tenancy.usage_api import day_range
 from region_map.config import ConfigError
 
 

@@ -1,5 +1,5 @@
-"""How an exchange with an engine fails: ``UpstreamError`` and its kinds, raised by ``gateway.upstream``'s
-client and its responses (``gateway.upstream_response``)."""
+"""How an exchange with an engine fails: ``UpstreamError`` and its kinds, raised by
+``gateway.http.upstream``'s client and its responses (``gateway.http.upstream_response``)."""
 
 from __future__ import annotations
 

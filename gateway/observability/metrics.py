@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.loop_metrics import LoopCounter, LoopHistogram
+from gateway.observability.loop_metrics import LoopCounter, LoopHistogram
 from region_map.breaker import BreakerState
 from region_map.fleet import EngineState, Fleet
 
@@ -132,7 +132,8 @@ class GatewayMetrics:
             ["engine", "kind"],
             registry=r,
         )
-        # The public port's edge (gateway.edge): connections refused at accept, requests too slow to arrive.
+        # The public port's edge (gateway.http.edge): connections refused at accept, requests too slow to
+        # arrive.
         self.connections_refused = LoopCounter(
             "kvgate_connections_refused",
             "Client connections refused at accept (503, closed) by the cap they met: total or per_client.",
@@ -146,8 +147,10 @@ class GatewayMetrics:
             ["phase"],
             registry=r,
         )
-        self.open_connections: Callable[[], int] = lambda: 0  # the server's count (gateway.server sets it)
-        # Followers of vLLM/SGLang KV events (gateway.zmq_events), read at scrape time.
+        self.open_connections: Callable[[], int] = lambda: (
+            0
+        )  # the server's count (gateway.http.server sets it)
+        # Followers of vLLM/SGLang KV events (gateway.state.zmq_events), read at scrape time.
         self.event_followers: list[EventFollower] = []
         r.register(_EventFollowerCollector(self.event_followers))
         r.register(
@@ -216,7 +219,7 @@ class GatewayMetrics:
 
 
 class EventFollower(Protocol):
-    """What the metrics read of a follower of an engine's KV events (gateway.zmq_events)."""
+    """What the metrics read of a follower of an engine's KV events (gateway.state.zmq_events)."""
 
     engine: EngineState
     batches: int

@@ -6,7 +6,7 @@ subscribes, asks the replay socket for everything from seq 0 (what the engine al
 applies live batches in seq order, translated to kvgate's hashes by ``cache.foreign_chain``.
 
 Whenever the stream cannot be trusted, the consumer replays or resets; it never guesses
-(``gateway.zmq_sequencer`` holds the rules, and how the index's own seqs are numbered). On silence for
+(``gateway.state.zmq_sequencer`` holds the rules, and how the index's own seqs are numbered). On silence for
 ``probe_interval_s`` it replays from the last batch anyway: PUB/SUB silently drops what is sent while a
 connection is down, and a trailing lost batch shows no gap until the next one arrives.
 """
@@ -21,9 +21,9 @@ import zmq.asyncio
 
 from cache.foreign_chain import ForeignChain, routing_block
 from gateway.config import GatewaySettings
-from gateway.kv_events import EventSink
-from gateway.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
-from gateway.zmq_sequencer import RankState, ReplayUnavailable, ZmqEventSequencer
+from gateway.state.kv_events import EventSink
+from gateway.state.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
+from gateway.state.zmq_sequencer import RankState, ReplayUnavailable, ZmqEventSequencer
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.zmq_events")

@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.billing import Billing
-from gateway.errors import PermissionDenied
+from gateway.http.errors import PermissionDenied
 from gateway.service import Gateway
+from gateway.tenancy.billing import Billing
 from region_map.config import ConfigError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

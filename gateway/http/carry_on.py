@@ -1,5 +1,6 @@
 """Carries on, inside a task, a coroutine that was started outside any task (as Python 3.12's eager tasks
-do): ``gateway.lean_http`` checks a cached key without a task, and makes one only when the check waits."""
+do): ``gateway.http.lean_http`` checks a cached key without a task, and makes one only when the check
+waits."""
 
 from __future__ import annotations
 

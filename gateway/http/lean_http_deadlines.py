@@ -3,7 +3,7 @@ and the holds on its reading that suspend them."""
 
 from __future__ import annotations
 
-from gateway.lean_http_state import BODY, HEAD, IDLE, LINGER, NEVER, LeanConnectionState
+from gateway.http.lean_http_state import BODY, HEAD, IDLE, LINGER, NEVER, LeanConnectionState
 
 BACKLOG_PAUSE_BYTES = 1 << 20  # pipelined bytes held while a request is answered, before reading pauses
 

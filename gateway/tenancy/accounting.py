@@ -15,10 +15,10 @@ from typing import Any
 
 from cache.journal import Dispatched
 from cache.ledger import UsageRecord
-from gateway.billing import Billing, usage_counts
-from gateway.metrics import GatewayMetrics
+from gateway.http.relay import Outcome
+from gateway.observability.metrics import GatewayMetrics
 from gateway.prepare import Prepared
-from gateway.relay import Outcome
+from gateway.tenancy.billing import Billing, usage_counts
 from region_map.fleet import EngineState
 
 access_log = logging.getLogger("kvgate.access")

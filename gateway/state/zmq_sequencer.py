@@ -1,6 +1,6 @@
 """Keeps the residency index true to one vLLM/SGLang engine's KV event streams (one per data-parallel rank):
 applies their batches in seq order, translated by ``cache.foreign_chain``, and replays or resets whenever a
-stream cannot be trusted; ``gateway.zmq_events`` drives it from the engine's sockets.
+stream cannot be trusted; ``gateway.state.zmq_events`` drives it from the engine's sockets.
 
 It never guesses:
 
@@ -35,7 +35,7 @@ import zmq.asyncio
 from cache.events import EventDecodeError, KvEventBatch
 from cache.foreign_chain import ForeignChain
 from cache.foreign_events import ForeignBatch, decode_foreign_batch
-from gateway.kv_events import EventSink
+from gateway.state.kv_events import EventSink
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.zmq_events")  # the follower's log, whichever of its parts speaks
@@ -90,7 +90,7 @@ class RankState:
 class ZmqEventSequencer:
     """Applies one engine's KV event batches, rank by rank, into ``sink`` in seq order, recovering through
     the engine's replay socket (or by forgetting a rank) when a rank's stream cannot be trusted. The
-    counters are for metrics; ``gateway.zmq_events.ZmqKvEventConsumer`` is the follower built on it."""
+    counters are for metrics; ``gateway.state.zmq_events.ZmqKvEventConsumer`` is the follower built on it."""
 
     def __init__(self, engine: EngineState, sink: EventSink, *, replay_timeout_s: float) -> None:
         self.engine = engine

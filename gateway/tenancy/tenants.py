@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.single_flight import SingleFlight
+from gateway.state.single_flight import SingleFlight
 
 KEY_PREFIX = "kvg-"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"

@@ -16,8 +16,8 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
-from gateway.billing import Billing
-from gateway.errors import InvalidRequest, PermissionDenied, Unavailable
+from gateway.http.errors import InvalidRequest, PermissionDenied, Unavailable
+from gateway.tenancy.billing import Billing
 
 MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name
 

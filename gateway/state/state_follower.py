@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from cache.sessions import SessionBinding
 
 if TYPE_CHECKING:
-    from gateway.shared_state import SharedState
+    from gateway.state.shared_state import SharedState
 
 log = logging.getLogger("kvgate.state")
 

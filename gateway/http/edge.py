@@ -1,6 +1,7 @@
 """The public port's edge (``[gateway.edge]``), shared by every client connection whoever serves it
-(``gateway.lean_http``, or aiohttp through ``gateway.server``): the read deadlines, the budget of request
-bodies being read, the connection caps with their refusal on accept, and the key check before a body."""
+(``gateway.http.lean_http``, or aiohttp through ``gateway.http.server``): the read deadlines, the budget of
+request bodies being read, the connection caps with their refusal on accept, and the key check before a
+body."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
-from gateway.errors import Unavailable
-from gateway.http_wire import whole_response
+from gateway.http.errors import Unavailable
+from gateway.http.http_wire import whole_response
 
 if TYPE_CHECKING:
-    from gateway.billing import Caller
     from gateway.config import EdgeSettings
+    from gateway.tenancy.billing import Caller
 
 REFUSAL_RETRY_AFTER_S = 1  # a connection refused at a cap: one of the client's own may be free by then
 

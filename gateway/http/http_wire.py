@@ -1,6 +1,6 @@
-"""The bytes of a whole HTTP/1.1 answer as the gateway writes it on a transport itself (``gateway.lean_http``,
-and the refusals and timeouts of ``gateway.edge``): status line, headers, framing, a Date formatted once a
-second."""
+"""The bytes of a whole HTTP/1.1 answer as the gateway writes it on a transport itself
+(``gateway.http.lean_http``, and the refusals and timeouts of ``gateway.http.edge``): status line, headers,
+framing, a Date formatted once a second."""
 
 from __future__ import annotations
 

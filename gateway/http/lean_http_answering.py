@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, InvalidRequest, RequestTimedOut
-from gateway.http_wire import head, whole_response
-from gateway.lean_http_deadlines import LeanDeadlines
-from gateway.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
+from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
+from gateway.http.http_wire import head, whole_response
+from gateway.http.lean_http_deadlines import LeanDeadlines
+from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
 
 log = logging.getLogger("kvgate.lean_http")
 

@@ -1,0 +1,3 @@
+"""Watching the gateway: Prometheus metrics, event-loop metrics, JSON logs, the dashboard and the operator's
+endpoints.
+"""
