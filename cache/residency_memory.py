@@ -37,6 +37,12 @@ class MemoryResidencyIndex:
         # O(expired), not O(index). A refreshed entry also sits in its older slot; the sweep skips it there.
         self._buckets: dict[int, dict[str, set[int]]] = {}
         self._bucket_heap: list[int] = []
+        # Blocks a routing decision has just sent to an engine and its KV events have yet to confirm ("held
+        # soon"): a set per engine, so that marking a long prompt and walking it cost C-level set operations,
+        # not a Python step per block as approximate entries do; with their expiries in a heap.
+        self._soon: dict[str, set[int]] = {}
+        self._soon_expiry: list[tuple[float, int, str, Iterable[int]]] = []
+        self._soon_count = 0
 
     # -- synchronous core ------------------------------------------------------------------------------
 
@@ -48,9 +54,11 @@ class MemoryResidencyIndex:
         now = float("inf") if exact_only else self._clock()  # (an entry alive at infinity: none)
         first = hashes[0]
         starters = [e for e, held in self._exact.items() if first in held]
-        guesses = self._approx.get(first)
-        if guesses and not exact_only:
-            starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
+        if not exact_only:
+            guesses = self._approx.get(first)
+            if guesses:
+                starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
+            starters += [e for e, soon in self._soon.items() if first in soon and e not in starters]
         matched: dict[str, int] = {}
         # The longest exact match so far, as a set: an engine that holds all of it (many engines share a
         # long system prompt or document) is checked with one C-level subset test instead of a scan, and
@@ -60,7 +68,8 @@ class MemoryResidencyIndex:
         for engine in starters:
             held = self._exact.get(engine, _NONE)
             start = known_depth if known_depth and known <= held else 0
-            depth = self._depth(engine, held, hashes, start, now)
+            soon = _NONE if exact_only else self._soon.get(engine, _NONE)
+            depth = self._depth(engine, held, soon, hashes, start, now)
             if depth > known_depth:
                 known.update(islice(hashes, known_depth, depth))
                 known_depth = depth
@@ -68,26 +77,62 @@ class MemoryResidencyIndex:
         return matched
 
     def _depth(
-        self, engine: str, held: AbstractSet[int], hashes: Sequence[int], depth: int, now: float
+        self,
+        engine: str,
+        held: AbstractSet[int],
+        soon: AbstractSet[int],
+        hashes: Sequence[int],
+        depth: int,
+        now: float,
     ) -> int:
-        """How many leading blocks of ``hashes`` ``engine`` holds (exactly, or approximately and alive),
-        knowing that it holds the first ``depth`` exactly."""
+        """How many leading blocks of ``hashes`` ``engine`` holds (exactly, held soon, or approximately and
+        alive), knowing that it holds the first ``depth`` exactly."""
         approx = self._approx
         n = len(hashes)
-        # One iterator for the whole walk: an islice made at each approximate block would skip ``depth``
-        # elements again every time (quadratic: 79 ms for 6,250 approximate blocks, now 3).
+        # One iterator for the whole walk: an islice made at each stop would skip ``depth`` elements again
+        # every time (quadratic: 79 ms for 6,250 approximate blocks). A takewhile also takes from ``rest``
+        # the block it stops at: that block, ``hashes[depth]``, is then checked by hand.
         rest = islice(hashes, depth, None)
         while depth < n:
-            # The common case, at C speed: a run of blocks this engine holds exactly. (takewhile also takes
-            # the block it stops at from ``rest``: the one looked up below, so ``rest`` stays at depth + 1.)
+            # The common case, at C speed: a run of blocks this engine holds exactly.
             depth += len(list(takewhile(held.__contains__, rest)))
-            if depth == n or not approx:
+            if depth == n:
                 break
-            guesses = approx.get(hashes[depth])
+            h = hashes[depth]
+            if h in soon:  # a run held soon, at C speed too
+                depth += 1 + len(list(takewhile(soon.__contains__, rest)))
+                if depth == n:
+                    break
+                h = hashes[depth]
+                if h in held:
+                    depth += 1
+                    continue
+            if not approx:
+                break
+            guesses = approx.get(h)
             if guesses is None or guesses.get(engine, 0.0) <= now:
                 break
             depth += 1  # an approximate entry continues the match
         return depth
+
+    def hold_soon_now(self, engine: str, hashes: Sequence[int], ttl_s: float) -> None:
+        """``engine`` will hold ``hashes`` once the prefill a routing decision just sent there runs: count
+        them until its KV events confirm them (an exact add takes them out of this state), ``ttl_s`` at
+        most."""
+        if not hashes:
+            return
+        self._soon.setdefault(engine, set()).update(hashes)
+        self._soon_count += 1
+        heapq.heappush(self._soon_expiry, (self._clock() + ttl_s, self._soon_count, engine, hashes))
+
+    def forget_soon_now(self, engine: str, hashes: Iterable[int]) -> None:
+        """Take back ``hold_soon_now`` (the engine never took the request)."""
+        soon = self._soon.get(engine)
+        if soon:
+            soon.difference_update(hashes)
+
+    def held_soon_now(self, engine: str) -> frozenset[int]:
+        return frozenset(self._soon.get(engine, ()))
 
     def add_now(self, engine: str, hashes: Sequence[int], ttl_s: float | None = None) -> None:
         if not hashes:
@@ -96,6 +141,9 @@ class MemoryResidencyIndex:
         if ttl_s is None:
             exact.update(hashes)
             self._forget_approx(engine, hashes)  # an exact entry replaces this engine's approximate one
+            soon = self._soon.get(engine)
+            if soon:
+                soon.difference_update(hashes)  # confirmed
             return
         approx = self._approx
         expiry = self._clock() + ttl_s
@@ -127,13 +175,11 @@ class MemoryResidencyIndex:
         if exact is not None:
             exact.difference_update(hashes)
         self._forget_approx(engine, hashes)
-
-    def forget_approximate_now(self, engine: str, hashes: Sequence[int]) -> None:
-        """Drop ``engine``'s approximate entries for ``hashes``, leaving what its events said (exact)."""
-        self._forget_approx(engine, hashes)
+        self.forget_soon_now(engine, hashes)
 
     def clear_now(self, engine: str) -> None:
         self._exact.pop(engine, None)
+        self._soon.pop(engine, None)
         self._forget_approx(engine, list(self._approx_of.get(engine, ())))
 
     def _forget_approx(self, engine: str, hashes: Iterable[int]) -> None:
@@ -177,6 +223,9 @@ class MemoryResidencyIndex:
     def sweep_now(self) -> int:
         now = self._clock()
         dropped = 0
+        while self._soon_expiry and self._soon_expiry[0][0] <= now:
+            _, _, engine, hashes = heapq.heappop(self._soon_expiry)
+            self.forget_soon_now(engine, hashes)  # never confirmed in time (a later twin's mark goes too)
         refile: list[tuple[str, float, int]] = []
         while self._bucket_heap and self._bucket_heap[0] * _SLOT_S <= now:
             bucket = self._buckets.pop(heapq.heappop(self._bucket_heap))

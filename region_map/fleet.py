@@ -86,6 +86,8 @@ class EngineState:
     # a frozen engine's requests fail over in seconds instead of waiting out their timeouts.
     exchanges: set[InFlight] = field(default_factory=set)
     down_quiet_s: float = 1.0
+    # chain_key's last answer and what it depended on: it is asked for every engine on every request.
+    _chain_memo: tuple[tuple[int, int, int | None], ChainKey] | None = field(default=None, repr=False)
 
     @property
     def available(self) -> bool:
@@ -167,9 +169,15 @@ class EngineState:
         ``routing_block``): SGLang's 1-token pages would otherwise cost a hash and a lookup step per prompt
         token. A kvgate engine keeps its own block size: its events name blocks of exactly that size.
         """
+        inputs = (default_block_size, min_block_size, self.reported_block_size)
+        memo = self._chain_memo
+        if memo is not None and memo[0] == inputs:
+            return memo[1]
         kvgate = self.kind is EngineKind.KVGATE
         block_size = self.block_size or default_block_size
-        return ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
+        key = ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
+        self._chain_memo = (inputs, key)
+        return key
 
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""

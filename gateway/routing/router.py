@@ -30,8 +30,9 @@ from region_map.config import EngineKind, Role
 from region_map.fleet import ChainKey, EngineState, Fleet
 
 # Blocks of a new prefix noted as "held soon" until the engine's events confirm them: a parallel request
-# counts them as cached (16k tokens of 16-token blocks, ~0.15 us a block; longer prompts note their start).
-PENDING_MAX_BLOCKS = 1024
+# counts them as cached (64k tokens of 16-token blocks: a set update, ~15 us a thousand; longer prompts note
+# their start).
+PENDING_MAX_BLOCKS = 4096
 
 
 class RoutingAsk(Protocol):
@@ -141,8 +142,9 @@ class Router:
         answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
         prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
         cached = self.cached_tokens(ask, engines)
-        pulls = self.policy.pulls_kv and any(e.kv_pull for e in engines)
-        confirmed = self.cached_tokens(ask, engines, exact_only=True) if pulls and cached else None
+        # What a peer could give, when a pull is possible at all: what its KV events confirmed.
+        pulls = bool(cached) and self.policy.pulls_kv and any(e.kv_pull for e in engines)
+        confirmed = self.cached_tokens(ask, engines, exact_only=True) if pulls else None
         return Plan(ask, self._with_room(answering, ask.model), prefilling, cached, confirmed)
 
     def cached_tokens(
@@ -314,7 +316,7 @@ class Router:
         # The first new blocks only, until the engine's events (or the confirmation) say the rest: enough to
         # steer a twin decided before the events arrive, without paying per block for a long prompt twice.
         route.held_soon = ask.chains.get(key, [])[known : known + PENDING_MAX_BLOCKS]
-        self.state.record_route(engine.id, route.held_soon, s.pending_ttl_s, share=False)
+        self.state.hold_soon(engine.id, route.held_soon, s.pending_ttl_s)
         self.limiter.record(ask.home_region, engine.region)
         return route
 
@@ -334,7 +336,7 @@ class Router:
             self.state.release_session(tenant, session_id, route.claimed, route.previous)
             route.session = None
         if route.held_soon:
-            self.state.forget_route(route.engine.id, route.held_soon)
+            self.state.forget_soon(route.engine.id, route.held_soon)
             route.held_soon = []
 
     def confirm(self, route: Route, ask: RoutingAsk) -> None:

@@ -223,10 +223,14 @@ class SharedState:
     def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
         return self.index.lookup(hashes, exact_only=exact_only)
 
-    def forget_route(self, engine: str, hashes: Sequence[int]) -> None:
-        """Take back a local note (``record_route(share=False)``) of a request the engine never took; what
-        the engine's KV events said stays."""
-        self.index.forget_approximate_now(engine, hashes)
+    def hold_soon(self, engine: str, hashes: Sequence[int], ttl_s: float) -> None:
+        """A routing decision just sent these blocks' prefill to ``engine``: the next decisions count them
+        there until its KV events confirm them (local only: the events will tell every gateway)."""
+        self.index.hold_soon_now(engine, hashes, ttl_s)
+
+    def forget_soon(self, engine: str, hashes: Sequence[int]) -> None:
+        """Take back ``hold_soon`` for a request the engine never took."""
+        self.index.forget_soon_now(engine, hashes)
 
     def record_route(self, engine: str, hashes: Sequence[int], ttl_s: float, *, share: bool) -> None:
         """Remember where a prefix was sent. ``share`` it through Redis when the engine publishes no events

@@ -84,6 +84,9 @@ async def per_call_us(step: Callable[[], Awaitable[Any]], n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+ROUTE_STEP = "route"
+
+
 async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
     raw = chat_body(7)
     request = lean_request(raw, "/v1/chat/completions")
@@ -92,8 +95,16 @@ async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
     text = render_messages(prep.tokenizer, body["messages"])
     p = await prep.chat(request, body)
     engines = gateway.fleet.serving(p.model)
-    cached = gateway._cached_tokens(p, engines)
-    candidates = gateway._candidates(engines, cached, p.home_region)
+    router = gateway.router
+    cached = router.cached_tokens(p, engines)
+    candidates = router.candidates(engines, cached, p.home_region)
+
+    def decide_and_take_back() -> None:
+        """The whole decision, committed, then released (so that every round starts from the same view)."""
+        route = router.decide(router.plan(p))
+        assert not isinstance(route, Exception)
+        router.release(route)
+
     route = RouteRequest(prompt_tokens=len(p.token_ids),
                          route_key=route_key(p.tenant, p.session_id, p.hashes, b""), seq=1,
                          home_region=p.home_region)  # fmt: skip
@@ -108,8 +119,9 @@ async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
         "tokenize": lambda: run(lambda: prep.tokenizer.encode(text)),
         "block hashes": lambda: run(lambda: prep.block_hashes(p.token_ids, p.model, p.cache_salt)),
         "residency lookup": lambda: run(lambda: gateway.state.lookup(p.hashes)),
-        "candidates": lambda: run(lambda: gateway._candidates(engines, cached, p.home_region)),
+        "candidates": lambda: run(lambda: router.candidates(engines, cached, p.home_region)),
         "policy": lambda: run(lambda: gateway.policy.pick(route, candidates)),
+        ROUTE_STEP: lambda: run(decide_and_take_back),
         "engine body": lambda: run(lambda: upstream_body(gateway, p, engines[0])),
     }
     return {name: await per_call_us(step, n) for name, step in steps.items()}
@@ -183,10 +195,15 @@ async def run(args: argparse.Namespace) -> None:
         tokenizer = byte_tokenizer_dir(Path(tmp) / "tokenizer")
         gateway = gateway_for(tokenizer)
         pieces = await chat_pieces(gateway, args.n)
+        whole_route = pieces.pop(ROUTE_STEP)
         total = sum(pieces.values())
         print(f"\n1. the overhead bench's chat request, before dispatch: {total:.1f} us in all (tight loop)")
         for name, us in pieces.items():
             print(f"  {name:18s} {us:7.1f} us  {us / total:5.1%}")
+        print(
+            f"  the Router's whole decision (lookup, candidates, policy, commit and its release): "
+            f"{whole_route:.1f} us"
+        )
         trace = load_trace(TRACE, limit=args.trace_requests)
         figures = await trace_pieces(gateway, trace)
         print(f"\n2. the trace's first {len(trace)} prompts in the gateway "

@@ -111,7 +111,7 @@ async def test_a_claim_is_taken_back_when_the_engine_fails_before_taking_the_req
     binding = gateway.state.sessions.get_now("default", "s-refused")
     assert binding is not None and binding.engine == "eu-west/e1"
     assert gateway.fleet.engines["eu-west/e0"].pending_prefill_tokens == 0
-    assert not (await gateway.state.index.holdings("eu-west/e0")).approximate  # no "held soon" left there
+    assert not gateway.state.index.held_soon_now("eu-west/e0")  # nothing "held soon" left there
 
 
 async def test_two_gateways_on_one_redis_agree_on_a_session_claimed_in_parallel(

@@ -1,0 +1,44 @@
+"""Blocks "held soon": a routing decision's mark on an engine until its KV events confirm the blocks."""
+
+from __future__ import annotations
+
+from cache.residency_memory import MemoryResidencyIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_blocks_held_soon_count_until_confirmed_forgotten_or_expired() -> None:
+    clock = Clock()
+    index = MemoryResidencyIndex(clock=clock)
+    index.add_now("e0", [1, 2])
+    index.hold_soon_now("e0", [3, 4, 5], ttl_s=30.0)
+    index.hold_soon_now("e1", [1, 2, 3], ttl_s=30.0)
+    assert index.lookup([1, 2, 3, 4, 5, 6]) == {"e0": 5, "e1": 3}
+    # What a peer could give: only what the events said.
+    assert index.lookup([1, 2, 3, 4, 5, 6], exact_only=True) == {"e0": 2}
+    index.add_now("e0", [3, 4])  # the events confirm part of it
+    assert index.held_soon_now("e0") == {5} and index.lookup([1, 2, 3, 4, 5]) == {"e0": 5, "e1": 3}
+    index.forget_soon_now("e1", [1, 2, 3])  # e1 never took its request
+    assert index.lookup([1, 2, 3]) == {"e0": 3}
+    clock.now = 31.0
+    index.sweep_now()  # e0's last block was never confirmed in time
+    assert index.held_soon_now("e0") == frozenset() and index.lookup([1, 2, 3, 4, 5]) == {"e0": 4}
+
+
+def test_a_walk_runs_through_exact_held_soon_and_approximate_blocks_alike() -> None:
+    index = MemoryResidencyIndex(clock=lambda: 0.0)
+    index.add_now("e0", [1, 2, 5])
+    index.hold_soon_now("e0", [3, 4, 7], ttl_s=30.0)
+    index.add_now("e0", [6], ttl_s=10.0)  # approximate (an event-less record)
+    assert index.lookup([1, 2, 3, 4, 5, 6, 7, 8]) == {"e0": 7}
+    assert index.lookup([3, 4, 5]) == {"e0": 3}  # a prompt whose first block is only held soon
+    index.remove_now("e0", [4])  # an eviction event also ends a mark
+    assert index.lookup([1, 2, 3, 4, 5]) == {"e0": 3}
+    index.clear_now("e0")
+    assert index.lookup([1, 2, 3]) == {}
