@@ -49,8 +49,16 @@ class MemoryResidencyIndex:
     def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
         """Leading blocks of ``hashes`` each engine holds; ``exact_only``: as its KV events said, leaving out
         the gateway's own records (a prefix "held soon" is not there yet to be pulled)."""
+        return self._walk(hashes, exact_only)[0]
+
+    def lookup_confirmed(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """``lookup(hashes)`` and ``lookup(hashes, exact_only=True)`` in one walk."""
+        return self._walk(hashes, False)
+
+    def _walk(self, hashes: Sequence[int], exact_only: bool) -> tuple[dict[str, int], dict[str, int]]:
+        """(leading blocks each engine holds, of which its KV events confirmed the first ...)."""
         if not hashes:
-            return {}
+            return {}, {}
         now = float("inf") if exact_only else self._clock()  # (an entry alive at infinity: none)
         first = hashes[0]
         starters = [e for e, held in self._exact.items() if first in held]
@@ -60,21 +68,24 @@ class MemoryResidencyIndex:
                 starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
             starters += [e for e, soon in self._soon.items() if first in soon and e not in starters]
         matched: dict[str, int] = {}
+        confirmed: dict[str, int] = {}
         # The longest exact match so far, as a set: an engine that holds all of it (many engines share a
         # long system prompt or document) is checked with one C-level subset test instead of a scan, and
         # one that does not usually fails that test at its first element.
-        known: set[int] = set()  # hashes[:known_depth]
+        known: set[int] = set()  # hashes[:known_depth], all held exactly by some engine
         known_depth = 0
         for engine in starters:
             held = self._exact.get(engine, _NONE)
             start = known_depth if known_depth and known <= held else 0
             soon = _NONE if exact_only else self._soon.get(engine, _NONE)
-            depth = self._depth(engine, held, soon, hashes, start, now)
-            if depth > known_depth:
-                known.update(islice(hashes, known_depth, depth))
-                known_depth = depth
+            depth, exact = self._depth(engine, held, soon, hashes, start, now)
+            if exact > known_depth:
+                known.update(islice(hashes, known_depth, exact))
+                known_depth = exact
             matched[engine] = depth
-        return matched
+            if exact:
+                confirmed[engine] = exact
+        return matched, confirmed
 
     def _depth(
         self,
@@ -84,11 +95,13 @@ class MemoryResidencyIndex:
         hashes: Sequence[int],
         depth: int,
         now: float,
-    ) -> int:
+    ) -> tuple[int, int]:
         """How many leading blocks of ``hashes`` ``engine`` holds (exactly, held soon, or approximately and
-        alive), knowing that it holds the first ``depth`` exactly."""
+        alive), and how many of them it holds exactly before the first that is not, knowing that it holds
+        the first ``depth`` exactly."""
         approx = self._approx
         n = len(hashes)
+        exact = -1  # not left the exact run yet
         # One iterator for the whole walk: an islice made at each stop would skip ``depth`` elements again
         # every time (quadratic: 79 ms for 6,250 approximate blocks). A takewhile also takes from ``rest``
         # the block it stops at: that block, ``hashes[depth]``, is then checked by hand.
@@ -99,6 +112,8 @@ class MemoryResidencyIndex:
             if depth == n:
                 break
             h = hashes[depth]
+            if exact < 0:
+                exact = depth
             if h in soon:  # a run held soon, at C speed too
                 depth += 1 + len(list(takewhile(soon.__contains__, rest)))
                 if depth == n:
@@ -113,7 +128,7 @@ class MemoryResidencyIndex:
             if guesses is None or guesses.get(engine, 0.0) <= now:
                 break
             depth += 1  # an approximate entry continues the match
-        return depth
+        return depth, depth if exact < 0 else exact
 
     def hold_soon_now(self, engine: str, hashes: Sequence[int], ttl_s: float) -> None:
         """``engine`` will hold ``hashes`` once the prefill a routing decision just sent there runs: count

@@ -141,30 +141,39 @@ class Router:
         disaggregated = any(e.role is not Role.BOTH for e in engines)
         answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
         prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
-        cached = self.cached_tokens(ask, engines)
+        cached, confirmed = self.cached_tokens(ask, engines)
         # What a peer could give, when a pull is possible at all: what its KV events confirmed.
         pulls = bool(cached) and self.policy.pulls_kv and any(e.kv_pull for e in engines)
-        confirmed = self.cached_tokens(ask, engines, exact_only=True) if pulls else None
-        return Plan(ask, self._with_room(answering, ask.model), prefilling, cached, confirmed)
+        return Plan(
+            ask, self._with_room(answering, ask.model), prefilling, cached, confirmed if pulls else None
+        )
 
     def cached_tokens(
-        self, ask: RoutingAsk, engines: Sequence[EngineState], *, exact_only: bool = False
-    ) -> dict[str, int]:
-        """Leading prompt tokens each engine holds, by the residency view: whole blocks of the size it is
-        routed in (its own, or for vLLM/SGLang at least ``min_block_size``), and never the prompt's last
-        token, which every engine computes (its logits start the decode): a prompt of whole blocks finds
-        one block less. (``prompt - 1`` rounded down to an engine's blocks, then to routing blocks of
-        several of them, is ``prompt - 1`` rounded down to routing blocks.)"""
+        self, ask: RoutingAsk, engines: Sequence[EngineState]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Leading prompt tokens each engine holds by the residency view, and of those what its KV events
+        confirmed (one walk gives both): whole blocks of the size it is routed in (its own, or for
+        vLLM/SGLang at least ``min_block_size``), and never the prompt's last token, which every engine
+        computes (its logits start the decode): a prompt of whole blocks finds one block less. (``prompt -
+        1`` rounded down to an engine's blocks, then to routing blocks of several of them, is ``prompt - 1``
+        rounded down to routing blocks.)"""
         default, minimum = self.settings.block_size, self.settings.min_block_size
-        found = {key: self.state.lookup(chain, exact_only=exact_only) for key, chain in ask.chains.items()}
-        last = ask.prompt_tokens - 1
-        out: dict[str, int] = {}
+        found = {key: self.state.lookup_confirmed(chain) for key, chain in ask.chains.items()}
+        cap_blocks = max(0, ask.prompt_tokens - 1)
+        cached: dict[str, int] = {}
+        confirmed: dict[str, int] = {}
         for e in engines:
             key = e.chain_key(default, minimum)
-            blocks = found[key].get(e.id, 0) if key in found else 0
+            if key not in found:
+                continue
+            held, sure = found[key]
+            blocks = held.get(e.id, 0)
             if blocks:
-                out[e.id] = min(blocks, max(0, last) // key.block_size) * key.block_size
-        return out
+                size = key.block_size
+                cached[e.id] = min(blocks, cap_blocks // size) * size
+                if sure.get(e.id):
+                    confirmed[e.id] = min(sure[e.id], cap_blocks // size) * size
+        return cached, confirmed
 
     def _with_room(self, engines: list[EngineState], model: str) -> list[EngineState]:
         """Admission control: engines at their limits take nothing more. When every available engine is

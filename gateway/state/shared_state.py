@@ -223,6 +223,10 @@ class SharedState:
     def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
         return self.index.lookup(hashes, exact_only=exact_only)
 
+    def lookup_confirmed(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """Leading blocks each engine holds, and of those what its KV events confirmed (one walk)."""
+        return self.index.lookup_confirmed(hashes)
+
     def hold_soon(self, engine: str, hashes: Sequence[int], ttl_s: float) -> None:
         """A routing decision just sent these blocks' prefill to ``engine``: the next decisions count them
         there until its KV events confirm them (local only: the events will tell every gateway)."""

@@ -96,7 +96,7 @@ async def chat_pieces(gateway: Gateway, n: int) -> dict[str, float]:
     p = await prep.chat(request, body)
     engines = gateway.fleet.serving(p.model)
     router = gateway.router
-    cached = router.cached_tokens(p, engines)
+    cached, _ = router.cached_tokens(p, engines)
     candidates = router.candidates(engines, cached, p.home_region)
 
     def decide_and_take_back() -> None:

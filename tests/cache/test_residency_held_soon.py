@@ -42,3 +42,14 @@ def test_a_walk_runs_through_exact_held_soon_and_approximate_blocks_alike() -> N
     assert index.lookup([1, 2, 3, 4, 5]) == {"e0": 3}
     index.clear_now("e0")
     assert index.lookup([1, 2, 3]) == {}
+
+
+def test_one_walk_says_what_is_held_and_what_the_events_confirmed() -> None:
+    index = MemoryResidencyIndex(clock=lambda: 0.0)
+    index.add_now("e0", [1, 2, 3])
+    index.hold_soon_now("e0", [4, 5], ttl_s=30.0)
+    index.add_now("e1", [1], ttl_s=10.0)  # approximate from the first block
+    index.add_now("e1", [2, 3, 4])
+    held, confirmed = index.lookup_confirmed([1, 2, 3, 4, 5, 6])
+    assert held == {"e0": 5, "e1": 4} and confirmed == {"e0": 3}
+    assert confirmed == index.lookup([1, 2, 3, 4, 5, 6], exact_only=True)
