@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice, takewhile
@@ -138,7 +139,12 @@ class MemoryResidencyIndex:
             return
         self._soon.setdefault(engine, set()).update(hashes)
         self._soon_count += 1
-        heapq.heappush(self._soon_expiry, (self._clock() + ttl_s, self._soon_count, engine, hashes))
+        # Kept until the mark expires: packed, 8 bytes a block, not a list holding an int object per block.
+        try:
+            kept: Iterable[int] = array("Q", hashes)
+        except OverflowError:  # (a hash that is no unsigned 64-bit integer: not one of ours)
+            kept = tuple(hashes)
+        heapq.heappush(self._soon_expiry, (self._clock() + ttl_s, self._soon_count, engine, kept))
 
     def forget_soon_now(self, engine: str, hashes: Iterable[int]) -> None:
         """Take back ``hold_soon_now`` (the engine never took the request)."""

@@ -358,6 +358,7 @@ class Router:
         else:
             key = engine.chain_key(s.block_size, s.min_block_size)
             self.state.record_route(engine.id, ask.chains.get(key, []), s.approx_ttl_s, share=True)
+            self.state.forget_soon(engine.id, route.held_soon)  # (the record covers them now)
         route.held_soon = []  # (no longer ours to take back)
         if self.metrics is not None:
             d = route.decision
