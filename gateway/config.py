@@ -237,6 +237,15 @@ class GatewaySettings(BaseModel):
     pending_ttl_s: float = Field(
         default=30.0, gt=0, description="residency guess for event engines until their event arrives"
     )
+    redis_max_approximate_per_engine: int = Field(
+        default=200_000,
+        ge=1,
+        description="the Redis mirror keeps at most this many routing records (approx_ttl_s) per engine; "
+        "the soonest to expire go first",
+    )
+    redis_sweep_interval_s: float = Field(
+        default=30.0, gt=0, description="how often one gateway sweeps expired records from the Redis mirror"
+    )
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=2.0, gt=0)
     unhealthy_after: int = Field(default=2, ge=1)

@@ -391,3 +391,18 @@ async def _gauge(cluster: Any, name: str) -> float:
         text = await r.text()
     [line] = [x for x in text.splitlines() if x.startswith(name + " ")]
     return float(line.split()[1])
+
+
+async def test_the_mirrors_cap_and_sweep_interval_come_from_the_deployment_file(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys
+) -> None:
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        redis_url=redis_url,
+        redis_prefix=redis_keys.prefix,
+        redis_max_approximate_per_engine=7,
+        redis_sweep_interval_s=0.5,
+    )
+    state = cluster.gateway.state
+    assert state.redis_index is not None and state.redis_index.max_approximate_per_engine == 7
+    assert state._redis_sweep_every_s == 0.5
