@@ -9,7 +9,11 @@ COPY engine ./engine
 COPY gateway ./gateway
 COPY region_map ./region_map
 # The base install has no torch: `kvgate serve` never imports the engine.
-RUN pip install . && useradd --system --home /var/lib/kvgate --create-home kvgate
+RUN pip install .
+# /models (where compose.yaml mounts the shared model, read-only, for its tokenizer) belongs to kvgate as in
+# the engine image, whichever container first mounts the empty named volume.
+RUN useradd --system --home /var/lib/kvgate --create-home kvgate \
+    && mkdir -p /models && chown kvgate:kvgate /models
 USER kvgate
 WORKDIR /var/lib/kvgate
 EXPOSE 8080

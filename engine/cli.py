@@ -298,10 +298,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
 
 
+MODEL_DIR_FIX = (
+    "give a model directory in Hugging Face layout (config.json, tokenizer.json, *.safetensors); "
+    "kvgate make-model DIR --preset tiny writes a random one"
+)
+
+
+def model_dir_problem(model_dir: str) -> str | None:
+    """What makes ``model_dir`` no model directory at all (one line, with the fix), or None."""
+    path = Path(model_dir)
+    if not path.exists():
+        return f"--model {model_dir}: no such directory; {MODEL_DIR_FIX}"
+    if not path.is_dir():
+        return f"--model {model_dir}: not a directory; {MODEL_DIR_FIX}"
+    if not (path / "config.json").is_file():
+        return f"--model {model_dir}: no config.json there, so no model; {MODEL_DIR_FIX}"
+    return None
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """Load the model and serve it until SIGINT/SIGTERM; returns the exit status."""
+    problem = model_dir_problem(args.model)  # (said before torch loads: a typo costs no wait)
+    if problem is not None:
+        print(f"kvgate engine: {problem}", file=sys.stderr)
+        return 2
     import torch
 
+    from cache.tokens import TokenizerError
     from engine.llm_engine import EngineConfig
     from engine.model.errors import ModelLoadError
     from engine.parallel.distributed import ParallelConfigError
@@ -333,6 +356,9 @@ def run_engine(args: argparse.Namespace) -> int:
         return serve(engine_config, server_config, ssl_context=ssl_context)
     except ModelLoadError as exc:
         print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    except TokenizerError as exc:
+        print(f"kvgate engine: cannot load the model's tokenizer: {exc}", file=sys.stderr)
         return 2
     except ParallelConfigError as exc:
         print(f"kvgate engine: cannot split the model: {exc}", file=sys.stderr)

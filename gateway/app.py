@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
@@ -43,6 +44,7 @@ from gateway.tenancy.ledger_writer import LedgerWriter
 from gateway.tenancy.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
 from gateway.tenancy.usage_api import UsageApi
+from gateway.user_errors import without_credentials
 from region_map.config import ConfigError, EngineKind
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -54,6 +56,7 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 OPERATOR_APP = web.AppKey("operator", web.Application)  # served on gateway.operator_port, when set
 REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
+REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -235,6 +238,27 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
     return Billing(config, keys=keys, ledger=writer.ledger, writer=writer, limiter=limiter)
 
 
+async def _check_redis(state: SharedState, url: str) -> str:
+    """One PING at start, so that the start is told the truth: "on (URL)", or "unreachable at URL". An
+    unreachable Redis marks the shared-state writer failing: it then PINGs every second, and ``/health``
+    says "unreachable" until Redis answers."""
+    assert state.redis is not None
+    try:
+        async with asyncio.timeout(REDIS_START_PING_S):
+            await state.redis.ping()
+    except (RedisError, OSError, TimeoutError) as exc:
+        state.writer.failing = True
+        reason = str(exc).rstrip(".") or f"no answer within {REDIS_START_PING_S:g} s"
+        log.warning(
+            "redis unreachable at %s: %s; serving from this gateway's own view (sessions, residency; usage "
+            "goes to the spool) until it answers. Start Redis there, or fix gateway.redis_url / --redis",
+            without_credentials(url),
+            reason,
+        )
+        return f"unreachable at {without_credentials(url)}"
+    return f"on ({without_credentials(url)})"
+
+
 def _metrics_handler(metrics: GatewayMetrics) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
@@ -267,6 +291,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             )
             gateway.operator_url = "http://{}:{}".format(*operator.addresses[0][:2])
         # Replays first what an earlier run left: its spool, and the requests its journal still owed.
+        redis_said = "off"
+        if state.redis is not None:
+            redis_said = await _check_redis(state, settings.redis_url or "")
         await billing.writer.start(billing.cost_picodollars)
         app[DASHBOARD].start()
         await state.start([e.id for e in fleet])
@@ -295,7 +322,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             fleet.region,
             sum(e.healthy for e in fleet),
             len(fleet),
-            "on" if state.redis is not None else "off",
+            redis_said,
         )
         yield
     finally:

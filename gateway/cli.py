@@ -6,11 +6,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from gateway.observability.logs import configure_logging
+from gateway.user_errors import UserError
 from region_map.config import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none (None, or a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,10 +75,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="replay a Mooncake trace through the gateway's routing on simulated regions",
         description="Replay a Mooncake-format trace through the gateway's real routing policies, with a "
         "discrete-event model of engines (prefill throughput, decode time, queues, LRU caches, RTTs).",
+        formatter_class=DefaultsHelpFormatter,
     )
-    sim.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    sim.add_argument("--regions", type=int, default=1)
-    sim.add_argument("--engines-per-region", type=int, default=8)
+    sim.add_argument("--trace", required=True, help="Mooncake-format JSONL trace (.gz read as it is)")
+    sim.add_argument("--regions", type=int, default=1, help="number of regions")
+    sim.add_argument("--engines-per-region", type=int, default=8, help="engines in each region")
     sim.add_argument(
         "--capacity-blocks", type=int, default=2000, help="prefix cache per engine, in trace blocks"
     )
@@ -73,18 +89,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="default, cache_aware (alias prefix), session, least_load, round_robin",
     )
     sim.add_argument("--rtt-ms", type=float, default=40.0, help="round trip between two regions")
-    sim.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
-    sim.add_argument("--decode-s-per-token", type=float, default=0.03)
+    sim.add_argument(
+        "--prefill-tokens-per-s", type=float, default=20_000.0, help="an engine's prefill throughput"
+    )
+    sim.add_argument("--decode-s-per-token", type=float, default=0.03, help="decode time per output token")
     sim.add_argument(
         "--kv-pull-tokens-per-s",
         type=float,
         default=85_000.0,
-        help="K/V pulled from a peer in the same region (0: engines never pull; default 85000)",
+        help="K/V pulled from a peer in the same region (0: engines never pull)",
     )
     sim.add_argument(
         "--max-remote-share", type=float, default=0.2, help="cap on a region's traffic sent away"
     )
-    sim.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    sim.add_argument(
+        "--limit", type=int, default=None, help="replay only the first N requests (default: all)"
+    )
     sim.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     sim.set_defaults(func=_simulate)
 
@@ -145,13 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvgate: an edge gateway that routes LLM requests to where their KV cache lives.",
     )
     parser.add_argument(
-        "--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "info"), help="debug, info, warning"
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=os.environ.get("KVGATE_LOG_LEVEL", "info"),
+        help="debug, info, warning or error (default: info)",
     )
     parser.add_argument(
         "--log-format",
         choices=("auto", "json", "text"),
         default=os.environ.get("KVGATE_LOG_FORMAT", "auto"),
         help="JSON lines, or text; auto: text on a terminal, JSON lines otherwise",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get("KVGATE_DEBUG", "") not in ("", "0"),
+        help="show the traceback of an error (by default an error is one line: its cause and the fix)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered = False
@@ -164,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
         registered = registered or ep.name == "gateway"
     if not registered:  # running from a source tree that was never installed
         register(subparsers)
+    for command in subparsers.choices.values():  # `kvgate serve --debug` works too
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 
@@ -174,13 +208,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    command = f"kvgate {args.command}"
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
-        print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        _say(args, f"kvgate: configuration error: {exc}")
         return 2
+    except UserError as exc:
+        _say(args, f"{command}: {exc}")
+        return exc.status
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: one line, and how to see where it came from
+        if args.debug:
+            raise
+        print(
+            f"{command}: unexpected error: {type(exc).__name__}: {exc} "
+            f"(kvgate --debug {args.command} ... shows the traceback; please report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _say(args: argparse.Namespace, line: str) -> None:
+    """An error in one line on stderr; with --debug, its traceback before it."""
+    if args.debug:
+        traceback.print_exc()
+    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import aiohttp
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.http.loop import install_best_loop, raise_open_file_limit
-from gateway.http.server import serve_until_signal
+from gateway.http.server import check_can_listen, serve_until_signal
 from gateway.tenancy.tenants import create_key
+from gateway.user_errors import UserError
 
 REGION_NAMES = ("eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ap-east", "us-west")
 SIM_MODEL = "kvgate-sim"
@@ -89,8 +90,27 @@ def choose_engines(*, simulated: bool, model_dir: str | None) -> EngineKind:
         )
         return simulated_engines()
     if model_dir is not None:
+        check_model_dir(model_dir)
         return real_engines(Path(model_dir), Path(model_dir).resolve().name)
     return real_engines(ensure_demo_model(), TINY_MODEL)
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Refuse, before any engine starts, a --model that is no model directory at all (each engine would
+    fail on it)."""
+    path = Path(model_dir)
+    fix = (
+        "give a model directory in Hugging Face layout (config.json, tokenizer.json, *.safetensors), "
+        "or leave --model out for a tiny random one"
+    )
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such directory"
+        raise UserError(f"--model {model_dir}: {what}; {fix}", status=2)
+    for name in ("config.json", "tokenizer.json"):
+        if not (path / name).is_file():
+            raise UserError(
+                f"--model {model_dir}: no {name} there, so no model it can serve; {fix}", status=2
+            )
 
 
 @dataclass
@@ -153,7 +173,8 @@ async def wait_healthy(engines: list[EngineProcess], timeout_s: float = 30.0) ->
             while True:
                 if e.process.poll() is not None:
                     raise RuntimeError(
-                        f"engine {e.region}/{e.name} exited with status {e.process.returncode}"
+                        f"engine {e.region}/{e.name} exited with status {e.process.returncode} "
+                        "(its own error is above)"
                     )
                 with contextlib.suppress(aiohttp.ClientError, OSError):
                     async with session.get(f"{e.url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
@@ -161,7 +182,8 @@ async def wait_healthy(engines: list[EngineProcess], timeout_s: float = 30.0) ->
                             break
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"engine {e.region}/{e.name} did not become healthy in {timeout_s:.0f}s"
+                        f"engine {e.region}/{e.name} did not become healthy in {timeout_s:.0f}s "
+                        "(a busy machine? try --simulated, or fewer --regions / --engines-per-region)"
                     )
                 await asyncio.sleep(0.1)
 
@@ -227,6 +249,11 @@ Authentication is on. One API key per demo tenant (shown once; {DEMO_TENANTS[0]}
   export KVGATE_API_KEY={first_key}
 The two tenants never share cached tokens, nor session ids.
 """
+    dashboard = f"{base}/dashboard"
+    if keys:  # (the public port serves it to admin keys only, which a browser does not send)
+        dashboard += (
+            "  (admin keys only here: a browser gets 401; gateway.operator_port opens it to browsers)"
+        )
     model = json.dumps(kind.model)
     stream = (
         f'{{"model": {model}, "stream": true, "stream_options": {{"include_usage": true}}, "max_tokens": 8, '
@@ -252,6 +279,9 @@ Stream it:
 Today's usage and cost (kvgate usage --url {base} prints every tenant's):
   curl -s {base}/v1/usage{auth}
 
+The dashboard (live hit ratio, latency and load per region and engine), in a browser:
+  {dashboard}
+
 Models, health and metrics (the hit ratio is cached_prompt_tokens / prompt_tokens):
   curl -s {base}/v1/models
   curl -s {base}/health
@@ -269,7 +299,11 @@ async def _serve(config: dict[str, Any], kind: EngineKind, port: int) -> None:
         keys = {tenant: (await create_key(store, tenant, "kvgate demo"))[0] for tenant in DEMO_TENANTS}
     try:
         await serve_until_signal(
-            app, "127.0.0.1", port, on_ready=lambda: print(tour(port, kind, keys), flush=True)
+            app,
+            "127.0.0.1",
+            port,
+            on_ready=lambda: print(tour(port, kind, keys), flush=True),
+            port_flag="--port",
         )
     finally:
         print("\nkvgate demo: stopping ...", flush=True)
@@ -286,6 +320,8 @@ def run_demo(
     pd: bool = False,
     auth: bool = False,
 ) -> int:
+    # A busy port or a bad --model is said now, before engines start (and all fail on it).
+    check_can_listen("127.0.0.1", port, port_flag="--port")
     install_best_loop()
     raise_open_file_limit()
     # A SIGTERM before the gateway is up must still run the clean-up below (it stops the engines).

@@ -131,6 +131,13 @@ class Gateway:
     async def health(self, request: ClientRequest) -> web.Response:
         return self.health_response(details=True)
 
+    def redis_status(self) -> str:
+        """ "off" (no Redis configured), "on", or "unreachable": known without asking Redis (the last
+        writes to it, shared state's and the ledger's, failed)."""
+        if self.state.redis is None:
+            return "off"
+        return "unreachable" if self.state.writer.failing or self.billing.writer.degraded else "on"
+
     def health_response(self, details: bool) -> web.Response:
         """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
         healthy = sum(1 for e in self.fleet if e.healthy)
@@ -141,7 +148,7 @@ class Gateway:
             "status": "ok" if healthy else "no_healthy_engine",
             "gateway_id": self.state.gateway_id,
             "region": self.fleet.region,
-            "redis": "off" if self.state.redis is None else "on",
+            "redis": self.redis_status(),
             "engines_healthy": healthy,
             "engines_total": len(self.fleet),
             "engines": [e.describe() for e in self.fleet],

@@ -77,14 +77,19 @@ class HealthPoller:
         self._since_discovery: dict[str, int] = {}
         # What was last logged per (engine id, topic): a standing condition is logged once, not every poll.
         self._said: dict[tuple[str, str], str] = {}
+        self._probed: set[str] = set()  # engines checked at least once (an engine failing its first check
+        # is unhealthy since the gateway started: no transition says so)
 
     async def probe(self, engine: EngineState) -> bool:
         """One health check of one engine; returns whether it answered healthy."""
-        if engine.kind is EngineKind.KVGATE:
-            return await self._probe_kvgate(engine)
-        if engine.kind is EngineKind.OPENAI:
-            return await self._probe_openai(engine)
-        return await self._probe_stock(engine)
+        try:
+            if engine.kind is EngineKind.KVGATE:
+                return await self._probe_kvgate(engine)
+            if engine.kind is EngineKind.OPENAI:
+                return await self._probe_openai(engine)
+            return await self._probe_stock(engine)
+        finally:
+            self._probed.add(engine.id)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(e) for e in self.fleet))
@@ -321,6 +326,13 @@ class HealthPoller:
         engine.mark_failure(error, unhealthy_after=self.unhealthy_after)
         if was_healthy and not engine.healthy:
             log.warning("engine %s is unhealthy: %s", engine.id, engine.last_error)
+        elif engine.id not in self._probed:
+            log.warning(
+                "engine %s is unhealthy since the gateway started: %s; no request goes there until it "
+                "answers",
+                engine.id,
+                error,
+            )
         return False
 
     def _say(self, engine: EngineState, topic: str, level: int, message: str) -> None:

@@ -1,10 +1,9 @@
-"""Shared fixtures: a real Redis server (never a mock), each test under a key prefix of its own."""
+"""Shared fixtures: a real Redis server (never a mock; database 15 by default), each test under a key prefix
+of its own (tests/redis_prefixes.py), and nothing written to the user's home directory."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 import redis.asyncio as aioredis
 import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,10 +19,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 import tests.triton_interpret  # noqa: F401  (first: Triton's import mode, before the engine imports it)
 from cache.redis_keys import RedisKeys
 from tests.harness import Cluster, ClusterFactory, start_cluster
+from tests.redis_prefixes import (
+    ISSUED,
+    REDIS_URL,
+    TEST_PREFIX_MARK,
+    delete_prefixes,
+    keys_outside_test_prefixes,
+    new_prefix,
+)
 from tests.redis_process import RedisProcess
 from tests.third_party_engines import VllmLikeEngine
-
-REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
 def pytest_asyncio_loop_factories(
@@ -30,6 +36,46 @@ def pytest_asyncio_loop_factories(
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Tests run on uvloop, as the gateway and engines do in production."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _away_from_the_users_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the gateways and the demo would write under the user's home (the demo's model in
+    ``~/.cache/kvgate``, ledger spools in ``~/.local/state/kvgate``) goes to this session's temporary
+    directory instead; subprocesses inherit it."""
+    base = tmp_path_factory.mktemp("xdg")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(base / "cache"))
+        patch.setenv("XDG_STATE_HOME", str(base / "state"))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_hygiene() -> Iterator[None]:
+    """Tests leave nothing in the tests' Redis: at the end of the session every key under a prefix this
+    session handed out is deleted, and a key that appeared outside the test prefixes (``kvgate-test-*``)
+    fails the run. Keys that were there before the session are not this session's business."""
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2, socket_timeout=30)
+    try:
+        before = keys_outside_test_prefixes(client)
+    except (redis.RedisError, OSError):
+        client.close()
+        yield  # no Redis: the tests that need it fail on their own, saying so
+        return
+    try:
+        yield
+        delete_prefixes(client, ISSUED)
+        new = sorted(keys_outside_test_prefixes(client) - before)
+    finally:
+        client.close()
+    if new:
+        shown = ", ".join(k.decode(errors="replace") for k in new[:10]) + (" ..." if len(new) > 10 else "")
+        pytest.fail(
+            f"Redis hygiene: the tests left {len(new)} key(s) in {REDIS_URL} outside the test prefixes "
+            f"({TEST_PREFIX_MARK}*): {shown}. Give every gateway, CLI command and store a prefix from "
+            "tests/redis_prefixes.py:new_prefix() (the redis_keys fixture, or Cluster.redis_prefix).",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -52,7 +98,7 @@ async def redis_client() -> AsyncIterator[aioredis.Redis]:
 @pytest.fixture
 async def redis_keys(redis_client: aioredis.Redis) -> AsyncIterator[RedisKeys]:
     """A fresh key prefix; every key under it is deleted after the test."""
-    keys = RedisKeys(f"kvgate-test-{uuid.uuid4().hex[:12]}")
+    keys = RedisKeys(new_prefix())
     yield keys
     async for key in redis_client.scan_iter(match=f"*{keys.prefix}*", count=1000):
         await redis_client.delete(key)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -22,6 +25,7 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.http.server import runner_for
 from gateway.service import Gateway
+from tests.redis_prefixes import REDIS_URL, new_prefix
 from tests.serving import serve
 
 FAST_SIM = {"prefill_s_per_token": 0.0, "decode_s_per_token": 0.0005}
@@ -41,7 +45,11 @@ class Cluster:
     gateways: list[tuple[Gateway, str]] = field(default_factory=list)
     session: aiohttp.ClientSession | None = None
     engine_runners: dict[str, web.AppRunner] = field(default_factory=dict)
+    # The key prefix its gateways use in Redis unless a test names its own (never the default ``kvgate``):
+    # keys under it in the tests' Redis are deleted when the cluster closes.
+    redis_prefix: str = field(default_factory=new_prefix)
     _runners: list[web.AppRunner] = field(default_factory=list)
+    _shared_prefixes: set[str] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -70,9 +78,18 @@ class Cluster:
                 }
             )
         gateway_id = f"gw-{uuid.uuid4().hex[:6]}"
-        # A spool of its own per test gateway (only written while the ledger's Redis is away).
-        spool = Path(tempfile.gettempdir()) / "kvgate-test-spools" / f"{gateway_id}.spool"
-        settings = {"health_interval_s": 0.05, "gateway_id": gateway_id, "spool_path": str(spool), **gateway}
+        # A spool of its own per test gateway (only written while the ledger's Redis is away), in the
+        # session's temporary state directory (tests/conftest.py sets XDG_STATE_HOME).
+        spools = Path(os.environ.get("XDG_STATE_HOME") or tempfile.gettempdir()) / "kvgate-test-spools"
+        settings = {
+            "health_interval_s": 0.05,
+            "gateway_id": gateway_id,
+            "spool_path": str(spools / f"{gateway_id}.spool"),
+            "redis_prefix": self.redis_prefix,
+            **gateway,
+        }
+        if settings.get("redis_url") == REDIS_URL:
+            self._shared_prefixes.add(settings["redis_prefix"])
         config = parse_config(
             {
                 "region": region,
@@ -112,6 +129,14 @@ class Cluster:
             await self.session.close()
         for runner in [*reversed(self._runners), *self.engine_runners.values()]:
             await runner.cleanup()
+        if self._shared_prefixes:  # the gateways are gone: nothing writes under their prefixes any more
+            client = aioredis.from_url(REDIS_URL, socket_connect_timeout=2, socket_timeout=5)
+            with contextlib.suppress(OSError, aioredis.RedisError):
+                for prefix in self._shared_prefixes:
+                    keys = [k async for k in client.scan_iter(match=f"*{prefix}*", count=1000)]
+                    if keys:
+                        await client.delete(*keys)
+            await client.aclose()
 
 
 ClusterFactory = Callable[..., Awaitable[Cluster]]

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
 from gateway.tenancy.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
 from gateway.tenancy.usage_api import day_range
+from gateway.user_errors import UserError, without_credentials
 from region_map.config import ConfigError
+
+REDIS_TIMEOUT_S = 3.0  # connecting, and each reply: a Redis that is away is said in seconds
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -87,7 +93,10 @@ def _keys(args: argparse.Namespace) -> int:
     redis_url, keys_file, prefix = _settings(args)
     if keys_file is None and redis_url is None:
         raise ConfigError("say where keys live: --redis URL, --keys-file FILE, or --config FILE")
-    return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
+    if keys_file is not None:
+        return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
+    with _redis_reached(str(redis_url), "the keys"):
+        return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
 
 
 async def _keys_async(
@@ -98,7 +107,7 @@ async def _keys_async(
     if keys_file:
         store = FileKeyStore(keys_file)
     else:
-        client = aioredis.from_url(str(redis_url))
+        client = _redis(str(redis_url))
         store = RedisKeyStore(client, prefix)
     try:
         if args.keys_command == "create":
@@ -139,7 +148,8 @@ def _usage(args: argparse.Namespace) -> int:
                 "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
             )
         start, end = day_range(query)
-        body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
+        with _redis_reached(redis_url, "the ledger"):
+            body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
     if args.tenant:
         body["data"] = [t for t in body["data"] if t["tenant"] == args.tenant]
     if args.json:
@@ -152,19 +162,69 @@ def _usage(args: argparse.Namespace) -> int:
 async def _usage_from_gateway(url: str, key: str | None, query: dict[str, str]) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     endpoint = url.rstrip("/") + "/v1/admin/usage"
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(endpoint, params=query, headers=headers) as r,
-    ):
-        body = await r.json(content_type=None)
-        if r.status != 200:
-            message = body.get("error", {}).get("message") if isinstance(body, dict) else body
-            raise ConfigError(f"{url} answered {r.status}: {message}")
-        return dict(body)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+            session.get(endpoint, params=query, headers=headers) as r,
+        ):
+            text = await r.text()
+            status = r.status
+    except aiohttp.InvalidURL:
+        raise UserError(
+            f"--url {url}: not a URL; give a gateway's base URL, e.g. http://127.0.0.1:8080"
+        ) from None
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise UserError(
+            f"cannot reach a gateway at {url}: {reason}; is it running there (kvgate serve, kvgate demo)? "
+            "Check --url"
+        ) from exc
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if status == 200 and isinstance(body, dict):
+        return body
+    message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    said = f" ({message})" if message else ""
+    if status == 401:
+        fix = (
+            "pass an admin API key with --key or KVGATE_API_KEY"
+            if key is None
+            else "the key given (--key or KVGATE_API_KEY) is not one of its keys: check it, or create one "
+            "with kvgate keys create --tenant NAME for a tenant with admin = true"
+        )
+        raise UserError(f"{url} refused the key: 401{said}; {fix}")
+    if status == 403:
+        raise UserError(
+            f"{url} answered 403{said}: every tenant's usage needs an admin key (a tenant with admin = true "
+            f"in the deployment file's [tenants]); a tenant's own key reads its usage at {url}/v1/usage"
+        )
+    if status == 404:
+        raise UserError(f"{url} answered 404 to /v1/admin/usage: is it a kvgate gateway? Check --url")
+    raise UserError(f"{url} answered {status}{said} to /v1/admin/usage; its log says more")
+
+
+@contextlib.contextmanager
+def _redis_reached(redis_url: str, what: str) -> Iterator[None]:
+    """A Redis that cannot be reached (or refuses us) as one line with the fix, instead of redis-py's
+    traceback."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        reason = str(exc).rstrip(".") or type(exc).__name__
+        raise UserError(
+            f"cannot reach Redis at {without_credentials(redis_url)} (it holds {what}): {reason}; start "
+            "Redis there, or point --redis (or --config) at the Redis the gateways use"
+        ) from exc
+
+
+def _redis(url: str) -> aioredis.Redis:
+    return aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
 
 
 async def _usage_from_redis(redis_url: str, prefix: str, start: str, end: str) -> dict[str, Any]:
-    client = aioredis.from_url(redis_url)
+    client = _redis(redis_url)
     try:
         by_tenant = await RedisLedger(client, prefix).tenants(start, end)
     finally:

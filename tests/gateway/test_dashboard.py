@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -96,6 +97,8 @@ def test_the_dashboard_shows_live_data_in_a_browser(tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for(base + "/health")
+        with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+            model = json.loads(r.read())["data"][0]["id"]
         for turn in range(3):  # conversations over several sampling windows: later turns hit the cache
             time.sleep(1.0 if turn else 0.0)
             for conversation in range(4):
@@ -103,7 +106,7 @@ def test_the_dashboard_shows_live_data_in_a_browser(tmp_path: Path) -> None:
                     {"role": "system", "content": "be brief " * 60},
                     {"role": "user", "content": f"conversation {conversation} turn {turn}"},
                 ]
-                body = {"model": "kvgate-sim", "messages": messages, "max_tokens": 8, "stream": True}
+                body = {"model": model, "messages": messages, "max_tokens": 8, "stream": True}
                 request = urllib.request.Request(
                     base + "/v1/chat/completions",
                     data=json.dumps(body).encode(),
@@ -127,6 +130,15 @@ def test_the_dashboard_shows_live_data_in_a_browser(tmp_path: Path) -> None:
         assert set(points) == set(CHARTS), dom.stdout[:2000]
         assert all(n > 0 for n in points.values()), points  # every chart has data on it
         assert "samples, every" in dom.stdout and all(n >= 2 for n in points.values())
+        axes = {chart: _axes(dom.stdout, chart) for chart in CHARTS}
+        for chart, (times, values, legend) in axes.items():
+            labels = [label for _, _, label in times]
+            assert len(times) >= 2 and all(re.fullmatch(r"\d\d:\d\d:\d\d", x) for x in labels), (chart, times)
+            assert _even([t for t, _, _ in times]) and _even([x for _, x, _ in times]), (chart, times)
+            assert len(values) >= 3 and _even(values) and values[0] == 0, (chart, values)
+            assert "–" not in legend, (chart, legend)  # a series without data is named as such, or left out
+        first = next(iter(axes.values()))[0]
+        assert all(times == first for times, _, _ in axes.values())  # one time axis shared by every chart
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         shot = ARTIFACTS / "dashboard.png"
         subprocess.run([*flags, "--window-size=1400,1000", f"--screenshot={shot}", base + "/dashboard"],
@@ -138,6 +150,27 @@ def test_the_dashboard_shows_live_data_in_a_browser(tmp_path: Path) -> None:
             demo.wait(30)
         except subprocess.TimeoutExpired:
             demo.kill()
+
+
+def _axes(dom: str, chart: str) -> tuple[list[tuple[float, float, str]], list[float], str]:
+    """A chart's time ticks (time, x, label), its value ticks, and its legend's text, from the page's DOM."""
+    figure = re.search(rf'id="{chart}".*?</figure>', dom, re.S)
+    assert figure is not None, chart
+    html = figure.group(0)
+    times = [
+        (float(t), float(x), label)
+        for x, t, label in re.findall(
+            r'<text class="tick-x" x="([\d.]+)"[^>]*data-t="([\d.]+)">([^<]*)</text>', html
+        )
+    ]
+    values = [float(v) for v in re.findall(r'<text class="tick-y"[^>]*data-v="([\d.e-]+)"', html)]
+    legend = re.search(r'class="legend">(.*?)</div>', html, re.S)
+    return times, values, re.sub(r"<[^>]+>", " ", legend.group(1)) if legend else ""
+
+
+def _even(xs: list[float]) -> bool:
+    steps = [b - a for a, b in itertools.pairwise(xs)]
+    return bool(steps) and all(s > 0 and abs(s - steps[0]) < 0.05 for s in steps)
 
 
 def _wait_for(url: str, within_s: float = 60) -> None:

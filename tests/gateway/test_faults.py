@@ -27,6 +27,7 @@ from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
 from tests.faulty_engines import Firehose, black_hole, server_error, stalls_after
 from tests.harness import MODEL, ClusterFactory, _start
+from tests.redis_prefixes import new_prefix
 from tests.redis_process import RedisProcess
 
 
@@ -326,10 +327,10 @@ async def test_redis_outage_keeps_serving_and_redis_is_rebuilt_when_it_returns(
     await cluster.wait_for(lambda: not state.writer.failing and not len(state.writer), within_s=10)
     await state.writer.flush()
     client = aioredis.from_url(private_redis.url)
-    sessions = RedisSessionStore(client, RedisKeys())
+    sessions = RedisSessionStore(client, RedisKeys(cluster.redis_prefix))
     binding = await sessions.get("default", "outage-4")
     assert binding is not None and binding.engine == during_engine  # written while Redis was away
-    held = await RedisResidencyIndex(client, RedisKeys()).holdings(during_engine)
+    held = await RedisResidencyIndex(client, RedisKeys(cluster.redis_prefix)).holdings(during_engine)
     assert held.exact == (await state.index.holdings(during_engine)).exact and held.exact
     await client.aclose()
 
@@ -339,7 +340,7 @@ async def test_redis_outage_keeps_serving_and_redis_is_rebuilt_when_it_returns(
 
 def test_graceful_shutdown_drains_open_streams_and_flushes_the_ledger(tmp_path: Path, redis_url: str) -> None:
     [engine] = _sim_engines(1)
-    prefix = f"kvgate-test-{os.urandom(4).hex()}"
+    prefix = new_prefix()
     port = free_port()
     try:
         asyncio.run(wait_healthy([engine]))

@@ -54,6 +54,7 @@ class Relay:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.path = parts.path or "/0"  # the database: the same as the direct connections'
         self.port = 0
         self._server: asyncio.Server | None = None
         self._open = asyncio.Event()
@@ -62,7 +63,7 @@ class Relay:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://127.0.0.1:{self.port}{self.path}"
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)

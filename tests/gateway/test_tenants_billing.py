@@ -382,7 +382,7 @@ async def test_redis_outage_during_200_requests_loses_and_doubles_nothing(
         assert asyncio.get_running_loop().time() < deadline, "the ledger never caught up"
         await asyncio.sleep(0.05)
     client = aioredis.from_url(private_redis.url)
-    ledger = RedisLedger(client)
+    ledger = RedisLedger(client, cluster.redis_prefix)
     today = day_of(time.time())
     [totals] = await ledger.daily("default", today, today)
     assert totals.requests == 200

@@ -1,0 +1,224 @@
+"""What a user can get wrong with the kvgate command is said in one line, naming the cause and the fix, with a
+non-zero exit status and no traceback (unless ``kvgate --debug``); what a gateway starts without (an engine
+that does not answer, Redis away) is logged and reported, and the gateway serves anyway."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from gateway.demo import free_port
+
+KVGATE = [sys.executable, "-m", "gateway.cli"]
+UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"
+
+
+def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVGATE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def said_in_one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    """The one line of stderr (a blank one after it is allowed), which must hold every word."""
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.rstrip("\n").split("\n")
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(params=["plain", "reuse_port"])
+def busy_port(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A port someone else listens on; with SO_REUSEPORT, as another ``kvgate serve --workers N`` does
+    (whose workers a second one's would otherwise silently join)."""
+    with socket.socket() as s:
+        if request.param == "reuse_port":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def deployment(tmp_path: Path, port: int, *, engine_url: str, extra: str = "") -> Path:
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "{engine_url}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\n{extra}'
+    )
+    return config
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_a_busy_port(tmp_path: Path, busy_port: int, workers: str) -> None:
+    config = deployment(tmp_path, busy_port, engine_url="http://127.0.0.1:9")
+    result = run("serve", "--config", str(config), "--workers", workers)
+    said_in_one_line(result, f"cannot listen on 127.0.0.1:{busy_port}", "already in use", "--port")
+    assert result.returncode == 1
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, busy_port: int) -> None:
+    config = deployment(tmp_path, busy_port, engine_url="http://127.0.0.1:9")
+    for args in (("--debug", "serve"), ("serve", "--debug")):  # before or after the command
+        result = run(*args, "--config", str(config))
+        assert result.returncode == 1
+        assert "Traceback" in result.stderr and "OSError" in result.stderr
+        assert result.stderr.rstrip().splitlines()[-1].startswith("kvgate serve: cannot listen on")
+
+
+def test_demo_on_a_busy_port(busy_port: int) -> None:
+    started = time.monotonic()
+    result = run("demo", "--simulated", "--port", str(busy_port))
+    said_in_one_line(result, f"127.0.0.1:{busy_port}", "already in use", "--port")
+    assert time.monotonic() - started < 10  # said before any engine started
+
+
+def test_demo_with_a_model_directory_that_is_not_there() -> None:
+    result = run("demo", "--model", "/nonexistent", "--port", str(free_port()))
+    said_in_one_line(result, "--model /nonexistent: no such directory", "Hugging Face layout")
+    assert result.returncode == 2
+
+
+def test_engine_with_a_model_directory_that_is_not_there() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "engine", "engine", "--model", "/nonexistent", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    said_in_one_line(result, "--model /nonexistent: no such directory", "make-model")
+    assert result.returncode == 2
+
+
+def test_usage_with_redis_away() -> None:
+    result = run("usage", "--redis", "redis://:secret@127.0.0.1:1/0")
+    line = said_in_one_line(result, f"cannot reach Redis at {UNREACHABLE_REDIS}", "start Redis", "--redis")
+    assert "secret" not in line
+
+
+def test_keys_with_redis_away() -> None:
+    said_in_one_line(run("keys", "list", "--redis", UNREACHABLE_REDIS), "cannot reach Redis", "start Redis")
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps({"error": {"message": "invalid API key", "type": "authentication_error"}}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_gateway() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_usage_with_a_refused_key(refusing_gateway: str) -> None:
+    result = run("usage", "--url", refusing_gateway, "--key", "kvg-wrong")
+    line = said_in_one_line(result, "refused the key: 401", "invalid API key", "kvgate keys create")
+    assert "configuration error" not in line
+    result = subprocess.run(
+        [*KVGATE, "usage", "--url", refusing_gateway],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "KVGATE_API_KEY"},
+    )
+    said_in_one_line(result, "401", "--key or KVGATE_API_KEY")
+
+
+def test_usage_with_no_gateway_there() -> None:
+    said_in_one_line(
+        run("usage", "--url", f"http://127.0.0.1:{free_port()}"), "cannot reach a gateway", "--url"
+    )
+
+
+def test_simulate_help_shows_the_defaults() -> None:
+    result = run("simulate", "--help")
+    assert result.returncode == 0
+    assert "(default: 8)" in result.stdout and "(default: 85000.0)" in result.stdout
+
+
+def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 20) -> str:
+    """stderr of ``process`` up to and including the line holding ``text``."""
+    assert process.stderr is not None
+    selector = selectors.DefaultSelector()
+    selector.register(process.stderr, selectors.EVENT_READ)
+    read = ""
+    deadline = time.monotonic() + timeout
+    while text not in read:
+        assert time.monotonic() < deadline, f"no {text!r} in:\n{read}"
+        assert process.poll() is None, f"it exited ({process.returncode}):\n{read}"
+        if selector.select(timeout=0.5):
+            read += process.stderr.readline()
+    return read
+
+
+@pytest.mark.parametrize("operator", [False, True])
+def test_serve_starts_without_its_engine_and_redis_and_says_so(tmp_path: Path, operator: bool) -> None:
+    """An engine down since start is logged with its reason (no transition would say it), Redis away is
+    logged and reported by /health, and the log says where the gateway and its dashboard listen."""
+    port, engine_port, operator_port = free_port(), free_port(), free_port()
+    extra = f'redis_url = "{UNREACHABLE_REDIS}"\n' + (
+        f"operator_port = {operator_port}\n" if operator else ""
+    )
+    config = deployment(tmp_path, port, engine_url=f"http://127.0.0.1:{engine_port}", extra=extra)
+    gateway = subprocess.Popen(
+        [*KVGATE, "--log-format", "text", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        log = _read_until(gateway, "listening on")
+        assert "engine r/e0 is unhealthy since the gateway started: Cannot connect to host" in log
+        assert f"WARNING kvgate.app: redis unreachable at {UNREACHABLE_REDIS}: Error 111" in log
+        assert f"engines healthy, redis unreachable at {UNREACHABLE_REDIS}\n" in log  # (the startup line)
+        dashboard = f"http://127.0.0.1:{operator_port if operator else port}/dashboard"
+        assert f"listening on http://127.0.0.1:{port}; dashboard: {dashboard}" in log
+        try:
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{operator_port if operator else port}/health", timeout=5
+            )
+            raise AssertionError("a gateway without a healthy engine answered 200")
+        except urllib.error.HTTPError as exc:  # 503: no healthy engine
+            assert exc.code == 503
+            health = json.loads(exc.read())
+        assert health["redis"] == "unreachable"
+        assert "Cannot connect to host" in health["engines"][0]["last_error"]
+        with urllib.request.urlopen(dashboard, timeout=5) as r:
+            assert r.status == 200
+        gateway.send_signal(signal.SIGINT)
+        assert gateway.wait(30) == 0
+        assert gateway.stderr is not None
+        assert "Traceback" not in log + gateway.stderr.read()
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
