@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import ssl
 
+    from engine.sim.config import SimEngineConfig
+
 SIM_ENGINE_HELP = (
     "run the SIMULATED engine: an OpenAI-compatible server with a cost model, for tests and benchmarks"
 )
@@ -123,6 +125,20 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulated cost of sending a cached token's K/V to a peer that pulls it (default: %(default)s)",
     )
     parser.add_argument(
+        "--profile",
+        metavar="NAME",
+        help="batching mode: requests share one step loop costed by this perfmodel engine profile "
+        "(llama3-8b-h100, llama3-70b-h100, ...), so they queue behind each other's work; "
+        "--prefill-s-per-token, --decode-s-per-token and --max-running are then not used "
+        "(default: every request is costed on its own)",
+    )
+    parser.add_argument(
+        "--profile-overrides",
+        metavar="K=V,...",
+        default="",
+        help="replace some of the profile's constants, e.g. step_fixed_s=0.004,max_batch_tokens=2048",
+    )
+    parser.add_argument(
         "--max-running",
         type=_positive_int,
         default=64,
@@ -146,7 +162,6 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def run_sim_engine(args: argparse.Namespace) -> int:
     """Serve the simulator until SIGINT/SIGTERM; returns the exit status."""
     from engine.sim.run import serve
-    from engine.sim.server import SimEngineConfig
 
     ssl_context = tls_context(args)
     sock: socket.socket | None = None
@@ -156,7 +171,21 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         sock = socket.create_server((args.host, 0), family=family)
         port = sock.getsockname()[1]
-    config = SimEngineConfig(
+    try:
+        config = _sim_engine_config(args, port)
+    except ValueError as exc:  # an unknown --profile or an unusable --profile-overrides
+        raise SystemExit(f"kvgate sim-engine: {exc}") from None
+    try:
+        return serve(config, sock=sock, ssl_context=ssl_context)
+    except OSError as exc:  # the address is taken, or not ours to bind: say so without a traceback
+        print(f"kvgate sim-engine: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _sim_engine_config(args: argparse.Namespace, port: int) -> SimEngineConfig:
+    from engine.sim.config import SimEngineConfig
+
+    return SimEngineConfig(
         engine_id=args.engine_id or f"sim-{port}",
         model=args.model,
         block_size=args.block_size,
@@ -169,12 +198,9 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         port=port,
         max_model_len=args.max_model_len,
         tokenizer=args.tokenizer,
+        profile=args.profile,
+        profile_overrides=args.profile_overrides,
     )
-    try:
-        return serve(config, sock=sock, ssl_context=ssl_context)
-    except OSError as exc:  # the address is taken, or not ours to bind: say so without a traceback
-        print(f"kvgate sim-engine: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
-        return 1
 
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,9 @@ pseudo-text. What it simulates faithfully is what the gateway cares about: a FIF
 
 Cost model per request: wait for a slot; prefill sleeps ``uncached prompt tokens × prefill_s_per_token``;
 then each output token costs ``decode_s_per_token``. With every cost at 0 nothing sleeps, so benchmarks
-measure pure HTTP overhead.
+measure pure HTTP overhead. With a ``profile`` (``--profile NAME``) requests share one batching step loop
+instead, whose steps cost what ``perfmodel`` says, so they queue behind each other's work
+(``engine/sim/batching_loop.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import functools
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,48 +29,21 @@ from aiohttp import web
 
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer, render_messages
-from engine.kv_publisher import DEFAULT_HEARTBEAT_S, KvEventPublisher
+from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_errors import OpenAIError, json_response
 from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
+from engine.sim.batching_loop import BatchingLoop, generate_batched
+from engine.sim.config import SimEngineConfig
 from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
 from engine.sim.pseudo_text import cut_at_stop, pseudo_text
 
+__all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
+
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
-
-
-@dataclass(frozen=True, slots=True)
-class SimEngineConfig:
-    """Everything that shapes the simulator; costs in seconds per token."""
-
-    engine_id: str
-    model: str = "kvgate-sim"
-    block_size: int = 16
-    capacity_blocks: int = 4096
-    prefill_s_per_token: float = 5e-5
-    decode_s_per_token: float = 0.02
-    max_running: int = 64
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    max_model_len: int = 131072  # prompt + max_tokens; bounds the work one request can ask for
-    kv_heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    kv_pull_s_per_token: float = 1.2e-5  # sending cached K/V to a peer that pulls it (engine/sim/kv_pull.py)
-    tokenizer: str | None = None  # a Hugging Face tokenizer directory; None: the byte-level tokenizer
-
-    def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ValueError("engine_id must not be empty")
-        if self.block_size < 1 or self.max_running < 1 or self.max_model_len < 2:
-            raise ValueError("block_size and max_running must be >= 1, max_model_len >= 2")
-        if self.capacity_blocks < 0:
-            raise ValueError("capacity_blocks must be >= 0")
-        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0 or self.kv_pull_s_per_token < 0:
-            raise ValueError("costs must be >= 0")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must lie in [0, 65535]")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,10 +74,12 @@ class SimEngine:
         self.cache = PrefixCache(config.capacity_blocks, on_events=self.publisher.publish)
         self.created = int(time.time())
         self._zero_cost = config.prefill_s_per_token == 0 and config.decode_s_per_token == 0
-        self.running = 0
-        self.waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
+        self._running = 0  # requests holding a slot (per-request mode)
+        self._waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
         self._waiters: deque[_Waiter] = deque()
         self.counters = EngineCounters()
+        profile = config.engine_profile()
+        self.batching = None if profile is None else BatchingLoop(profile, self.counters)
         self._public_seed = _namespace_seed(config.model, "")  # of operator-declared shared prefixes
         self.kv_peer = SimKvPeer(
             model=config.model,
@@ -122,22 +98,30 @@ class SimEngine:
         )  # fmt: skip
 
     def gauges(self) -> EngineGauges:
-        return EngineGauges(self.running, len(self._waiters), self.cache.used, self.cache.free)
+        return EngineGauges(self.running, self.waiting, self.cache.used, self.cache.free)
+
+    @property
+    def running(self) -> int:
+        return self._running if self.batching is None else self.batching.running
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) if self.batching is None else self.batching.waiting
+
+    @property
+    def waiting_tokens(self) -> int:
+        return self._waiting_tokens if self.batching is None else self.batching.waiting_tokens
 
     # ------------------------------------------------------------------------------------ admission
 
     async def _admit(self, tokens: int) -> None:
         """Take a running slot, queueing FIFO behind earlier requests while all are taken."""
-        if self.running < self.config.max_running and not self._waiters:
-            self.running += 1
+        if self._running < self.config.max_running and not self._waiters:
+            self._running += 1
             return
         waiter = _Waiter(asyncio.get_running_loop().create_future(), tokens)
         self._waiters.append(waiter)
-        self.waiting_tokens += tokens
+        self._waiting_tokens += tokens
         try:
             await waiter.future
         except asyncio.CancelledError:
@@ -149,17 +133,17 @@ class SimEngine:
                 except ValueError:
                     pass  # already dequeued (and skipped) by _release_slot
                 else:
-                    self.waiting_tokens -= tokens
+                    self._waiting_tokens -= tokens
             raise
 
     def _release_slot(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
-            self.waiting_tokens -= waiter.tokens
+            self._waiting_tokens -= waiter.tokens
             if not waiter.future.done():  # a cancelled waiter is skipped
                 waiter.future.set_result(None)  # the slot passes on: running stays the same
                 return
-        self.running -= 1
+        self._running -= 1
 
     @contextlib.contextmanager
     def _busy(self, stage: str) -> Iterator[None]:
@@ -222,9 +206,9 @@ class SimEngine:
             "simulated": True,
             "load": {
                 "running": self.running,
-                "waiting": len(self._waiters),
+                "waiting": self.waiting,
                 "waiting_tokens": self.waiting_tokens,
-                "max_running": cfg.max_running,
+                "max_running": self.batching.profile.max_running if self.batching else cfg.max_running,
                 "kv_blocks_used": self.cache.used,
                 "kv_blocks_free": self.cache.free,
                 "kv_blocks_total": cfg.capacity_blocks,
@@ -251,20 +235,16 @@ class SimEngine:
         except OpenAIError as exc:
             return exc.to_response(headers)
 
+        if self.batching is not None:
+            return await generate_batched(self, request, req, headers)
         await self._admit(req.prompt_tokens)
         pinned: list[int] = []
         try:
             ids = req.prompt_token_ids
-            bs = cfg.block_size
             ns_seed = _namespace_seed(cfg.model, req.cache_salt)
             hashes = self.prompt_hashes(ids, req.cache_salt, req.cache_shared_blocks)
-            n_cached = self.cache.match(hashes)
-            if req.kv_pull is not None:
-                n_cached = max(n_cached, await self.kv_peer.pull(req, n_cached, hashes))
-            # The prompt's last token is always computed (its logits start the decode), as kvgate's own
-            # engine, vLLM and SGLang do: a prompt of whole blocks finds one block less in the cache.
-            n_cached = min(n_cached, (req.prompt_tokens - 1) // bs)
-            cached_tokens = n_cached * bs
+            n_cached = await self.cached_blocks(req, hashes)
+            cached_tokens = n_cached * cfg.block_size
             if not self._zero_cost:
                 # With every cost at zero nothing below awaits before _store_answer() stores the prompt
                 # and the answer at once, so no other request can evict these blocks meanwhile: pins
@@ -278,8 +258,7 @@ class SimEngine:
                     self.cache.store(hashes)
                     pinned += self.cache.acquire(hashes[n_cached:])
 
-            seed = req.seed if req.seed is not None else xxhash.xxh3_64_intdigest(ids.tobytes())
-            text, finish = cut_at_stop(pseudo_text(seed, req.max_tokens), req.stop)
+            text, finish = self.answer(req)
             usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
             self.counters.finished(req.prompt_tokens, cached_tokens, len(text))
 
@@ -340,6 +319,25 @@ class SimEngine:
             pass  # the client went away mid-stream; the caller's finally frees its slot and pins
         return resp
 
+    async def cached_blocks(self, req: GenerationRequest, hashes: list[int]) -> int:
+        """How many of the prompt's blocks need no prefill: in the prefix cache or pulled from a peer."""
+        n_cached = self.cache.match(hashes)
+        if req.kv_pull is not None:
+            n_cached = max(n_cached, await self.kv_peer.pull(req, n_cached, hashes))
+        # The prompt's last token is always computed (its logits start the decode), as kvgate's own engine,
+        # vLLM and SGLang do: a prompt of whole blocks finds one block less in the cache.
+        return min(n_cached, (req.prompt_tokens - 1) // self.config.block_size)
+
+    @staticmethod
+    def answer(req: GenerationRequest) -> tuple[str, FinishReason]:
+        """The deterministic pseudo-answer (cut at a stop string) and why it ends."""
+        seed = req.seed if req.seed is not None else xxhash.xxh3_64_intdigest(req.prompt_token_ids.tobytes())
+        return cut_at_stop(pseudo_text(seed, req.max_tokens), req.stop)
+
+    def store_answer(self, req: GenerationRequest, hashes: list[int], text: str) -> None:
+        ns_seed = _namespace_seed(self.config.model, req.cache_salt)
+        self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
+
     def _store_answer(
         self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int, shared_blocks: int = 0
     ) -> None:
@@ -385,6 +383,8 @@ def build_app(config: SimEngineConfig) -> web.Application:
 
     async def close_kv_peer(app: web.Application) -> None:
         await engine.kv_peer.close()
+        if engine.batching is not None:
+            await engine.batching.close()
 
     app.on_cleanup.append(close_kv_peer)
     return app
