@@ -13,6 +13,7 @@ COPY cache ./cache
 COPY engine ./engine
 COPY gateway ./gateway
 COPY region_map ./region_map
+COPY perfmodel ./perfmodel
 # The package with its `engine` extra's requirements read from pyproject.toml, less triton (which that extra
 # asks for on Linux, for GPUs): the CPU torch installed above satisfies the torch requirement.
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['engine']; print('\n'.join(d for d in deps if not d.startswith('triton')))" > /tmp/engine-requirements.txt \

@@ -8,6 +8,7 @@ COPY cache ./cache
 COPY engine ./engine
 COPY gateway ./gateway
 COPY region_map ./region_map
+COPY perfmodel ./perfmodel
 # The base install has no torch: `kvgate serve` never imports the engine.
 RUN pip install .
 # /models (where compose.yaml mounts the shared model, read-only, for its tokenizer) belongs to kvgate as in

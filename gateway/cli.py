@@ -105,6 +105,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument(
         "--limit", type=int, default=None, help="replay only the first N requests (default: all)"
     )
+    sim.add_argument(
+        "--profile",
+        metavar="NAME",
+        default=None,
+        help="model each engine with perfmodel's batching cost model under this engine profile "
+        "(llama3-8b-h100, llama3-70b-h100, ...) instead of the FIFO prefill model; "
+        "--prefill-tokens-per-s and --decode-s-per-token then do not apply",
+    )
+    sim.add_argument(
+        "--profile-overrides",
+        metavar="K=V,...",
+        default=None,
+        help="with --profile: replace some of the profile's fields, e.g. max_batch_tokens=2048",
+    )
     sim.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     sim.set_defaults(func=_simulate)
 

@@ -7,6 +7,10 @@ as KV events) and a ``SharedState`` without Redis, as an embedded gateway runs. 
 a client would send (see ``region_map.simulation.trace``), round trips are measured from the client's home
 region, and cross-region traffic is capped by the Router's own limiter. Simulated time is the clock of the
 view.
+
+With ``--profile`` every simulated engine is instead ``perfmodel``'s batching cost model under that engine
+profile (``region_map.simulation.batched``): continuous batching, chunked prefill, the step times the
+simulated engine uses too; the router's estimate then takes the profile's prefill cost per token.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache.residency_memory import MemoryResidencyIndex
 from cache.sessions import MemorySessionStore
@@ -26,10 +30,15 @@ from gateway.routing import POLICIES, RoutingPolicy
 from gateway.routing.base import RoutingSettings, route_key
 from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
+from gateway.user_errors import UserError
 from region_map.config import EngineConfig, RegionConfig, TopologyConfig
 from region_map.fleet import ChainKey, EngineLoad, Fleet
 from region_map.simulation.simulator import CostModel, SimEngine, SimResult, simulate
 from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+
+if TYPE_CHECKING:  # perfmodel is imported only when a profile is asked for
+    from perfmodel.profiles import EngineProfile
+    from region_map.simulation.batched import StepHook
 
 POLICY_ALIASES = {"prefix": "cache_aware"}
 SESSION_POLICIES = frozenset({"session", "default"})  # policies that read x-session-affinity
@@ -158,7 +167,11 @@ def run_simulation(
     max_remote_share: float = 0.2,
     settings: RoutingSettings | None = None,
     progress: Callable[[int], None] | None = None,
+    profile: EngineProfile | None = None,
+    on_step: StepHook | None = None,
 ) -> SimResult:
+    """Replay ``trace`` through ``policy``: engines are ``cost``'s FIFO prefill servers, or with ``profile``
+    ``perfmodel``'s batching model under it (``on_step`` hears each of their steps)."""
     cost = cost or CostModel()
     name = POLICY_ALIASES.get(policy, policy)
     if name not in POLICIES:
@@ -166,7 +179,7 @@ def run_simulation(
     # The estimate's prefill cost is the simulated engines' own, as an operator would configure it.
     pulls = cost.kv_pull_tokens_per_s > 0
     settings = settings or RoutingSettings(
-        prefill_s_per_token=1.0 / cost.prefill_tokens_per_s,
+        prefill_s_per_token=profile.prefill_s_per_token if profile else 1.0 / cost.prefill_tokens_per_s,
         kv_pull=pulls,
         kv_pull_s_per_token=1.0 / cost.kv_pull_tokens_per_s if pulls else 0.0,
     )
@@ -189,12 +202,30 @@ def run_simulation(
         router=router,
         cost=cost,
         progress=progress,
+        profile=profile,
+        on_step=on_step,
     )
+
+
+def engine_profile(name: str | None, overrides: str | None) -> EngineProfile | None:
+    """The profile ``--profile``/``--profile-overrides`` name (None: the FIFO model); a ``UserError``
+    (status 2) in one line for an unknown profile, a bad override or overrides without a profile."""
+    if name is None:
+        if overrides:
+            raise UserError("--profile-overrides needs --profile NAME", status=2)
+        return None
+    from perfmodel.profiles import parse_overrides, profile, with_overrides
+
+    try:
+        return with_overrides(profile(name), **parse_overrides(overrides or ""))
+    except ValueError as exc:
+        raise UserError(str(exc), status=2) from None
 
 
 def main(args: Any) -> int:
     from tqdm import tqdm
 
+    profile = engine_profile(args.profile, args.profile_overrides)
     trace = load_trace(Path(args.trace), limit=args.limit)
     cost = CostModel(
         prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -220,13 +251,16 @@ def main(args: Any) -> int:
             cost=cost,
             max_remote_share=args.max_remote_share,
             progress=advance,
+            profile=profile,
         )
         advance(len(trace))
     if args.json:
         print(json.dumps(result.as_json()))
     else:
         r = result
-        print(f"{args.policy}: {r.requests} requests on {args.regions} x {args.engines_per_region} engines")
+        model = f" (engine profile {args.profile})" if profile else ""
+        shape = f"{args.regions} x {args.engines_per_region} engines"
+        print(f"{args.policy}: {r.requests} requests on {shape}{model}")
         print(
             f"  hit rate {r.hit_rate:.1%} (oracle {r.oracle_hit_rate:.1%}, "
             f"pooled LRU {r.pooled_hit_rate:.1%})"

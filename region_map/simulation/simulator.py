@@ -20,11 +20,15 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
 from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
+if TYPE_CHECKING:
+    from perfmodel.profiles import EngineProfile
+    from region_map.simulation.batched import BatchedSimEngine, StepHook
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,20 @@ class SimEngine:
         not computed here, local and pulled)."""
         self._advance(now)
         self.requests += 1
+        ready, hit = self._find_prefix(now, request, source)
+        uncached = max(0, request.input_tokens - hit * self.cost.block_tokens)
+        start = max(ready, self._prefill_free_at)
+        end = start + uncached / self.cost.prefill_tokens_per_s
+        self._prefill_free_at = end
+        self._prefills.append((start, end, uncached))
+        heapq.heappush(self._finishing, end + request.output_tokens * self.cost.decode_s_per_token)
+        self._store(request)
+        return end, hit
+
+    def _find_prefix(self, now: float, request: TraceRequest, source: SimEngine | None) -> tuple[float, int]:
+        """(when the prompt's cached prefix is here, its blocks held here or pulled from ``source``): the
+        leading blocks ``source`` holds beyond this engine's own are pulled (the last prompt token is always
+        computed here)."""
         hit = self.cache.prefix(request.blocks)
         ready = now
         if source is not None and self.cost.kv_pull_tokens_per_s > 0:
@@ -142,17 +160,13 @@ class SimEngine:
             if held > hit:
                 ready = source.pull(now, request.blocks[hit:held])
                 hit = held
-        uncached = max(0, request.input_tokens - hit * self.cost.block_tokens)
-        start = max(ready, self._prefill_free_at)
-        end = start + uncached / self.cost.prefill_tokens_per_s
-        self._prefill_free_at = end
-        self._prefills.append((start, end, uncached))
-        heapq.heappush(self._finishing, end + request.output_tokens * self.cost.decode_s_per_token)
+        return ready, hit
+
+    def _store(self, request: TraceRequest) -> None:
         # Stored at admission: prefills run FIFO, so anything routed here later finds these blocks computed.
         stored, evicted = self.cache.insert(request.blocks)
         if stored or evicted:
             self._on_change(self.id, stored, evicted)
-        return end, hit
 
 
 class Router(Protocol):
@@ -208,13 +222,25 @@ def simulate(
     router: Router,
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
+    profile: EngineProfile | None = None,
+    on_step: StepHook | None = None,
 ) -> SimResult:
+    """Replay ``trace``. With ``profile``, every engine is ``perfmodel``'s batching model under it (see
+    ``region_map.simulation.batched``; ``on_step`` hears each step); without, the FIFO prefill server of
+    ``cost``."""
     cost = cost or CostModel()
-    engines = [
-        SimEngine(f"{region}/e{i}", region, capacity_blocks, cost, router.kv_changed)
-        for region in regions
-        for i in range(engines_per_region)
+    ids = [(f"{region}/e{i}", region) for region in regions for i in range(engines_per_region)]
+    batched: list[BatchedSimEngine] = []
+    if profile is not None:
+        from region_map.simulation.batched import BatchedSimEngine
+
+        batched = [
+            BatchedSimEngine(i, r, capacity_blocks, cost, router.kv_changed, profile, on_step) for i, r in ids
+        ]
+    engines: list[SimEngine] = list(batched) or [
+        SimEngine(i, r, capacity_blocks, cost, router.kv_changed) for i, r in ids
     ]
+    pending: list[tuple[BatchedSimEngine, str, float, float]] = []  # (engine, key, arrival, rtt)
     pooled = LRUBlocks(capacity_blocks * len(engines))
     seen: set[int] = set()
     hits = oracle_hits = pooled_hits = total_blocks = cross = pulls = 0
@@ -222,12 +248,19 @@ def simulate(
     for n, request in enumerate(trace, 1):
         now = request.arrival_s
         home = home_region(request, regions)
+        for sim in batched:  # the load the router reads is the model's at this arrival
+            sim.advance(now)
         engine, source = router.route(request, home, now, engines)
         if source is not None:
             pulls += 1
-        first_token, hit = engine.serve(now, request, source)
         rtt = 0.0 if engine.region == home else cost.rtt_s
-        ttfts.append(rtt + first_token - now)
+        if batched:
+            assert isinstance(engine, BatchedSimEngine)
+            hit = engine.submit(str(n), now, request, source)
+            pending.append((engine, str(n), now, rtt))
+        else:
+            first_token, hit = engine.serve(now, request, source)
+            ttfts.append(rtt + first_token - now)
         cross += engine.region != home
         hits += hit
         total_blocks += len(request.blocks)
@@ -242,6 +275,9 @@ def simulate(
         seen.update(request.blocks)
         if progress is not None and n % 256 == 0:
             progress(n)
+    for sim in batched:
+        sim.finish()
+    ttfts.extend(rtt + sim.first_token_s(key) - arrival for sim, key, arrival, rtt in pending)
     counts = {e.id: e.requests for e in engines}
     mean = sum(counts.values()) / len(counts)
     return SimResult(

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import gateway.simulate as simulate_module
 from gateway.routing import POLICIES
 from gateway.routing.base import RoutingSettings
 from gateway.routing.router import Router
 from gateway.simulate import run_simulation, sim_router
+from perfmodel.profiles import profile, with_overrides
 from region_map.simulation.simulator import CostModel, SimEngine
 from region_map.simulation.trace import TraceRequest, load_trace
 
@@ -104,3 +106,72 @@ def test_the_real_trace_replays_in_under_a_minute() -> None:
 def test_the_shipped_trace_is_the_published_one() -> None:
     digest = hashlib.sha256(gzip.decompress(TRACE.read_bytes())).hexdigest()
     assert digest == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+
+
+# The default (FIFO prefill) model's figures on the synthetic trace, recorded before the batching mode was
+# added: the opt-in mode must leave them exactly as they were.
+FIFO_FIGURES = {
+    "default": (0.19682539682539682, 0.27959999999999985, 0.9288000000000007, 1.2246000000000006,
+                1.0476190476190477, 0.10317460317460317, 0.015873015873015872),
+    "cache_aware": (0.19365079365079366, 0.2795999999999994, 0.9288000000000007, 1.2346000000000004,
+                    1.0476190476190477, 0.1349206349206349, 0.0),
+    "round_robin": (0.19365079365079366, 0.29720000000000013, 0.8688000000000002, 1.2346000000000004,
+                    1.0476190476190477, 0.20634920634920634, 0.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", sorted(FIFO_FIGURES))
+def test_the_default_model_is_unchanged(tmp_path: Path, policy: str) -> None:
+    trace = load_trace(synthetic(tmp_path))
+    r = run_simulation(trace, policy=policy, regions=2, engines_per_region=2, capacity_blocks=20)
+    figures = (r.hit_rate, r.ttft_p50_s, r.ttft_p90_s, r.ttft_p99_s, r.load_max_over_mean,
+               r.cross_region_share, r.pull_share)  # fmt: skip
+    assert figures == pytest.approx(FIFO_FIGURES[policy], rel=1e-12, abs=1e-15)
+
+
+def test_a_profile_past_its_throughput_queues(tmp_path: Path) -> None:
+    """With the batching model, arrivals beyond an engine's prefill throughput wait: TTFT p90 grows."""
+    trace = load_trace(synthetic(tmp_path))
+    light = profile("llama3-8b-h100")
+    heavy = with_overrides(light, prefill_s_per_token=2e-3)  # ~3 s a prompt; 42 prompts come in 0.42 s
+    runs = {
+        name: run_simulation(trace, policy="default", regions=1, engines_per_region=4, capacity_blocks=200,
+                             profile=p)
+        for name, p in (("light", light), ("heavy", heavy))
+    }  # fmt: skip
+    assert runs["light"].ttft_p90_s < 0.5
+    assert runs["heavy"].ttft_p90_s > 10 * runs["light"].ttft_p90_s
+    assert runs["heavy"].hit_rate > 0  # the caches work the same in both
+
+
+def test_the_routers_estimate_takes_the_profiles_prefill_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float] = []
+    real = simulate_module.sim_router
+
+    def spy(policy: object, settings: RoutingSettings, **kwargs: object) -> object:
+        seen.append(settings.prefill_s_per_token)
+        return real(policy, settings, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simulate_module, "sim_router", spy)
+    trace = load_trace(synthetic(tmp_path))[:10]
+    run_simulation(trace, policy="default", regions=1, engines_per_region=2, capacity_blocks=20)
+    run_simulation(trace, policy="default", regions=1, engines_per_region=2, capacity_blocks=20,
+                   profile=profile("llama3-70b-h100"))  # fmt: skip
+    assert seen == [1 / 20_000, 7.1e-5]
+
+
+def test_the_cli_takes_a_profile_and_rejects_an_unknown_one(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(synthetic(tmp_path)), "--json"]
+    ok = subprocess.run([*base, "--profile", "llama3-70b-h100", "--profile-overrides", "max_running=64"],
+                        capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert set(json.loads(ok.stdout)) >= KEYS
+    cases = [(["--profile", "llama3-405b"], ["'llama3-405b'", "llama3-8b-h100", "llama3-70b-h100"]),
+             (["--profile", "llama3-8b-h100", "--profile-overrides", "speed=9"], ["'speed'"]),
+             (["--profile-overrides", "max_running=64"], ["--profile"])]  # fmt: skip
+    for extra, words in cases:
+        bad = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and bad.stdout == ""
+        assert len(bad.stderr.strip().splitlines()) == 1 and bad.stderr.startswith("kvgate simulate: ")
+        assert all(word in bad.stderr for word in words)
