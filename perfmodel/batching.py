@@ -222,6 +222,21 @@ class BatchingEngine:
         del self._requests[request_id]
         return req.result()
 
+    def abort(self, request_id: str) -> bool:
+        """Drop a request whose client left: out of the queue or the batch, its queued prefill and its KV
+        reservation freed from the next step on, its record forgotten. Returns whether it was still
+        unfinished (an unknown or finished id is only forgotten)."""
+        req = self._requests.pop(request_id, None)
+        if req is None or req.finish_s is not None:
+            return False
+        self._queued_prefill -= req.prefill_left
+        if req.admitted_s is None:
+            self._waiting.remove(req)
+        else:
+            self._running.remove(req)
+            self._kv_used -= req.kv_tokens
+        return True
+
     # ---- the step loop -----------------------------------------------------------------------------------
 
     def _plan(self) -> _Plan | None:

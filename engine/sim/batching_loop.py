@@ -127,6 +127,17 @@ class BatchingLoop:
         self._wake.set()
         return ticket
 
+    def abort(self, ticket: Ticket) -> None:
+        """The request's client left before it finished: the model stops spending steps on it."""
+        if ticket.finished:
+            return
+        self.engine.abort(ticket.key)
+        self._tickets.pop(ticket.key, None)
+        ticket.finished = True
+        if ticket in self._admitted:
+            self._admitted.remove(ticket)
+        self._wake.set()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -146,7 +157,8 @@ class BatchingLoop:
             # Always yield, even to a step already due, so that handlers run between steps.
             await asyncio.sleep(max(0.0, end - loop.time()))
             record = self.engine.step()
-            assert record is not None  # the plan could only have grown
+            if record is None:  # every request of the planned step was aborted meanwhile
+                continue
             self._dispatch(record, loop.time())
 
     def _dispatch(self, record: StepRecord, now: float) -> None:
@@ -200,6 +212,7 @@ async def generate_batched(
     batching = sim.batching
     assert batching is not None
     pinned: list[int] = []
+    ticket: Ticket | None = None
     try:
         ids = req.prompt_token_ids
         hashes = sim.prompt_hashes(ids, req.cache_salt, req.cache_shared_blocks)
@@ -240,8 +253,10 @@ async def generate_batched(
             await resp.write(fmt.finish(finish, usage_obj))
             await resp.write_eof()
         except ConnectionResetError:
-            pass  # the client went away mid-stream; its request runs on in the model, unheard
+            pass  # the client went away mid-stream (the model stops computing it: see finally)
         return resp
     finally:
+        if ticket is not None and not ticket.finished:
+            batching.abort(ticket)  # a client that left (or an error): no more steps for it
         if pinned:
             sim.cache.release(pinned)

@@ -163,3 +163,23 @@ def test_config_resolves_and_checks_the_profile() -> None:
         SimEngineConfig(engine_id="e", profile="llama3-8b-h100", profile_overrides="bogus=1")
     with pytest.raises(ValueError, match="needs a profile"):
         SimEngineConfig(engine_id="e", profile_overrides="max_running=2")
+
+
+async def test_a_stream_whose_client_leaves_stops_costing_the_engine_steps(start_sim: StartSim) -> None:
+    sim = await start_batching(start_sim)
+    batching = loop_of(sim)
+    prompt = text_of(50, "gone ")
+    body = {"model": sim.engine.config.model, "prompt": prompt, "max_tokens": 400, "stream": True}
+    async with sim.session.post(f"{sim.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # its first token is out: it decodes now
+        assert batching.running == 1
+    # The connection closed with ~398 tokens to go: the model stops decoding it within a few steps.
+
+    async def idle() -> bool:
+        return batching.running == 0 and batching.engine.idle()
+
+    await wait_for(idle)
+    steps = batching.steps_total
+    await asyncio.sleep(0.05)
+    assert batching.steps_total == steps  # no step runs for nobody

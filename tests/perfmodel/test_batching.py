@@ -305,3 +305,22 @@ def test_overrides_apply_and_are_checked() -> None:
         with_overrides(base, max_batch_tokens=0)
     with pytest.raises(ValueError, match=">= 0"):
         with_overrides(base, decode_s_per_seq=-1)
+
+
+def test_an_aborted_request_leaves_the_queue_and_the_batch_and_frees_its_kv() -> None:
+    p = with_overrides(profile("llama3-8b-h100"), max_batch_tokens=100, max_running=1)
+    engine = BatchingEngine(p)
+    engine.submit("a", 0.0, 300, 0, 50)
+    engine.submit("b", 0.0, 300, 0, 50)
+    engine.submit("c", 0.0, 300, 0, 1)
+    engine.step()  # a admitted, 100 of its 300 prefill tokens
+    assert (engine.running, engine.waiting, engine.queued_prefill_tokens) == (1, 2, 800)
+    assert engine.abort("b")  # waiting
+    assert (engine.waiting, engine.queued_prefill_tokens) == (1, 500)
+    kv = engine.kv_used_tokens
+    assert engine.abort("a") and engine.kv_used_tokens == 0 < kv  # running
+    assert not engine.abort("a") and not engine.abort("nobody")
+    engine.run_to_completion()
+    c = engine.result("c")
+    assert c.first_token_s is not None and c.finish_s is not None  # c ran at once, alone
+    assert engine.idle()
