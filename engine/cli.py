@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.cli_args import non_negative_int, port_number, positive_int, seconds
+
 if TYPE_CHECKING:
     import ssl
 
@@ -25,38 +27,6 @@ ENGINE_HELP = (
     "serve a model (Hugging Face layout) with kvgate's engine: OpenAI API, paged KV cache with prefix "
     "caching, continuous batching, KV events"
 )
-MAKE_MODEL_HELP = (
-    "write a RANDOM-weight model (Hugging Face layout, with a tokenizer) for tests and demos; "
-    "nothing is downloaded and its output is meaningless text"
-)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 65535], got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,16 +59,19 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The simulator's flags; shared by ``kvgate sim-engine`` and ``python -m engine.sim``."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument(
-        "--port", type=_port, required=True, help="port to listen on; 0 picks a free one (printed on stderr)"
+        "--port",
+        type=port_number,
+        required=True,
+        help="port to listen on; 0 picks a free one (printed on stderr)",
     )
     parser.add_argument(
         "--capacity-blocks",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=4096,
         help="prefix cache capacity in blocks (default: %(default)s)",
     )
     parser.add_argument(
-        "--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)"
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (default: %(default)s)"
     )
     parser.add_argument(
         "--model", default="kvgate-sim", help="the model name it serves (default: %(default)s)"
@@ -108,19 +81,19 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-s-per-token",
-        type=_seconds,
+        type=seconds,
         default=5e-5,
         help="simulated prefill cost per uncached prompt token, seconds (default: %(default)s)",
     )
     parser.add_argument(
         "--decode-s-per-token",
-        type=_seconds,
+        type=seconds,
         default=0.02,
         help="simulated decode cost per output token, seconds (default: %(default)s)",
     )
     parser.add_argument(
         "--kv-pull-s-per-token",
-        type=_seconds,
+        type=seconds,
         default=1.2e-5,
         help="simulated cost of sending a cached token's K/V to a peer that pulls it (default: %(default)s)",
     )
@@ -140,13 +113,13 @@ def add_sim_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-running",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="requests processed at once; more wait FIFO (default: %(default)s)",
     )
     parser.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=131072,
         help="largest prompt + max_tokens accepted (default: %(default)s)",
     )
@@ -203,63 +176,12 @@ def _sim_engine_config(args: argparse.Namespace, port: int) -> SimEngineConfig:
     )
 
 
-def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", metavar="DIR", help="where to write the model (created if needed)")
-    parser.add_argument(
-        "--preset",
-        choices=("tiny", "small"),
-        required=True,
-        help="tiny: ~0.1M parameters, for fast tests; small: ~88M parameters",
-    )
-    parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="(default: %(default)s)")
-    parser.add_argument(
-        "--seed", type=_non_negative_int, default=0, help="the same seed writes the same bytes (default: 0)"
-    )
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="(default: %(default)s)"
-    )
-    parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
-
-
-def run_make_model(args: argparse.Namespace) -> int:
-    """Write the random model; returns the exit status."""
-    directory = Path(args.directory)
-    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not args.force)):
-        print(
-            f"kvgate make-model: {directory} exists and is not an empty directory (--force writes into it)",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        "kvgate make-model: the weights are RANDOM (nothing is downloaded): the model runs, "
-        "but its output is meaningless text."
-    )
-    from engine.make_model import count_parameters, make_model
-    from engine.model.config import ModelConfig
-
-    make_model(
-        directory,
-        args.preset,
-        arch=args.arch,
-        seed=args.seed,
-        dtype=args.dtype,
-        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-        bar=True,
-    )
-    config = ModelConfig.from_dir(directory)
-    print(
-        f"wrote {directory}: {config.architecture}, preset {args.preset}, {count_parameters(config):,} "
-        f"RANDOM parameters, vocab {config.vocab_size}, {args.dtype}, seed {args.seed}"
-    )
-    return 0
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="model directory (config.json, safetensors)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=_port, required=True, help="port to listen on")
+    parser.add_argument("--port", type=port_number, required=True, help="port to listen on")
     parser.add_argument(
         "--engine-id", default=None, help="its id in KV events and /health (default: engine-<port>)"
     )
@@ -267,11 +189,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="model id clients use (default: DIR's name)"
     )
     parser.add_argument(
-        "--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)"
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)"
     )
     parser.add_argument(
         "--kv-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="KV cache size in blocks (default: --kv-memory-gib)",
     )
@@ -283,16 +205,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument(
-        "--max-num-seqs", type=_positive_int, default=64, help="sequences per step (default: 64)"
+        "--max-num-seqs", type=positive_int, default=64, help="sequences per step (default: 64)"
     )
     parser.add_argument(
-        "--max-batched-tokens", type=_positive_int, default=2048, help="token budget per step (default: 2048)"
+        "--max-batched-tokens", type=positive_int, default=2048, help="token budget per step (default: 2048)"
     )
     parser.add_argument(
-        "--max-model-len", type=_positive_int, default=None, help="default: the model's context"
+        "--max-model-len", type=positive_int, default=None, help="default: the model's context"
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=None, help="CPU threads for torch (default: all)"
+        "--threads", type=positive_int, default=None, help="CPU threads for torch (default: all)"
     )
     parser.add_argument(
         "--compressed-weights",
@@ -303,7 +225,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="split every layer over N ranks (heads, MLP, vocabulary); one GPU each (default: 1)",
     )
@@ -311,7 +233,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--pp",
         "--pipeline-parallel-size",
         dest="pp",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="split the layers into M pipeline stages; runs --tp x --pp worker processes (default: 1)",
     )
@@ -405,9 +327,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser("sim-engine", help=SIM_ENGINE_HELP, description=SIM_ENGINE_HELP)
     add_sim_engine_arguments(parser)
     parser.set_defaults(func=run_sim_engine)
-    parser = subparsers.add_parser("make-model", help=MAKE_MODEL_HELP, description=MAKE_MODEL_HELP)
-    add_make_model_arguments(parser)
-    parser.set_defaults(func=run_make_model)
+    from engine import make_model_cli  # argparse only: importing it stays cheap
+
+    parser = subparsers.add_parser(
+        "make-model", help=make_model_cli.MAKE_MODEL_HELP, description=make_model_cli.MAKE_MODEL_HELP
+    )
+    make_model_cli.add_arguments(parser)
+    parser.set_defaults(func=make_model_cli.run_make_model)
     from engine.compress import cli as compress_cli  # argparse only: importing it stays cheap
 
     for name, text, run in (

@@ -129,7 +129,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config import load_config
-    from gateway.http.server import run_gateway, run_workers
+    from gateway.http.server import run_gateway
+    from gateway.http.workers import run_workers
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")

@@ -26,8 +26,9 @@ import aiohttp
 
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
+from gateway.http.listening import check_can_listen
 from gateway.http.loop import install_best_loop, raise_open_file_limit
-from gateway.http.server import check_can_listen, serve_until_signal
+from gateway.http.server import serve_until_signal
 from gateway.tenancy.tenants import create_key
 from gateway.user_errors import UserError
 

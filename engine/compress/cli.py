@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.cli_args import positive_int
+
 COMPRESS_HELP = (
     "losslessly compress a model directory's safetensors weights (BF16/F16/F32, ~1.5x for BF16) into a "
     "directory the engine loads directly"
@@ -13,17 +15,12 @@ COMPRESS_HELP = (
 DECOMPRESS_HELP = "write back the original model directory (the same safetensors bytes) from a compressed one"
 
 
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="IN_DIR", help="the model directory to read")
     parser.add_argument("target", metavar="OUT_DIR", help="where to write (created if needed)")
-    parser.add_argument("--threads", type=_threads, default=None, help="coding threads (default: all cores)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="coding threads (default: all cores)"
+    )
     parser.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty")
 
 

@@ -7,15 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import errno
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import signal
-import socket
-import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -31,17 +24,14 @@ from gateway.http.edge import ConnectionLimits, Edge
 from gateway.http.errors import GatewayError, RequestTimedOut
 from gateway.http.http_wire import whole_response
 from gateway.http.lean_http import LeanConnection, LeanHandler
+from gateway.http.listening import PORT_FLAG, check_can_listen, listen_error, log_listening
 from gateway.http.loop import install_best_loop, raise_open_file_limit
 from gateway.service import Gateway
-from gateway.tenancy.billing import spool_path
-from gateway.user_errors import UserError
-from region_map.config import ConfigError
 
 log = logging.getLogger("kvgate.server")
 
 SHUTDOWN_TIMEOUT_S = 10.0
 MAX_FIELD_BYTES = 8190  # aiohttp's limit on a request line or a header line
-PORT_FLAG = "--port (or gateway.port)"  # how `kvgate serve` is told another port
 
 
 class _JsonErrorRequestHandler(RequestHandler):
@@ -320,68 +310,6 @@ def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
     return GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s, **kwargs)
 
 
-def listen_error(host: str | None, port: int, exc: OSError, *, port_flag: str = PORT_FLAG) -> UserError:
-    """A listening socket that could not be opened, said with its cause and what to do about it."""
-    reason = exc.strerror or str(exc)
-    if exc.errno == errno.EADDRINUSE:
-        fix = "another process (another kvgate?) listens there: stop it, or choose another port with "
-        fix += port_flag
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        fix = f"ports below 1024 need privileges: choose a port above 1023 with {port_flag}"
-    elif exc.errno == errno.EADDRNOTAVAIL:
-        fix = "that address is not one of this machine's: listen on 127.0.0.1 or 0.0.0.0 instead"
-    else:
-        fix = f"check the listen address, and the port ({port_flag})"
-    return UserError(f"cannot listen on {host or '*'}:{port}: {reason}; {fix}")
-
-
-def check_can_listen(host: str | None, port: int, *, port_flag: str = PORT_FLAG) -> None:
-    """Raise ``listen_error`` now when ``host:port`` is taken (by anyone, SO_REUSEPORT listeners included),
-    before engines start or Redis is dialled; the bind that serves can still fail later (a race), and says
-    the same then."""
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise UserError(
-            f"cannot listen on {host}:{port}: {exc.strerror}; give an address or a name this machine resolves"
-        ) from None
-    for family, kind, proto, _, address in dict.fromkeys(addresses):
-        try:
-            probe = socket.socket(family, kind, proto)
-        except OSError:  # (e.g. IPv6 off on this machine: the server skips that family too)
-            continue
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                raise listen_error(host, port, exc, port_flag=port_flag) from exc
-
-
-def _url(address: Any) -> str:
-    host, port = address[0], address[1]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _log_listening(app: web.Application, runner: web.AppRunner) -> None:
-    """Where the gateway listens, and where its dashboard opens (the operator port's, when it has one)."""
-    gateway = app.get(GATEWAY)
-    if gateway is None or not runner.addresses:
-        return
-    url = _url(runner.addresses[0])
-    if gateway.operator_url is not None:
-        dashboard = f"{gateway.operator_url}/dashboard (with /metrics and /health, on the operator port)"
-    elif gateway.settings.auth.enabled:
-        dashboard = f"{url}/dashboard (admin keys only; set gateway.operator_port to open it in a browser)"
-    else:
-        dashboard = f"{url}/dashboard"
-    log.info("gateway %s listening on %s; dashboard: %s", gateway.state.gateway_id, url, dashboard)
-
-
 async def serve_until_signal(
     app: web.Application,
     host: str,
@@ -400,7 +328,7 @@ async def serve_until_signal(
             await site.start()
         except OSError as exc:
             raise listen_error(host, port, exc, port_flag=port_flag) from exc
-        _log_listening(app, runner)
+        log_listening(app, runner)
         if on_ready is not None:
             on_ready()
         stop = asyncio.Event()
@@ -420,63 +348,3 @@ def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:
     if not reuse_port:  # (a worker shares the port with its siblings: run_workers checked it first)
         check_can_listen(s.host, s.port)
     asyncio.run(serve_until_signal(build_app(config), s.host, s.port, reuse_port=reuse_port))
-
-
-def _run_worker(config: KvgateConfig) -> None:
-    """A worker process: its error in one line, as the command's would be."""
-    try:
-        run_gateway(config, reuse_port=True)
-    except UserError as exc:
-        print(f"kvgate serve: {config.gateway_id}: {exc}", file=sys.stderr)
-        sys.exit(exc.status)
-    except ConfigError as exc:
-        print(f"kvgate serve: {config.gateway_id}: configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
-    """Worker ``index``'s configuration: its own gateway id, ledger spool (and journal) and operator port
-    (``operator_port + index``: each worker's metrics are its own to scrape), the same public port."""
-    update: dict[str, object] = {
-        "gateway_id": f"{config.gateway_id}-w{index}",
-        "spool_path": f"{spool_path(config)}.w{index}",
-    }
-    if config.gateway.operator_port:
-        update["operator_port"] = config.gateway.operator_port + index
-    gateway = config.gateway.model_copy(update=update)
-    return dataclasses.replace(config, gateway=gateway)
-
-
-def run_workers(config: KvgateConfig, workers: int) -> int:
-    """``workers`` gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections).
-    Each follows every engine's KV events itself; sessions, the ledger and rate limits are shared only
-    through Redis, so without it each worker keeps its own. Stops all when one stops or on SIGINT/SIGTERM."""
-    check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
-    if config.gateway.redis_url is None:
-        log.warning(
-            "%d workers without Redis: each keeps its own session bindings, usage ledger and rate limits",
-            workers,
-        )
-    context: Any = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    children = [
-        context.Process(target=_run_worker, args=(worker_config(config, i),), name=f"kvgate-worker-{i}")
-        for i in range(workers)
-    ]  # fmt: skip
-    for child in children:
-        child.start()
-
-    def forward(signum: int, frame: Any) -> None:
-        for child in children:
-            if child.is_alive() and child.pid is not None:
-                os.kill(child.pid, signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    try:
-        while all(child.is_alive() for child in children):
-            multiprocessing.connection.wait([child.sentinel for child in children])
-    finally:
-        forward(signal.SIGTERM, None)  # one ended: the service is not whole, stop the rest
-        for child in children:
-            child.join()
-    return max(child.exitcode or 0 for child in children)

@@ -14,8 +14,9 @@ from tokenizers import Tokenizer
 
 from cache.tokens import load_tokenizer, render_chat
 from engine.attention import KVCache, SeqSlice, build_metadata
-from engine.cli import register, run_make_model
+from engine.cli import register
 from engine.make_model import PRESETS, SPECIAL_TOKENS, count_parameters, hf_config_dict, make_model
+from engine.make_model_cli import run_make_model
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 

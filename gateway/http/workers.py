@@ -1,0 +1,82 @@
+"""``kvgate serve --workers N``: N gateway processes sharing the public port (SO_REUSEPORT), each with its
+own gateway id, spool and operator port, stopped together."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+from typing import Any
+
+from gateway.config import KvgateConfig
+from gateway.http.listening import check_can_listen
+from gateway.http.server import run_gateway
+from gateway.tenancy.billing import spool_path
+from gateway.user_errors import UserError
+from region_map.config import ConfigError
+
+log = logging.getLogger("kvgate.server")
+
+
+def _run_worker(config: KvgateConfig) -> None:
+    """A worker process: its error in one line, as the command's would be."""
+    try:
+        run_gateway(config, reuse_port=True)
+    except UserError as exc:
+        print(f"kvgate serve: {config.gateway_id}: {exc}", file=sys.stderr)
+        sys.exit(exc.status)
+    except ConfigError as exc:
+        print(f"kvgate serve: {config.gateway_id}: configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
+    """Worker ``index``'s configuration: its own gateway id, ledger spool (and journal) and operator port
+    (``operator_port + index``: each worker's metrics are its own to scrape), the same public port."""
+    update: dict[str, object] = {
+        "gateway_id": f"{config.gateway_id}-w{index}",
+        "spool_path": f"{spool_path(config)}.w{index}",
+    }
+    if config.gateway.operator_port:
+        update["operator_port"] = config.gateway.operator_port + index
+    gateway = config.gateway.model_copy(update=update)
+    return dataclasses.replace(config, gateway=gateway)
+
+
+def run_workers(config: KvgateConfig, workers: int) -> int:
+    """``workers`` gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections).
+    Each follows every engine's KV events itself; sessions, the ledger and rate limits are shared only
+    through Redis, so without it each worker keeps its own. Stops all when one stops or on SIGINT/SIGTERM."""
+    check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
+    if config.gateway.redis_url is None:
+        log.warning(
+            "%d workers without Redis: each keeps its own session bindings, usage ledger and rate limits",
+            workers,
+        )
+    context: Any = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    children = [
+        context.Process(target=_run_worker, args=(worker_config(config, i),), name=f"kvgate-worker-{i}")
+        for i in range(workers)
+    ]  # fmt: skip
+    for child in children:
+        child.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in children:
+            if child.is_alive() and child.pid is not None:
+                os.kill(child.pid, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    try:
+        while all(child.is_alive() for child in children):
+            multiprocessing.connection.wait([child.sentinel for child in children])
+    finally:
+        forward(signal.SIGTERM, None)  # one ended: the service is not whole, stop the rest
+        for child in children:
+            child.join()
+    return max(child.exitcode or 0 for child in children)
