@@ -47,27 +47,22 @@ class MemoryResidencyIndex:
 
     # -- synchronous core ------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
-        """Leading blocks of ``hashes`` each engine holds; ``exact_only``: as its KV events said, leaving out
-        the gateway's own records (a prefix "held soon" is not there yet to be pulled)."""
-        return self._walk(hashes, exact_only)[0]
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each engine holds: exactly, held soon, or approximately and alive."""
+        return self.lookup_confirmed(hashes)[0]
 
     def lookup_confirmed(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
-        """``lookup(hashes)`` and ``lookup(hashes, exact_only=True)`` in one walk."""
-        return self._walk(hashes, False)
-
-    def _walk(self, hashes: Sequence[int], exact_only: bool) -> tuple[dict[str, int], dict[str, int]]:
-        """(leading blocks each engine holds, of which its KV events confirmed the first ...)."""
+        """``lookup(hashes)``, and in the same walk how many of those blocks each engine's KV events
+        confirmed before the first that they did not (a prefix "held soon" is not there yet to be pulled)."""
         if not hashes:
             return {}, {}
-        now = float("inf") if exact_only else self._clock()  # (an entry alive at infinity: none)
+        now = self._clock()
         first = hashes[0]
         starters = [e for e, held in self._exact.items() if first in held]
-        if not exact_only:
-            guesses = self._approx.get(first)
-            if guesses:
-                starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
-            starters += [e for e, soon in self._soon.items() if first in soon and e not in starters]
+        guesses = self._approx.get(first)
+        if guesses:
+            starters += [e for e, expiry in guesses.items() if expiry > now and e not in starters]
+        starters += [e for e, soon in self._soon.items() if first in soon and e not in starters]
         matched: dict[str, int] = {}
         confirmed: dict[str, int] = {}
         # The longest exact match so far, as a set: an engine that holds all of it (many engines share a
@@ -78,7 +73,7 @@ class MemoryResidencyIndex:
         for engine in starters:
             held = self._exact.get(engine, _NONE)
             start = known_depth if known_depth and known <= held else 0
-            soon = _NONE if exact_only else self._soon.get(engine, _NONE)
+            soon = self._soon.get(engine, _NONE)
             depth, exact = self._depth(engine, held, soon, hashes, start, now)
             if exact > known_depth:
                 known.update(islice(hashes, known_depth, exact))

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cache.residency_memory import MemoryResidencyIndex
-from cache.sessions import MemorySessionStore
 from gateway.config import GatewaySettings, ResilienceSettings
 from gateway.http.errors import GatewayError
 from gateway.routing import POLICIES, RoutingPolicy
@@ -149,9 +147,7 @@ def sim_router(
         resilience=ResilienceSettings(max_inflight_per_engine=UNLIMITED, max_waiting_per_engine=UNLIMITED),
     )
     now = [0.0]
-    state = SharedState(gateway_id="simulate", session_ttl_s=float("inf"))
-    state.index = MemoryResidencyIndex(clock=lambda: now[0])
-    state.sessions = MemorySessionStore(ttl_s=float("inf"), clock=lambda: now[0])
+    state = SharedState(gateway_id="simulate", session_ttl_s=float("inf"), clock=lambda: now[0])
     router = Router(gateway, fleet, state, policy, wall_clock=lambda: now[0])
     return SimRouter(router, fleet, uses_sessions, block_tokens, now)
 

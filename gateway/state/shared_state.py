@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -61,10 +61,12 @@ class SharedState:
         redis_read_timeout_s: float = 0.25,
         max_approximate_per_engine: int = DEFAULT_MAX_APPROXIMATE_PER_ENGINE,
         redis_sweep_every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.gateway_id = gateway_id
-        self.index = MemoryResidencyIndex()
-        self.sessions = MemorySessionStore(session_ttl_s)
+        # ``clock``: the view's time (expiries, TTLs); kvgate simulate gives it the simulated clock.
+        self.index = MemoryResidencyIndex(clock=clock)
+        self.sessions = MemorySessionStore(session_ttl_s, clock=clock)
         self.redis = redis
         self.keys = keys or RedisKeys()
         self.redis_index = (
@@ -220,8 +222,8 @@ class SharedState:
 
     # -- residency -------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[int], *, exact_only: bool = False) -> dict[str, int]:
-        return self.index.lookup(hashes, exact_only=exact_only)
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        return self.index.lookup(hashes)
 
     def lookup_confirmed(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         """Leading blocks each engine holds, and of those what its KV events confirmed (one walk)."""

@@ -21,7 +21,7 @@ def test_blocks_held_soon_count_until_confirmed_forgotten_or_expired() -> None:
     index.hold_soon_now("e1", [1, 2, 3], ttl_s=30.0)
     assert index.lookup([1, 2, 3, 4, 5, 6]) == {"e0": 5, "e1": 3}
     # What a peer could give: only what the events said.
-    assert index.lookup([1, 2, 3, 4, 5, 6], exact_only=True) == {"e0": 2}
+    assert index.lookup_confirmed([1, 2, 3, 4, 5, 6])[1] == {"e0": 2}
     index.add_now("e0", [3, 4])  # the events confirm part of it
     assert index.held_soon_now("e0") == {5} and index.lookup([1, 2, 3, 4, 5]) == {"e0": 5, "e1": 3}
     index.forget_soon_now("e1", [1, 2, 3])  # e1 never took its request
@@ -52,4 +52,7 @@ def test_one_walk_says_what_is_held_and_what_the_events_confirmed() -> None:
     index.add_now("e1", [2, 3, 4])
     held, confirmed = index.lookup_confirmed([1, 2, 3, 4, 5, 6])
     assert held == {"e0": 5, "e1": 4} and confirmed == {"e0": 3}
-    assert confirmed == index.lookup([1, 2, 3, 4, 5, 6], exact_only=True)
+    events_only = MemoryResidencyIndex(clock=lambda: 0.0)  # what the KV events alone said
+    events_only.add_now("e0", [1, 2, 3])
+    events_only.add_now("e1", [2, 3, 4])
+    assert confirmed == events_only.lookup([1, 2, 3, 4, 5, 6])
