@@ -28,8 +28,13 @@ class MemoryResidencyIndex:
     entries (a gateway's own records, with a TTL) live apart and are consulted only where a scan stops.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, max_soon_blocks: int = 1 << 20
+    ) -> None:
         self._clock = clock
+        self.max_soon_blocks = (
+            max_soon_blocks  # blocks "held soon" at most: about 70 MB at the default (sets and packed marks)
+        )
         self._exact: dict[str, set[int]] = {}  # engine -> the blocks its KV events say it holds
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._approx_of: dict[str, set[int]] = {}  # engine -> its approximate blocks (never also exact)
@@ -42,8 +47,9 @@ class MemoryResidencyIndex:
         # soon"): a set per engine, so that marking a long prompt and walking it cost C-level set operations,
         # not a Python step per block as approximate entries do; with their expiries in a heap.
         self._soon: dict[str, set[int]] = {}
-        self._soon_expiry: list[tuple[float, int, str, Iterable[int]]] = []
+        self._soon_expiry: list[tuple[float, int, str, Sequence[int]]] = []
         self._soon_count = 0
+        self._soon_marked = 0  # blocks in the marks of ``_soon_expiry``, bounded by ``max_soon_blocks``
 
     # -- synchronous core ------------------------------------------------------------------------------
 
@@ -136,10 +142,20 @@ class MemoryResidencyIndex:
         self._soon_count += 1
         # Kept until the mark expires: packed, 8 bytes a block, not a list holding an int object per block.
         try:
-            kept: Iterable[int] = array("Q", hashes)
+            kept: Sequence[int] = array("Q", hashes)
         except OverflowError:  # (a hash that is no unsigned 64-bit integer: not one of ours)
             kept = tuple(hashes)
         heapq.heappush(self._soon_expiry, (self._clock() + ttl_s, self._soon_count, engine, kept))
+        self._soon_marked += len(kept)
+        # A flood of long new prompts (or of prompts the engines refuse, which no event ever confirms) must
+        # not hold memory without bound: past the bound the marks that would expire first go now.
+        while self._soon_marked > self.max_soon_blocks:
+            self._pop_soon()
+
+    def _pop_soon(self) -> None:
+        _, _, engine, hashes = heapq.heappop(self._soon_expiry)
+        self._soon_marked -= len(hashes)
+        self.forget_soon_now(engine, hashes)  # (a later twin's mark of the same blocks goes too)
 
     def forget_soon_now(self, engine: str, hashes: Iterable[int]) -> None:
         """Take back ``hold_soon_now`` (the engine never took the request)."""
@@ -240,8 +256,7 @@ class MemoryResidencyIndex:
         now = self._clock()
         dropped = 0
         while self._soon_expiry and self._soon_expiry[0][0] <= now:
-            _, _, engine, hashes = heapq.heappop(self._soon_expiry)
-            self.forget_soon_now(engine, hashes)  # never confirmed in time (a later twin's mark goes too)
+            self._pop_soon()  # never confirmed in time
         refile: list[tuple[str, float, int]] = []
         while self._bucket_heap and self._bucket_heap[0] * _SLOT_S <= now:
             bucket = self._buckets.pop(heapq.heappop(self._bucket_heap))

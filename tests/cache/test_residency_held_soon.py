@@ -56,3 +56,14 @@ def test_one_walk_says_what_is_held_and_what_the_events_confirmed() -> None:
     events_only.add_now("e0", [1, 2, 3])
     events_only.add_now("e1", [2, 3, 4])
     assert confirmed == events_only.lookup([1, 2, 3, 4, 5, 6])
+
+
+def test_marks_held_soon_are_bounded_the_first_to_expire_going_first() -> None:
+    """A flood of long new prompts (or prompts the engines refuse, never confirmed) cannot grow the marks
+    without bound."""
+    index = MemoryResidencyIndex(clock=lambda: 0.0, max_soon_blocks=6)
+    index.hold_soon_now("e0", [1, 2, 3], ttl_s=30.0)
+    index.hold_soon_now("e1", [4, 5, 6], ttl_s=30.0)
+    assert index.held_soon_now("e0") == {1, 2, 3} and index.held_soon_now("e1") == {4, 5, 6}
+    index.hold_soon_now("e1", [7, 8], ttl_s=30.0)  # 8 blocks marked: the oldest mark goes
+    assert index.held_soon_now("e0") == frozenset() and index.held_soon_now("e1") == {4, 5, 6, 7, 8}
