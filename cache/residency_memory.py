@@ -32,9 +32,8 @@ class MemoryResidencyIndex:
         self, clock: Callable[[], float] = time.monotonic, *, max_soon_blocks: int = 1 << 20
     ) -> None:
         self._clock = clock
-        self.max_soon_blocks = (
-            max_soon_blocks  # blocks "held soon" at most: about 70 MB at the default (sets and packed marks)
-        )
+        # Blocks "held soon" at most: about 70 MB at the default (the sets and the packed marks).
+        self.max_soon_blocks = max_soon_blocks
         self._exact: dict[str, set[int]] = {}  # engine -> the blocks its KV events say it holds
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._approx_of: dict[str, set[int]] = {}  # engine -> its approximate blocks (never also exact)
