@@ -141,30 +141,35 @@ def test_every_subcommand_has_help() -> None:
         assert result.stdout.startswith(f"usage: kvgate {name}") and "Traceback" not in result.stderr
 
 
-def _two_free_ports() -> int:
-    """A port p with p + 1 free too."""
+def _distinct_ports() -> tuple[int, int, int]:
+    """An engine port, a gateway port and an operator port p with p + 1 free too, all four different (each
+    free_port() closes its probe, so two calls may return the same port)."""
     while True:
-        first = free_port()
+        engine, public, operator = free_port(), free_port(), free_port()
+        if len({engine, public, operator, operator + 1}) < 4:
+            continue
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", first + 1)) != 0:
-                return first
+            if s.connect_ex(("127.0.0.1", operator + 1)) != 0:
+                return engine, public, operator
 
 
 def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
-    engine_port, port, operator = free_port(), free_port(), _two_free_ports()
+    engine_port, port, operator = _distinct_ports()
     engine = subprocess.Popen(
         [sys.executable, "-m", "engine.sim", "--port", str(engine_port), "--model", "kvgate-sim"],
         stderr=subprocess.DEVNULL,
     )
+    gateway_log = tmp_path / "gateway.log"
     config = tmp_path / "deploy.toml"
     config.write_text(
         f'region = "r"\n[[regions]]\nname = "r"\n'
         f'engines = [{{ name = "e0", url = "http://127.0.0.1:{engine_port}" }}]\n'
         f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
     )
-    gateway = subprocess.Popen(
-        [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=subprocess.DEVNULL
-    )
+    with gateway_log.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=log_file
+        )
     try:
         ids: set[str] = set()
         deadline = time.monotonic() + 60
@@ -174,7 +179,7 @@ def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
                     ids.add(json.loads(r.read())["gateway_id"])
             except OSError:
                 time.sleep(0.2)
-        assert len(ids) == 2 and all(i.endswith(("-w0", "-w1")) for i in ids)
+        assert len(ids) == 2 and all(i.endswith(("-w0", "-w1")) for i in ids), gateway_log.read_text()
         body = json.dumps(
             {"model": "kvgate-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         )
