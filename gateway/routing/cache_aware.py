@@ -58,7 +58,7 @@ class CacheAwarePolicy:
         return (
             candidate.rtt_s
             + candidate.queued_prefill_tokens * s.prefill_s_per_token
-            + candidate.load * s.load_penalty_s
+            + candidate.load * s.load_penalty
             + pulled * s.kv_pull_s_per_token
             + uncached * s.prefill_s_per_token
         )
@@ -86,7 +86,7 @@ class CacheAwarePolicy:
         scored = [(self.estimate_ttft_s(request, c), c) for c in usable]
         best = min(t for t, _ in scored)
         s = self.settings
-        tied = [c for t, c in scored if t <= best + max(s.tie_tolerance_s, s.tie_tolerance_frac * best)]
+        tied = [c for t, c in scored if t <= best + max(s.tie_tolerance, s.tie_tolerance_frac * best)]
         half = request.prompt_tokens / 2
         chosen = min(
             tied,

@@ -29,7 +29,7 @@ conversation's earlier chunks (cache.token_chunks), which the one-word default t
 ``KVGATE_BENCH_WORKERS=N`` runs it with ``--workers N`` (with ``KVGATE_BENCH_REDIS=URL`` they share
 sessions and the ledger in Redis, as a multi-worker deployment would); ``KVGATE_BENCH_POLICY`` picks its
 routing policy and ``KVGATE_BENCH_ROUTING`` adds lines to its ``[gateway.routing]`` table (e.g.
-``load_penalty_s = 0``). ``--baseline-checkout DIR`` runs a second kvgate from another checkout (``git
+``load_penalty_tokens = 0``). ``--baseline-checkout DIR`` runs a second kvgate from another checkout (``git
 worktree add DIR COMMIT``) as ``kvgate@base`` in both parts: before and after in the same run.
 P/D mode (the issue's third measure) is not run: the simulated engines implement none of the peers' P/D
 transfer protocols, and a router in P/D mode in front of engines that cannot transfer measures nothing.

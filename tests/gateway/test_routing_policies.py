@@ -19,7 +19,14 @@ from gateway.routing import (
 from gateway.routing.base import RoutingSettings, with_peers
 
 BLOCK = 16  # tokens per block: ``cand(cached=n)`` holds n blocks
-S = RoutingSettings(prefill_s_per_token=1e-4, load_penalty_s=0.002, max_waiting=4, tie_tolerance_s=0.001)
+# Margins in prefill tokens of 1e-4 s: 2 ms per running request, ties within 1 ms, sessions moving for 50 ms.
+S = RoutingSettings(
+    prefill_s_per_token=1e-4,
+    load_penalty_tokens=20,
+    max_waiting=4,
+    tie_tolerance_tokens=10,
+    session_slack_tokens=500,
+)
 
 
 def cand(
@@ -220,3 +227,29 @@ def test_a_session_kept_by_the_estimate_after_all_is_reported_as_session_not_mov
     remote = cand("b", rtt=0.0001)  # a near-tie: home (rtt 0) wins it
     decision = DefaultPolicy(strict).pick(req(session="a"), [bound, remote])
     assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+
+
+def test_the_margins_are_prefill_tokens_and_follow_the_engines_speed() -> None:
+    fast, slow = RoutingSettings(prefill_s_per_token=3e-5), RoutingSettings(prefill_s_per_token=7.1e-5)
+    for settings in (fast, slow):
+        p = settings.prefill_s_per_token
+        assert settings.session_slack == pytest.approx(settings.session_slack_tokens * p)
+        assert settings.load_penalty == pytest.approx(settings.load_penalty_tokens * p)
+        assert settings.tie_tolerance == pytest.approx(settings.tie_tolerance_tokens * p)
+    assert slow.session_slack > fast.session_slack
+    # A slower engine: the same queue and the same saving in tokens lead to the same decision.
+    busy = cand("a", cached=60, load=4)._replace(queued_prefill_tokens=1000)
+    for prefill_s in (3e-5, 7.1e-5, 1e-3):
+        settings = S.model_copy(
+            update={"prefill_s_per_token": prefill_s, "kv_pull_s_per_token": prefill_s / 4}
+        )
+        moved = DefaultPolicy(settings).pick(req(session="a"), peered(busy, cand("b")))
+        assert moved is not None and moved.engine == "b", prefill_s
+
+
+def test_the_margins_in_seconds_are_still_read_and_override() -> None:
+    settings = RoutingSettings(prefill_s_per_token=1e-4, session_slack_s=0.5, load_penalty_s=0.0)
+    assert settings.session_slack == 0.5 and settings.load_penalty == 0.0
+    assert settings.tie_tolerance == pytest.approx(settings.tie_tolerance_tokens * 1e-4)
+    with pytest.raises(ValueError):
+        RoutingSettings(session_slack_tokens=-1)
