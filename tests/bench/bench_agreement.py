@@ -62,9 +62,9 @@ LIVE_BLOCK = 16  # the simulated engine's block size (vLLM's default, the profil
 PER_TRACE_BLOCK = TRACE_BLOCK_TOKENS // LIVE_BLOCK  # 32 live blocks to one trace block
 
 
-def workload(n: int, max_output: int | None) -> list[TraceRequest]:
-    """The first ``n`` trace requests, outputs capped (the same list feeds both sides)."""
-    trace = load_trace(TRACE, limit=n)
+def workload(n: int, max_output: int | None, path: Path = TRACE) -> list[TraceRequest]:
+    """The first ``n`` requests of the trace at ``path``, outputs capped (the same list feeds both sides)."""
+    trace = load_trace(path, limit=n)
     cap = max_output or 1 << 30
     return [dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, cap))) for r in trace]
 

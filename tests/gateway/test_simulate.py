@@ -103,9 +103,13 @@ def test_the_real_trace_replays_in_under_a_minute() -> None:
     assert result.hit_rate > 0.9 * result.pooled_hit_rate and result.cross_region_share < 0.2
 
 
-def test_the_shipped_trace_is_the_published_one() -> None:
+def test_the_shipped_traces_are_the_published_ones() -> None:
     digest = hashlib.sha256(gzip.decompress(TRACE.read_bytes())).hexdigest()
     assert digest == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+    synthetic = TRACE.with_name("mooncake_synthetic_trace.jsonl.gz")
+    digest = hashlib.sha256(gzip.decompress(synthetic.read_bytes())).hexdigest()
+    assert digest == "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
+    assert len(load_trace(synthetic)) == 3993
 
 
 # The default (FIFO prefill) model's figures on the synthetic trace, recorded before the batching mode was

@@ -1,0 +1,195 @@
+"""kvgate and the Rust routers in front of engines that batch and queue like GPUs, at the traces' own time
+scale (issue 24).
+
+    python tests/bench/bench_true_time.py [--workloads conversation,synthetic] [--requests 300]
+        [--profile llama3-8b-h100] [--runs 3] [--max-output 64] [--peers-venv DIR] [--smg-venv DIR] [--json]
+
+Engines: 4 simulated engines per router and run (``python -m engine.sim --profile NAME``: perfmodel's batching
+step loop in real time, FIFO admission under the profile's token budget and KV capacity, chunked prefill, one
+streamed token per decode step, prefix caches of 64,000 16-token blocks), fresh for every router and run so
+that every router starts from empty caches. The engines report a local byte-level tokenizer (one token per
+byte), so no router downloads anything.
+
+Workloads (``tests/data/README.md``): the first ``--requests`` requests of
+
+* ``conversation``: the Mooncake conversation trace (one hour of Kimi chat; every prompt starts with the same
+  system block; 12k tokens in, 343 out on average);
+* ``synthetic``: the Mooncake synthetic trace (built from public datasets: long documents and multi-turn
+  chats, no prefix shared by all, 15k tokens in, 149 out; Poisson arrivals, turns in order),
+
+each at its own clock: a request is sent at its arrival time (no compression), and nothing else is scaled,
+so the gateway's own CPU time weighs what it would in production. Prompts: every hash id becomes the same 512
+bytes (= 512 tokens), as in ``bench_routers``; outputs capped at ``--max-output`` tokens (0: the trace's).
+Every request carries ``x-session-affinity`` = its conversation key (kvgate uses it, the peers ignore it).
+
+Routers: kvgate (default policy, its prefill estimate set to the profile's, KV pulls between engines on at
+0.24 x prefill, as the engines do them), smg, sglang-router and vllm-router (``--policy cache_aware``, as
+``bench_routers`` starts them; a missing one is skipped with a line). Each run replays each workload once per
+router, the routers in a new random order each run (interleaved: A B C D, C A D B, ...), so that drifts of
+this machine fall on all alike. The table gives each figure's median over runs and its spread (max - min).
+
+Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the first streamed byte; load:
+max/mean requests per engine (from the engines' counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_agreement import LIVE_BLOCK, replay, start_engines, workload
+from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
+from trace_workload import engine_counts
+
+from gateway.demo import stop_engines, wait_healthy
+from gateway.http.loop import install_best_loop, raise_open_file_limit
+from perfmodel.profiles import EngineProfile, profile
+from region_map.simulation.trace import TraceRequest
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+WORKLOADS = {
+    "conversation": DATA / "mooncake_conversation_trace.jsonl.gz",
+    "synthetic": DATA / "mooncake_synthetic_trace.jsonl.gz",
+}
+ENGINES = 4
+CAPACITY_BLOCKS = 64_000  # 16-token blocks per engine: 2000 of the trace's 512-token blocks
+PULL_FRACTION = 0.24  # bench_routers.start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
+FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean")
+
+
+async def one(
+    name: str,
+    command: list[str] | None,
+    trace: list[TraceRequest],
+    prof_name: str,
+    prof: EngineProfile,
+    tmp: Path,
+) -> dict[str, Any]:
+    """``name`` in front of fresh engines, ``trace`` replayed at its own time scale."""
+    tok = tmp / "tokenizer"
+    engines = start_engines(
+        ENGINES, tok, prof_name, "", CAPACITY_BLOCKS, prof.prefill_s_per_token * PULL_FRACTION
+    )
+    router: Router | None = None
+    try:
+        await wait_healthy(engines)
+        if command is None:
+            router = start_kvgate(engines, tok, tmp, prof.prefill_s_per_token)
+        else:
+            router = start_peer(name, command, engines)
+        if not await wait_ready(router):
+            raise RuntimeError(f"{name} did not become ready")
+        before = await engine_counts(engines)
+        figures = await replay(router.port, trace)
+        counts = [a - b for a, b in zip(await engine_counts(engines), before, strict=True)]
+        figures["load_max_over_mean"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
+        return figures
+    finally:
+        if router is not None:
+            router.process.terminate()
+            router.process.wait(10)
+        stop_engines(engines)
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": len(runs), "errors": sum(r["errors"] for r in runs)}
+    for key in FIGURES:
+        values = [r[key] for r in runs]
+        out[key] = statistics.median(values)
+        out[f"{key}_spread"] = max(values) - min(values)
+    return out
+
+
+def print_table(
+    workload_name: str, trace: list[TraceRequest], args: argparse.Namespace, table: dict[str, Any]
+) -> None:
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    print(f"\n{workload_name}: first {len(trace)} requests over {span:.0f} s at their own time scale, outputs"
+          f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
+          f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
+    cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "max/mean", "errors")
+    print(f"{'router':14s} " + " ".join(f"{c:>17s}" for c in cols))
+    for name, s in table.items():
+        hit = f"{s['hit_rate']:7.2%} ±{s['hit_rate_spread'] * 100:5.2f}pt"
+        ttft = " ".join(
+            f"{s[k] * 1e3:8.1f} ±{s[k + '_spread'] * 1e3:6.1f}"
+            for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+        )
+        load = f"{s['load_max_over_mean']:9.2f} ±{s['load_max_over_mean_spread']:5.2f}"
+        print(f"{name:14s} {hit:>17s} {ttft} {load:>17s} {s['errors']:17d}")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    peers = {n: c for n, c in peer_commands(args.peers_venv, args.smg_venv).items() if n in args.routers}
+    routers: dict[str, list[str] | None] = ({"kvgate": None} if "kvgate" in args.routers else {}) | peers
+    prof = profile(args.profile)
+    traces = {w: workload(args.requests, args.max_output or None, WORKLOADS[w]) for w in args.workloads}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in routers} for w in traces}
+    shuffle = random.Random(args.seed).shuffle
+    with tempfile.TemporaryDirectory() as tmp:
+        byte_tokenizer_dir(Path(tmp) / "tokenizer")
+        for run_index in range(args.runs):
+            for w, trace in traces.items():
+                order = list(routers)
+                shuffle(order)
+                for name in order:
+                    print(f"run {run_index + 1}/{args.runs}, {w}: {name}", file=sys.stderr, flush=True)
+                    try:
+                        figures = await one(name, routers[name], trace, args.profile, prof, Path(tmp))
+                    except RuntimeError as exc:
+                        print(f"{name}: {exc}; skipped in this run", file=sys.stderr)
+                        continue
+                    results[w][name].append(figures)
+    return {
+        "tables": {
+            w: {n: summary(rs) for n, rs in by_router.items() if rs} for w, by_router in results.items()
+        },
+        "runs": results,
+        "traces": traces,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default="conversation,synthetic")
+    parser.add_argument("--requests", type=int, default=300, help="the first N requests of each trace")
+    parser.add_argument("--profile", default="llama3-8b-h100")
+    parser.add_argument("--runs", type=int, default=3, help="interleaved runs (medians and spread over them)")
+    parser.add_argument("--max-output", type=int, default=64, help="cap on output tokens (0: the trace's)")
+    parser.add_argument("--routers", default="kvgate,smg,sglang-router,vllm-router")
+    parser.add_argument("--peers-venv", type=Path, default=os.environ.get("KVGATE_PEERS_VENV"))
+    parser.add_argument("--smg-venv", type=Path, default=os.environ.get("KVGATE_SMG_VENV"))
+    parser.add_argument("--seed", type=int, default=0, help="of the routers' order in each run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
+    args.routers = set(args.routers.split(","))
+    profile(args.profile)  # a wrong name fails now, not after the first engines start
+    install_best_loop()
+    raise_open_file_limit()
+    out = asyncio.run(run(args))
+    print(f"\nblocks of {LIVE_BLOCK} tokens; KV pulls (kvgate only: the peers have no pull protocol) at "
+          f"{PULL_FRACTION} x the profile's prefill cost per token")  # fmt: skip
+    for w, table in out["tables"].items():
+        print_table(w, out["traces"][w], args, table)
+    if args.json:
+        print(json.dumps({"tables": out["tables"], "runs": out["runs"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
