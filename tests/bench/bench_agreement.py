@@ -1,9 +1,11 @@
 """Does the live bench agree with ``kvgate simulate``? One workload, one cost model, both sides (issue 24).
 
-    python tests/bench/bench_agreement.py [--requests 260] [--engines 4] [--profile llama3-8b-h100]
-        [--profile-overrides K=V,...] [--capacity-trace-blocks 2000] [--max-output 32] [--runs 2] [--json]
+    python tests/bench/bench_agreement.py [--workload conversation|synthetic] [--requests 260] [--engines 4]
+        [--profile llama3-8b-h100] [--profile-overrides K=V,...] [--capacity-trace-blocks 2000]
+        [--max-output 32] [--runs 2] [--json]
 
-The workload is the first ``--requests`` requests of the Mooncake conversation trace (``tests/data``) at the
+The workload is the first ``--requests`` requests of a Mooncake trace (``tests/data``: the conversation trace,
+or with ``--workload synthetic`` the synthetic one) at the
 trace's own time scale (no compression; the trace starts at 0 s, 260 requests last about 86 s), every output
 capped at ``--max-output`` tokens on both sides. One region of ``--engines`` engines, each under the same
 ``perfmodel`` profile:
@@ -60,6 +62,7 @@ from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_t
 
 LIVE_BLOCK = 16  # the simulated engine's block size (vLLM's default, the profiles' too)
 PER_TRACE_BLOCK = TRACE_BLOCK_TOKENS // LIVE_BLOCK  # 32 live blocks to one trace block
+WORKLOADS = {"conversation": TRACE, "synthetic": TRACE.with_name("mooncake_synthetic_trace.jsonl.gz")}
 
 
 def workload(n: int, max_output: int | None, path: Path = TRACE) -> list[TraceRequest]:
@@ -219,6 +222,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=260, help="the first N trace requests (260: ~86 s)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="conversation",
+                        help="which Mooncake trace of tests/data (see its README.md)")  # fmt: skip
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--profile", default="llama3-8b-h100")
     parser.add_argument("--profile-overrides", default="", help="FIELD=VALUE,... for both sides")
@@ -236,7 +241,7 @@ def main() -> int:
     install_best_loop()
     raise_open_file_limit()
     prof = with_overrides(profile(args.profile), **parse_overrides(args.profile_overrides))
-    trace = workload(args.requests, args.max_output or None)
+    trace = workload(args.requests, args.max_output or None, WORKLOADS[args.workload])
     pull_s = prof.prefill_s_per_token * args.pull_fraction if args.kv_pull else 0.0
     t = time.perf_counter()
     sim = simulated(trace, args.engines, args.capacity_trace_blocks, prof, pull_s)
@@ -244,7 +249,7 @@ def main() -> int:
     runs = [asyncio.run(live(args, trace, prof)) for _ in range(args.runs)]
 
     span = trace[-1].arrival_s - trace[0].arrival_s
-    print(f"\nMooncake trace: first {len(trace)} requests over {span:.1f} s (true time scale), "
+    print(f"\nMooncake {args.workload} trace: first {len(trace)} requests over {span:.1f} s (true time), "
           f"outputs capped at {args.max_output or 'the trace'} tokens; 1 region x {args.engines} engines, "
           f"profile {args.profile}{' + ' + args.profile_overrides if args.profile_overrides else ''}; cache "
           f"{args.capacity_trace_blocks} trace blocks/engine; "

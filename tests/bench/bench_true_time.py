@@ -29,7 +29,9 @@ router, the routers in a new random order each run (interleaved: A B C D, C A D 
 this machine fall on all alike. The table gives each figure's median over runs and its spread (max - min).
 
 Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the first streamed byte; load:
-max/mean requests per engine (from the engines' counters).
+max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
+seconds: the work it was given, which is what makes a queue; prompts differ tenfold in length, so equal
+counts are not equal work).
 """
 
 from __future__ import annotations
@@ -46,24 +48,29 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agreement import LIVE_BLOCK, replay, start_engines, workload
+from bench_agreement import LIVE_BLOCK, WORKLOADS, replay, start_engines, workload
 from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
-from trace_workload import engine_counts
+from trace_workload import engine_counts, scrape
 
-from gateway.demo import stop_engines, wait_healthy
+from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
 from perfmodel.profiles import EngineProfile, profile
 from region_map.simulation.trace import TraceRequest
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-WORKLOADS = {
-    "conversation": DATA / "mooncake_conversation_trace.jsonl.gz",
-    "synthetic": DATA / "mooncake_synthetic_trace.jsonl.gz",
-}
 ENGINES = 4
 CAPACITY_BLOCKS = 64_000  # 16-token blocks per engine: 2000 of the trace's 512-token blocks
 PULL_FRACTION = 0.24  # bench_routers.start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
-FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean")
+FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean", "busy_max_over_mean")
+BUSY = "kvgate_engine_busy_seconds_total"  # the engine's step time, prefill and decode
+
+
+def max_over_mean(before: list[float], after: list[float]) -> float:
+    done = [a - b for a, b in zip(after, before, strict=True)]
+    return max(done) / (sum(done) / len(done)) if sum(done) else 0.0
+
+
+async def engine_busy(engines: list[EngineProcess]) -> list[float]:
+    return [(await scrape(e.port, BUSY))[0] for e in engines]
 
 
 async def one(
@@ -88,10 +95,10 @@ async def one(
             router = start_peer(name, command, engines)
         if not await wait_ready(router):
             raise RuntimeError(f"{name} did not become ready")
-        before = await engine_counts(engines)
+        before, busy_before = await engine_counts(engines), await engine_busy(engines)
         figures = await replay(router.port, trace)
-        counts = [a - b for a, b in zip(await engine_counts(engines), before, strict=True)]
-        figures["load_max_over_mean"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
+        figures["load_max_over_mean"] = max_over_mean(before, await engine_counts(engines))
+        figures["busy_max_over_mean"] = max_over_mean(busy_before, await engine_busy(engines))
         return figures
     finally:
         if router is not None:
@@ -116,7 +123,7 @@ def print_table(
     print(f"\n{workload_name}: first {len(trace)} requests over {span:.0f} s at their own time scale, outputs"
           f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
           f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
-    cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "max/mean", "errors")
+    cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "requests max/mean", "busy max/mean")
     print(f"{'router':14s} " + " ".join(f"{c:>17s}" for c in cols))
     for name, s in table.items():
         hit = f"{s['hit_rate']:7.2%} ±{s['hit_rate_spread'] * 100:5.2f}pt"
@@ -124,8 +131,11 @@ def print_table(
             f"{s[k] * 1e3:8.1f} ±{s[k + '_spread'] * 1e3:6.1f}"
             for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
         )
-        load = f"{s['load_max_over_mean']:9.2f} ±{s['load_max_over_mean_spread']:5.2f}"
-        print(f"{name:14s} {hit:>17s} {ttft} {load:>17s} {s['errors']:17d}")
+        load = " ".join(
+            f"{s[k]:10.2f} ±{s[k + '_spread']:5.2f}" for k in ("load_max_over_mean", "busy_max_over_mean")
+        )
+        errors = f"; {s['errors']} errors" if s["errors"] else ""
+        print(f"{name:14s} {hit:>17s} {ttft} {load}{errors}")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
