@@ -2,7 +2,8 @@
 
 Every step has a token budget. Running sequences go first, in admission order: a decoding sequence takes
 one token, a sequence still prefilling takes as much of its prompt as the budget allows (chunked prefill).
-Then waiting sequences are admitted, first come first served, sharing their cached prefix. When a running
+Then waiting sequences are admitted, first come first served, sharing their cached prefix (the block manager
+remembers the match of a sequence that has to wait, so it is not walked again every step). When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 released and it waits again, to be recomputed (cheaply, when its blocks are still in the prefix cache).
 """
@@ -114,5 +115,6 @@ class Scheduler:
             self.blocks.free(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.blocks.forget(seq)  # the prefix match can_allocate remembered for it
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

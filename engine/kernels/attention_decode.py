@@ -141,8 +141,11 @@ def _merge_splits_kernel(
     row = (b * num_heads + h) * num_splits + s
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always has keys, so the max is finite
+    # A masked lane's weight is 0, but 0 * (whatever a masked load leaves there: NaN, inf) is not 0.
     part = tl.load(
-        part_out_ptr + row[:, None] * head_dim + d[None, :], mask=s_ok[:, None] & (d < head_dim)[None, :]
+        part_out_ptr + row[:, None] * head_dim + d[None, :],
+        mask=s_ok[:, None] & (d < head_dim)[None, :],
+        other=0.0,
     )
     out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)

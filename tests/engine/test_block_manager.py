@@ -147,3 +147,140 @@ def test_an_identical_block_computed_twice_is_not_registered_twice() -> None:
 def test_bad_sizes_are_refused(bad: tuple[int, int]) -> None:
     with pytest.raises(ValueError):
         BlockManager(*bad)
+
+
+def test_a_block_is_reused_only_as_the_child_of_the_block_reused_before_it() -> None:
+    """A hit walks a chain: a forged collision in block 1 must not serve K/V computed after another
+    block 0."""
+    bm = BlockManager(16, BS)
+    a = seq([*range(4), *range(10, 14), 1], "a")  # X + Y
+    bm.allocate(a)
+    compute_all(bm, a)
+    w = seq([*range(100, 104), *range(50, 54), 1], "w")  # X' + W: caches X'
+    bm.allocate(w)
+    compute_all(bm, w)
+    b = seq([*range(100, 104), *range(10, 14), 1], "b")  # X' + Y: its block 1 holds A's block 1's tokens
+    ha, hb = block_hashes(a.token_ids, BS, SEED), block_hashes(b.token_ids, BS, SEED)
+    # Forge the collision: A's block 1 (its K/V computed after X) is filed under B's block-1 hash.
+    a1 = bm._by_hash.pop(ha[1])
+    bm.blocks[a1].hash = hb[1]
+    bm._by_hash[hb[1]] = a1
+    assert bm.allocate(b) == BS  # X' is shared; A's block 1 is not, though its hash and tokens match
+    assert b.block_table[0] == w.block_table[0] and b.block_table[1] != a1
+
+
+def test_a_collision_hidden_when_registering_does_not_link_later_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hash that cannot tell X' from X: R (X' + Y) finds X's hash taken and keeps its X' block private;
+    its Y block, computed after X', must not then be found by S (X + Y) as the child of X."""
+    x, forged, y = [*range(4)], [*range(200, 204)], [*range(10, 14)]
+
+    def colliding(tokens: list[int], block_size: int, seed: int, *, parent: int | None = None) -> list[int]:
+        blocks = [tokens[i : i + block_size] for i in range(0, len(tokens), block_size)]
+        return block_hashes(
+            [t for blk in blocks for t in (x if blk == forged else blk)], block_size, seed, parent=parent
+        )
+
+    monkeypatch.setattr("engine.sequence.block_hashes", colliding)  # what Sequence.block_hashes calls
+    bm = BlockManager(16, BS)
+    c = seq([*x, 1], "c")
+    bm.allocate(c)
+    compute_all(bm, c)  # X is cached
+    r = seq([*forged, *y, 1], "r")
+    assert bm.allocate(r) == 0  # X's tokens are compared: no reuse
+    compute_all(bm, r)
+    s = seq([*x, *y, 1], "s")
+    assert bm.allocate(s) == BS  # X only: the cached Y block attended to X', not X
+    assert s.block_table[0] == c.block_table[0] and s.block_table[1] != r.block_table[1]
+
+
+def test_stored_events_name_the_parent_of_their_first_block() -> None:
+    """X + Y and X + Z computed side by side: Z's X is a duplicate, not stored again, yet Z's parent is X."""
+    bm = BlockManager(16, BS)
+    x = [*range(4)]
+    a, b = seq([*x, *range(10, 14), 1], "a"), seq([*x, *range(20, 24), 1], "b")
+    bm.allocate(a)
+    bm.allocate(b)  # nothing is computed yet: b gets blocks of its own
+    compute_all(bm, a)
+    compute_all(bm, b)
+    ha, hb = block_hashes(a.token_ids, BS, SEED), block_hashes(b.token_ids, BS, SEED)
+    assert bm.drain_events() == [BlockStored((ha[0], ha[1]), None), BlockStored((hb[1],), hb[0])]
+    bm.free(a)
+    again = seq([*x, *range(20, 24), 1], "again")
+    assert bm.allocate(again) == 2 * BS  # Z is found as X's child, though it was computed after b's own X
+
+
+def test_a_stored_event_after_a_chunk_names_the_last_block_of_the_chunk_before() -> None:
+    bm = BlockManager(16, BS)
+    a = seq(list(range(13)))
+    bm.allocate(a)
+    a.num_computed = 5  # a first chunk: one full block
+    bm.register_full_blocks(a)
+    compute_all(bm, a)
+    h = block_hashes(a.token_ids, BS, SEED)
+    assert bm.drain_events() == [BlockStored((h[0],), None), BlockStored((h[1], h[2]), h[0])]
+
+
+def test_a_waiting_prompt_is_walked_again_only_when_the_cache_changed() -> None:
+    bm = BlockManager(16, BS)
+    a = seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    w = seq([*range(12), 1], "w")
+    assert bm.can_allocate(w)
+    walks = bm.prefix_walks
+    for _ in range(3):
+        assert bm.can_allocate(w)
+    assert bm.prefix_walks == walks
+    other = seq(list(range(100, 109)), "other")  # caches blocks that are no part of w's prefix
+    bm.allocate(other)
+    compute_all(bm, other)
+    walks = bm.prefix_walks
+    assert bm.can_allocate(w) and bm.prefix_walks == walks
+    longer = seq(list(range(13)), "longer")  # caches w's third block
+    bm.allocate(longer)
+    compute_all(bm, longer)
+    assert bm.allocate(w) == 3 * BS
+    assert w.block_table[:3] == longer.block_table[:3]
+
+
+def test_a_remembered_match_loses_the_blocks_evicted_since() -> None:
+    bm = BlockManager(5, BS)
+    a = seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    a0 = a.block_table[0]
+    bm.free(a)  # 2 cached blocks, unreferenced
+    w = seq([*range(8), 1], "w")
+    assert bm.can_allocate(w)
+    taker = seq(list(range(100, 116)), "taker")  # 4 blocks: the 3 free ones, then a's tail is evicted
+    bm.allocate(taker)
+    bm.free(taker)
+    assert bm.can_allocate(w) and bm.allocate(w) == BS  # a's first block only
+    assert w.block_table[0] == a0
+
+
+def test_a_block_whose_parent_was_evicted_is_replaced_when_computed_again() -> None:
+    """b's Z hangs off a's X (b's own X was a duplicate); a's X is evicted while b runs. Z can no longer be
+    reached, so the next X + Z computed takes its place."""
+    bm = BlockManager(8, BS)
+    x, z = [*range(4)], [*range(20, 24)]
+    a, b = seq([*x, 1], "a"), seq([*x, *z, 1], "b")
+    bm.allocate(a)
+    bm.allocate(b)
+    compute_all(bm, a)
+    compute_all(bm, b)  # b's X stays private; its Z names a's X as parent
+    bm.free(a)
+    filler = seq(list(range(100, 117)), "filler")  # 5 blocks: the 4 free ones, then a's X is evicted
+    bm.allocate(filler)
+    bm.free(filler)
+    bm.free(b)
+    bm.drain_events()
+    c = seq([*x, *z, 1], "c")
+    assert bm.allocate(c) == 0  # X is gone (b's copy was never cached)
+    compute_all(bm, c)
+    h = block_hashes(c.token_ids, BS, SEED)
+    assert bm.drain_events() == [BlockRemoved((h[1],)), BlockStored((h[0], h[1]), None)]
+    again = seq([*x, *z, 1], "again")
+    assert bm.allocate(again) == 2 * BS

@@ -19,7 +19,10 @@ from cache.events import (
     batch_from_obj,
     decode_snapshot,
 )
+from cache.hashing import namespace_seed
+from engine.block_manager import BlockManager
 from engine.kv_publisher import KvEventPublisher
+from engine.sequence import SamplingParams, Sequence
 from tests.serving import serve as serve_on_free_port
 
 Serve = Callable[[KvEventPublisher], Awaitable[str]]
@@ -90,6 +93,27 @@ def test_seq_starts_at_one_and_rises_by_one() -> None:
     # Nothing to say: no batch, no seq spent.
     assert pub.publish([]) is None
     assert pub.seq == 2
+
+
+def test_the_block_managers_stored_events_reach_the_wire_with_their_parent() -> None:
+    """X + Y and X + Z computed in one step: Z's X was computed twice and stored once, yet Z's event, as a
+    consumer decodes it, names X as its parent (vLLM's parent_block_hash), not nothing."""
+    bm = BlockManager(16, 4)
+    x = list(range(4))
+    a = Sequence("a", [*x, *range(10, 14), 1], SamplingParams(), namespace_seed("m"))
+    b = Sequence("b", [*x, *range(20, 24), 1], SamplingParams(), namespace_seed("m"))
+    for s in (a, b):
+        bm.allocate(s)
+    for s in (a, b):
+        s.num_computed = s.num_tokens
+        bm.register_full_blocks(s)
+    pub = KvEventPublisher("e1", 4)
+    batch = pub.publish(bm.drain_events())
+    assert batch is not None
+    decoded = batch_from_obj(msgpack.unpackb(batch.encode()))
+    ha, hb = a.block_hashes(4), b.block_hashes(4)
+    assert decoded.events == (BlockStored((ha[0], ha[1]), None), BlockStored((hb[1],), ha[0]))
+    assert sorted(pub.snapshot().block_hashes) == sorted({*ha, *hb})
 
 
 def test_snapshot_follows_the_events() -> None:

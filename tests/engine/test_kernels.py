@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,6 +141,32 @@ def test_paged_decode_attention_half_precision(dtype: torch.dtype) -> None:
     q, c, lens = decode_case(8, 2, 16, dtype)
     args = (q, c.k_cache, c.v_cache, c.block_tables, lens, BLOCK, 0.25)
     close(paged_decode_attention_triton(*args, num_splits=2), paged_decode_attention_torch(*args), dtype)
+
+
+def test_paged_decode_split_merge_reads_no_masked_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a masked load without ``other=`` leaves its masked lanes undefined; the interpreter fills them
+    with zeros, which would hide it. Here they hold NaN: 3 splits (a block of 4 lanes) and a head dimension of
+    24 (a block of 32) must still give the reference."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def poisoned(self: Any, ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
+        element = ptrs.get_element_ty()
+        if other is None and element.is_floating():
+            nan = np.full(ptrs.data.shape, np.nan, dtype=interpreter._get_np_dtype(element))
+            other = interpreter.TensorHandle(nan, element)
+        return original(self, ptrs, mask, other, *rest)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", poisoned)
+    g = gen(2)
+    lengths = [1, 20]  # a lone token: two of its three splits are empty
+    cache = paged_cache(lengths, BLOCK, 1, 24, torch.float32, "cpu", g)
+    q = randn((len(lengths), 2, 24), torch.float32, "cpu", g)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, int32(lengths, "cpu"), BLOCK, 24**-0.5)
+    close(
+        paged_decode_attention_triton(*args, num_splits=3), paged_decode_attention_torch(*args), torch.float32
+    )
 
 
 # (tokens already cached, new tokens) per sequence: a fresh prompt over two query blocks, a chunk after a

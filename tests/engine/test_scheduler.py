@@ -103,3 +103,48 @@ def test_finishing_releases_blocks() -> None:
     step(sched)
     assert s.status is SeqStatus.FINISHED and s.finish_reason == "length"
     assert bm.num_free == 8 and not sched.running
+
+
+def test_a_blocked_waiting_prompt_is_not_matched_again_every_step() -> None:
+    """The head of the queue waits for blocks while others decode: its cached prefix is walked once, then
+    only again when the cache gains a block that could extend it."""
+    bm = BlockManager(8, BS)
+    sched = Scheduler(bm, max_num_batched_tokens=64)
+    head = [hash(("p", i)) % 1000 for i in range(3 * BS)]
+    p = Sequence("p", [*head[: 2 * BS], 1], SamplingParams(max_tokens=1), namespace_seed("m"))
+    sched.add(p)
+    step(sched)  # p's 2 full blocks stay cached
+    assert p.status is SeqStatus.FINISHED
+    hog = make("hog", 3 * BS, max_tokens=5)  # 3 blocks, growing to 5: the 2 free ones, no eviction
+    w = Sequence("w", head + [2] * 9, SamplingParams(max_tokens=1), namespace_seed("m"))  # 6 blocks, 2 cached
+    sched.add(hog)
+    sched.add(w)
+    step(sched)
+    walks = bm.prefix_walks
+    for _ in range(3):
+        step(sched)  # hog decodes (and caches blocks of its own); w cannot be admitted
+        assert w.status is SeqStatus.WAITING
+    assert bm.prefix_walks == walks
+    # A block that extends w's prefix is cached: w finds it when it is admitted.
+    ext = Sequence("ext", [*head, 3], SamplingParams(max_tokens=1), namespace_seed("m"))
+    bm.allocate(ext)
+    ext.num_computed = ext.num_tokens
+    bm.register_full_blocks(ext)
+    bm.free(ext)
+    for _ in range(10):
+        if w.status is not SeqStatus.WAITING:
+            break
+        step(sched)
+    assert w.num_cached_prompt_tokens == 3 * BS
+
+
+def test_a_waiting_sequence_that_leaves_the_queue_is_forgotten() -> None:
+    bm = BlockManager(4, BS)
+    sched = Scheduler(bm)
+    hog, w = make("hog", 3 * BS, max_tokens=4), make("w", 3 * BS)
+    sched.add(hog)
+    sched.add(w)
+    step(sched)
+    assert w.status is SeqStatus.WAITING and w in bm._matches  # blocked: its match is remembered
+    sched.finish(w, "abort")
+    assert not bm._matches
