@@ -51,6 +51,7 @@ from bench_gateway_overhead import MODEL
 from bench_routers import byte_tokenizer_dir, start_kvgate, wait_ready
 from trace_workload import TRACE, block_text, overhead_mean_ms
 
+from engine.sim.config import SimEngineConfig
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
 from gateway.http.upstream import UpstreamPool
@@ -62,14 +63,18 @@ from region_map.simulation.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_t
 
 LIVE_BLOCK = 16  # the simulated engine's block size (vLLM's default, the profiles' too)
 PER_TRACE_BLOCK = TRACE_BLOCK_TOKENS // LIVE_BLOCK  # 32 live blocks to one trace block
+MAX_MODEL_LEN = SimEngineConfig("bench").max_model_len  # the simulated engines' context (Llama 3's 131,072)
 WORKLOADS = {"conversation": TRACE, "synthetic": TRACE.with_name("mooncake_synthetic_trace.jsonl.gz")}
 
 
 def workload(n: int, max_output: int | None, path: Path = TRACE) -> list[TraceRequest]:
-    """The first ``n`` requests of the trace at ``path``, outputs capped (the same list feeds both sides)."""
+    """The first ``n`` requests of the trace at ``path``, outputs capped (the same list feeds both sides),
+    less any longer than the simulated engines' context (prompt + output over ``MAX_MODEL_LEN``: the
+    synthetic trace's 134,773-token prompt), which every engine would refuse and no router could serve."""
     trace = load_trace(path, limit=n)
     cap = max_output or 1 << 30
-    return [dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, cap))) for r in trace]
+    capped = [dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, cap))) for r in trace]
+    return [r for r in capped if r.input_tokens + r.output_tokens <= MAX_MODEL_LEN]
 
 
 def body(r: TraceRequest) -> bytes:
