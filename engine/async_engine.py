@@ -6,8 +6,10 @@ transfer work come back with ``call_soon_threadsafe``. A step that raises marks 
 request fails cleanly and ``/health`` turns red.
 
 Disaggregation: a request with a ``prefill_url`` is admitted holding blocks for its prompt, then its K/V is
-pulled from that prefill engine on the event loop (``kv_fetcher``) while other sequences keep stepping;
-``export`` is the prefill engine's side, yielding K/V frames as the layers of its prefill finish.
+pulled from that prefill engine (``kv_fetcher``, which reads and stores it off the event loop) while other
+sequences keep stepping; ``export`` is the prefill engine's side, yielding K/V frames as the layers of its
+prefill finish, at most ``kv_send_window`` of them staged at once. A request whose K/V is still arriving is
+aborted only once the fetch has stopped writing into its blocks (they go back to the pool at the abort).
 
 KV pull: a request with a ``pull_url`` is admitted the same way, but the positions it lacks come from that
 peer's prefix cache (``export_cached`` is the peer's side, served between two steps without queueing), as
@@ -26,8 +28,10 @@ from typing import Any, Protocol
 
 from cache.events import KvEvent
 from engine.engine_types import ImportTicket, StepOutput
-from engine.kv_export import ExportSink
-from engine.kv_transfer import KvTransferError, frame
+from engine.kv_export import ExportSink, PinnedRun
+from engine.kv_send import vectored_writes
+from engine.kv_staging import SendWindow
+from engine.kv_transfer import KvTransferError, StagedFrame
 from engine.llm_engine import LLMEngine
 from engine.sequence import CacheNamespace, SamplingParams
 
@@ -46,6 +50,27 @@ class KvFetcher(Protocol):
         ...
 
 
+async def _staged(run: PinnedRun) -> AsyncGenerator[StagedFrame, None]:
+    """The frames of a pinned run, each staged on a worker thread while the one before is written (a
+    gather, or on a GPU queueing its copies: never on the event loop). Closing the iterator closes the run
+    and releases the frame staged ahead, now or once its worker is done."""
+    loop = asyncio.get_running_loop()
+    run.vectored = vectored_writes(loop)  # then a frame may be many runs of the cache's own memory
+    ahead = loop.run_in_executor(None, run.next_frame)
+    try:
+        while (frame := await asyncio.shield(ahead)) is not None:
+            ahead = loop.run_in_executor(None, run.next_frame)
+            yield frame
+    finally:
+        run.close()
+        ahead.add_done_callback(_release_staged)
+
+
+def _release_staged(ahead: asyncio.Future[StagedFrame | None]) -> None:
+    if not ahead.cancelled() and ahead.exception() is None and (frame := ahead.result()) is not None:
+        frame.release()
+
+
 class EngineDead(RuntimeError):
     """The step loop failed; the engine serves nothing more."""
 
@@ -57,10 +82,12 @@ class AsyncEngine:
         *,
         on_kv_events: Callable[[list[KvEvent]], Any] | None = None,
         kv_fetcher: KvFetcher | None = None,
+        kv_send_window: int = 8,
     ) -> None:
         self.engine = engine
         self._on_kv_events = on_kv_events
         self._kv_fetcher = kv_fetcher
+        self.kv_send_window = kv_send_window  # staged K/V frames of one export in flight at most
         self._commands: deque[tuple[Any, ...]] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -69,6 +96,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._import_sources: dict[str, tuple[str, CacheNamespace]] = {}  # request id -> (source url, ...)
         self._imports: dict[str, asyncio.Task[None]] = {}
+        self._windows: set[SendWindow] = set()  # of the exports in flight
         self.error: BaseException | None = None
         self.steps = 0
         self._load = engine.load()
@@ -83,6 +111,8 @@ class AsyncEngine:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        for window in list(self._windows):  # a step waiting for room in one must not outlive the loop
+            window.close()
         for task in list(self._imports.values()):
             task.cancel()
         if self._thread is not None:
@@ -143,14 +173,16 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self._import_sources.pop(request_id, None)
             task = self._imports.pop(request_id, None)
-            if task is not None:
+            if task is not None and not task.done():
                 task.cancel()
-            if not finished:
+                if not finished:  # the blocks go back to the pool once the fetch stopped writing them
+                    task.add_done_callback(lambda _: self._submit(("abort", request_id)))
+            elif not finished:
                 self._submit(("abort", request_id))
 
     def export(
         self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
-    ) -> AsyncGenerator[bytes, None]:
+    ) -> AsyncGenerator[StagedFrame, None]:
         """Prefill a prompt here and yield its K/V frames (positions ``from_position`` on) as its layers
         finish, then the closing frame. Closing the iterator early aborts the prefill."""
         if self.error is not None:
@@ -163,7 +195,7 @@ class AsyncEngine:
 
     def export_cached(
         self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
-    ) -> AsyncGenerator[bytes, None]:
+    ) -> AsyncGenerator[StagedFrame, None]:
         """Serve a peer's KV pull: yield the frames of the positions ``from_position`` on that this engine's
         prefix cache holds, then the closing frame (``LLMEngine.export_cached``). It goes through the
         command queue only, never the scheduler's: it is served before the next step, however many
@@ -177,21 +209,37 @@ class AsyncEngine:
 
     async def _frames(
         self, request_id: str, command: Callable[[ExportSink], tuple[Any, ...]]
-    ) -> AsyncGenerator[bytes, None]:
+    ) -> AsyncGenerator[StagedFrame, None]:
         """Submit ``command(sink)`` and yield the frames its sink sends from the engine thread, up to and
-        including the closing one. Closing the iterator early aborts the request."""
-        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        including the closing one; whoever writes a frame releases it once written, making room in the
+        sink's window. Cached positions come as a pinned run, staged here frame by frame as they are
+        written. Closing the iterator early aborts the request and releases what it held: the window closes
+        (the engine stops staging for it), the frames not yet yielded go back, and so do pinned blocks."""
+        queue: asyncio.Queue[StagedFrame | PinnedRun | BaseException | None] = asyncio.Queue()
+        window = SendWindow(self.kv_send_window)
+        self._windows.add(window)
         post = self._post
 
-        def send(buffers: list[Any]) -> None:  # on the engine thread
-            post(queue.put_nowait, b"".join(memoryview(b) for b in buffers))
+        def deliver(item: StagedFrame | PinnedRun) -> None:  # on the loop
+            if not window.closed:
+                queue.put_nowait(item)
+            elif isinstance(item, PinnedRun):
+                item.close()  # nobody is left to write it
+            else:
+                item.release()
+
+        def send(item: StagedFrame | PinnedRun) -> None:  # on the engine thread
+            post(deliver, item)
 
         def close(header: dict[str, Any]) -> None:  # on the engine thread
-            post(queue.put_nowait, b"".join(frame(header)))
+            post(queue.put_nowait, StagedFrame.of(header))
             post(queue.put_nowait, None)
 
+        def wake() -> None:  # a pinned run's blocks may go back: any thread
+            self._submit(("kv_unpin", ""))
+
         self._queues[request_id] = queue  # an engine failure reaches it like any other request
-        self._submit(command(ExportSink(send, close)))
+        self._submit(command(ExportSink(send, close, window, send_run=send, wake=wake)))
         finished = False
         try:
             while True:
@@ -201,8 +249,21 @@ class AsyncEngine:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                if isinstance(item, StagedFrame):
+                    yield item
+                    continue
+                async with contextlib.aclosing(_staged(item)) as frames:  # closed with this one
+                    async for frame in frames:
+                        yield frame
         finally:
+            window.close()
+            self._windows.discard(window)
+            while not queue.empty():
+                left = queue.get_nowait()
+                if isinstance(left, PinnedRun):
+                    left.close()
+                elif isinstance(left, StagedFrame):
+                    left.release()
             self._queues.pop(request_id, None)
             if not finished:
                 self._submit(("abort", request_id))
@@ -257,6 +318,8 @@ class AsyncEngine:
             engine.add_export(*command[1:])
         elif kind == "export_cached":
             engine.export_cached(*command[2:])  # served now, between two steps: it computes nothing
+        elif kind == "kv_unpin":
+            engine.run_kv_unpins()
         elif kind == "imported":
             engine.finish_import(command[1], command[2])
         elif kind == "pulled":

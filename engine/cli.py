@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.cli_args import non_negative_int, port_number, positive_int, seconds
+from engine.cli_args import fraction, non_negative_int, port_number, positive_float, positive_int, seconds
+from engine.kv_cache_sizing import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_MEMORY_GIB,
+    KvCacheSizingError,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -195,10 +200,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-blocks",
         type=positive_int,
         default=None,
-        help="KV cache size in blocks (default: --kv-memory-gib)",
+        help="KV cache size in blocks (default: --kv-memory-gib, else --gpu-memory-utilization)",
     )
     parser.add_argument(
-        "--kv-memory-gib", type=float, default=0.5, help="KV cache size when --kv-blocks is not given (0.5)"
+        "--kv-memory-gib",
+        type=positive_float,
+        default=None,
+        help=f"KV cache size in GiB when --kv-blocks is not given (default: on CUDA, what "
+        f"--gpu-memory-utilization leaves; elsewhere {DEFAULT_KV_MEMORY_GIB})",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="on CUDA without --kv-blocks or --kv-memory-gib: the share of the GPU's memory the engine may "
+        "use; the KV cache gets what the loaded model and a step's activations leave of it (default: "
+        "%(default)s)",
     )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: the model's"
@@ -288,6 +305,7 @@ def run_engine(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_kv_blocks=args.kv_blocks,
         kv_memory_gib=args.kv_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
@@ -314,6 +332,9 @@ def run_engine(args: argparse.Namespace) -> int:
     except RankFailed as exc:
         print(f"kvgate engine: a worker rank failed: {exc}", file=sys.stderr)
         return 1
+    except KvCacheSizingError as exc:
+        print(f"kvgate engine: cannot size the KV cache: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"kvgate engine: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

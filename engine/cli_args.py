@@ -31,3 +31,18 @@ def seconds(text: str) -> float:
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """A share of something, in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value

@@ -1,9 +1,19 @@
-"""What :class:`~engine.llm_engine.LLMEngine` hands out and refuses: step outputs, K/V import tickets,
-rejected requests."""
+"""What :class:`~engine.llm_engine.LLMEngine` hands out and refuses: step outputs (with their tokens'
+logprobs when asked for), K/V import tickets, rejected requests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and, when asked for, the likeliest tokens' (best first), all
+    from the model's raw logits (see engine.sampler)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +27,7 @@ class StepOutput:
     cached_tokens: int
     completion_tokens: int
     kv_transferred_tokens: int = 0  # prompt positions whose K/V came from a prefill engine or a peer's cache
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per entry of token_ids, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,16 @@ prefix cache, and serving a peer's pull from this engine's cache."""
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from engine.engine_types import ImportTicket, RequestRejected
-from engine.kv_export import send_cached, send_positions
+from engine.kv_export import PinnedRun, send_cached, send_positions
+from engine.kv_staging import HostBuffers
+from engine.kv_transfer import position_slots
 from engine.sequence import CacheNamespace, SamplingParams, SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -22,6 +27,8 @@ if TYPE_CHECKING:
 
 class KvTransferMixin:
     """K/V import, export and pull for :class:`~engine.llm_engine.LLMEngine`, which owns the state below."""
+
+    kv_frame_bytes = 4 << 20  # the payload of one K/V frame at most: a long prompt's layer goes in several
 
     if TYPE_CHECKING:
         config: EngineConfig
@@ -60,6 +67,7 @@ class KvTransferMixin:
                 f"from_position {from_position} is outside the prompt of {len(prompt)} tokens"
             )
         seq = self._sequence(request_id, prompt, SamplingParams(max_tokens=0), namespace)
+        self._take_sink(sink)
         seq.export, seq.export_from = sink, from_position
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -119,10 +127,12 @@ class KvTransferMixin:
         """Serve a peer's pull: the K/V of positions ``from_position .. k`` of the prompt, where ``k`` ends
         the longest run of its full blocks in the prefix cache, then the done frame (``tokens`` = ``k``, or
         ``from_position`` when the cache holds no more). Computes nothing and queues nothing, so it never
-        waits behind requests; it runs between two steps and copies the K/V out at once, so no later step
-        can evict a block before it is sent. The sent blocks nobody uses are then demoted to be evicted
-        first: the peer holds them now, so the pull migrates them rather than duplicating them. Returns the
-        positions sent."""
+        waits behind requests. It runs between two steps and holds the run's blocks until the sink's writer
+        has sent them (a ``PinnedRun``: a slow peer holds those blocks, never the engine), or, for a sink
+        that takes no pinned runs, copies the K/V out before it returns. Either way no later step can evict
+        a block before it is sent. The sent blocks nobody uses are then demoted to be evicted first: the
+        peer holds them now, so the pull migrates them rather than duplicating them. Returns the positions
+        sent."""
         if self.kv_cache is None:
             raise RequestRejected("KV pull is not supported with tensor or pipeline parallelism")
         prompt = [int(t) for t in prompt_token_ids]
@@ -135,18 +145,89 @@ class KvTransferMixin:
         run = self.blocks.match_prefix(probe)
         block_size = self.config.block_size
         end = max(len(run) * block_size, from_position)
+        demoted = run[from_position // block_size :]
         if end > from_position:
-            send_positions(sink.send, self.kv_cache, run, from_position, end)
+            self._take_sink(sink)
+            if not self._send_pinned(probe, run, from_position, end, demote=demoted):
+                send_positions(sink, self.kv_cache, run, from_position, end)
+                self.blocks.demote(demoted)
+        else:
+            self.blocks.demote(demoted)
         sink.close({"t": "done", "tokens": end, "cached_tokens": end})
-        self.blocks.demote(run[from_position // block_size :])
         self.counters.pull_served(end - from_position)
         return end - from_position
 
+    @cached_property
+    def kv_buffers(self) -> HostBuffers:
+        """The host buffers this engine stages outgoing K/V in (page-locked for a cache on a GPU)."""
+        assert self.kv_cache is not None
+        return HostBuffers(pin=self.kv_cache.k[0].is_cuda)
+
+    @cached_property
+    def _kv_unpins(self) -> deque[Callable[[], None]]:
+        return deque()  # appended from any thread, run on the engine's
+
+    def run_kv_unpins(self) -> None:
+        """Give back the blocks of the pinned runs whose transfers are over (on the engine thread: each step
+        does, and ``AsyncEngine`` as soon as a sink's ``wake`` asks)."""
+        while self._kv_unpins:
+            self._kv_unpins.popleft()()
+
+    def _take_sink(self, sink: ExportSink) -> None:
+        sink.buffers = sink.buffers or self.kv_buffers
+        sink.frame_bytes = self.kv_frame_bytes
+
+    def _send_pinned(self, like: Sequence, run: list[int], start: int, end: int, demote: list[int]) -> bool:
+        """Hand ``like.export`` positions ``start .. end`` of the cached blocks ``run`` (the full blocks
+        ``like``'s tokens start with) as a PinnedRun: a reference to each block until its writer is done,
+        then ``demote`` those blocks. False when the sink takes no pinned runs."""
+        sink = like.export
+        assert sink is not None and self.kv_cache is not None
+        if sink.send_run is None:
+            return False
+        block_size = self.config.block_size
+        pin = Sequence(
+            "kv-pin", like.token_ids[: len(run) * block_size], SamplingParams(max_tokens=0), like.hash_seed,
+            like.public_seed, like.shared_blocks, export=sink,
+        )  # fmt: skip
+        self.blocks.allocate(pin)  # matches the very blocks of ``run``: takes a reference to each
+        if pin.block_table != run:  # cannot happen between two steps; if it did, copy the K/V out now
+            self.blocks.free(pin)
+            return False
+        wake = sink.wake
+
+        def give_back() -> None:  # on the engine thread
+            self.blocks.free(pin)
+            self.blocks.demote(demote)
+
+        def unpin() -> None:  # from the writer's thread: the engine thread does the work
+            self._kv_unpins.append(give_back)
+            if wake is not None:
+                wake()
+
+        slots = position_slots(run, block_size, start, end)
+        assert sink.buffers is not None
+        sink.send_run(
+            PinnedRun(
+                self.kv_cache, slots, start, frame_bytes=sink.frame_bytes, buffers=sink.buffers, unpin=unpin
+            )
+        )
+        return True
+
     def _send_cached_exports(self) -> None:
         """Exports whose every position was already cached: send them from the cache, no model step."""
+        self.run_kv_unpins()
         for seq in self.scheduler.cached_exports:
             assert seq.export is not None and self.kv_cache is not None
-            send_cached(seq, self.kv_cache)
+            start, end = max(seq.export_from, seq.export.sent_positions), seq.num_computed
+            run = seq.block_table[: end // self.config.block_size]
+            if (
+                end <= start
+                or end % self.config.block_size
+                or not self._send_pinned(seq, run, start, end, [])
+            ):
+                send_cached(seq, self.kv_cache)
+            seq.export.sent_positions = end
             self._finish_export(seq)
         self.scheduler.cached_exports.clear()
 

@@ -13,6 +13,7 @@ import msgpack
 
 CONTENT_TYPE = "application/x-kvgate-kv"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the element types a kv frame may carry
+LENGTH_BYTES = 4
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
 
@@ -27,18 +28,28 @@ class ByteSource(Protocol):
 
 def pack(header: dict[str, Any], *payload: Any) -> list[Any]:
     """A frame as buffers for a single vectored write (``payload``: bytes-like buffers, sent as they are)."""
-    head = msgpack.packb(header)
-    return [_LEN.pack(len(head)), head, *payload]
+    return [head(header), *payload]
 
 
-async def read_header(source: ByteSource) -> dict[str, Any]:
-    """The next frame's header, checked: a ``kv`` header has integer fields and a known dtype, so that
-    ``payload_bytes`` can be trusted to size the read that follows."""
-    (length,) = _LEN.unpack(await source.readexactly(_LEN.size))
+def head(header: dict[str, Any]) -> bytes:
+    """A frame's length prefix and header, the small buffer written before the payload's own buffers."""
+    packed: bytes = msgpack.packb(header)
+    return _LEN.pack(len(packed)) + packed
+
+
+def header_length(prefix: bytes) -> int:
+    """The header length a frame's first ``LENGTH_BYTES`` bytes announce, checked."""
+    (length,) = _LEN.unpack(prefix)
     if not 0 < length <= _MAX_HEADER:
         raise KvTransferError(f"frame header of {length} bytes")
+    return int(length)
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    """A frame's header, checked: a ``kv`` header has integer fields and a known dtype, so that
+    ``payload_bytes`` can be trusted to size the read that follows."""
     try:
-        header = msgpack.unpackb(await source.readexactly(length))
+        header = msgpack.unpackb(raw)
     except (ValueError, msgpack.UnpackException) as exc:
         raise KvTransferError(f"frame header is not msgpack: {exc}") from None
     if not isinstance(header, dict) or header.get("t") not in ("kv", "done", "error"):
@@ -50,6 +61,12 @@ async def read_header(source: ByteSource) -> dict[str, Any]:
         ):
             raise KvTransferError(f"malformed kv frame header {header!r}")
     return header
+
+
+async def read_header(source: ByteSource) -> dict[str, Any]:
+    """The next frame's header, checked (``parse_header``)."""
+    length = header_length(await source.readexactly(LENGTH_BYTES))
+    return parse_header(await source.readexactly(length))
 
 
 def payload_bytes(header: dict[str, Any]) -> int:

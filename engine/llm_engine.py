@@ -19,7 +19,13 @@ from cache.tokens import Tokenizer, load_tokenizer
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_types import RequestRejected, StepOutput
+from engine.engine_types import RequestRejected, StepOutput, TokenLogprob
+from engine.kv_cache_sizing import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes,
+    cuda_memory_info,
+    kv_cache_blocks,
+)
 from engine.kv_engine import KvTransferMixin
 from engine.metrics import EngineCounters
 from engine.model.config import ModelConfig
@@ -31,7 +37,7 @@ from engine.parallel.distributed import (
     check_parallel,
     kv_bytes_per_block,
 )
-from engine.sampler import make_generator, sample
+from engine.sampler import MAX_LOGPROBS, Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import CacheNamespace, SamplingParams, Sequence
 
@@ -48,7 +54,8 @@ class EngineConfig:
     served_model_name: str | None = None  # default: the model directory's name
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: as many as kv_memory_gib holds
-    kv_memory_gib: float = 0.5
+    kv_memory_gib: float | None = None  # default: profiled on CUDA (below), else DEFAULT_KV_MEMORY_GIB
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: the share of the device's memory
     dtype: str | None = None  # default: the checkpoint's own
     device: str | None = None  # default: cuda when available
     max_num_seqs: int = 64
@@ -115,7 +122,7 @@ class LLMEngine(KvTransferMixin):
         self.idle = True  # the last step found nothing to compute
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler(mc.vocab_size)  # each sequence's generator and token counts
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_tokens: dict[str, int] = {}
 
@@ -139,13 +146,31 @@ class LLMEngine(KvTransferMixin):
         return num_blocks
 
     def _num_kv_blocks(self, mc: ModelConfig) -> int:
-        """KV blocks per rank: as configured, or as many as ``kv_memory_gib`` holds on the busiest rank."""
+        """KV blocks per rank: as configured; else, on CUDA with the model in this process, what
+        ``gpu_memory_utilization`` leaves of the device once the model is loaded; else as many as
+        ``kv_memory_gib`` (or its default) holds on the busiest rank (engine.kv_cache_sizing)."""
         config = self.config
-        if config.num_kv_blocks:
-            return config.num_kv_blocks
         element_size = torch.empty((), dtype=self.dtype).element_size()
         bytes_per_block = kv_bytes_per_block(mc, config.parallel, config.block_size, element_size)
-        return max(1, int(config.kv_memory_gib * 2**30) // bytes_per_block)
+        # Tensor/pipeline ranks load the model in their own processes: they are not profiled (yet).
+        profiled = self.device.type == "cuda" and getattr(self, "model", None) is not None
+        reserve = 0
+        if profiled and not config.num_kv_blocks and config.kv_memory_gib is None:
+            reserve = activation_reserve_bytes(
+                mc,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                element_size=element_size,
+            )
+        return kv_cache_blocks(
+            bytes_per_block=bytes_per_block,
+            on_cuda=profiled,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_memory_gib=config.kv_memory_gib,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            memory_info=cuda_memory_info(self.device) if profiled else None,
+            reserve_bytes=reserve,
+        )
 
     @property
     def failure(self) -> BaseException | None:
@@ -180,6 +205,14 @@ class LLMEngine(KvTransferMixin):
         vocab = self.model_config.vocab_size
         if max(prompt) >= vocab:
             raise RequestRejected(f"token id {max(prompt)} is outside the model's vocabulary of {vocab}")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestRejected(f"{name} holds a token id outside the model's vocabulary of {vocab}")
+        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+            raise RequestRejected(f"logprobs must lie in [0, {MAX_LOGPROBS}]")
         needed = len(prompt) + params.max_tokens
         if needed > self.max_model_len:
             raise RequestRejected(
@@ -218,7 +251,6 @@ class LLMEngine(KvTransferMixin):
         # The last prompt token is always computed here: its step yields the first token's logits.
         seq.import_end = len(prompt) - 1 if pull_tokens is None else min(pull_tokens, len(prompt) - 1)
         self._seqs[request_id] = seq
-        self._generators[request_id] = make_generator(params.seed)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self._sent_tokens[request_id] = 0
         self.scheduler.add(seq)
@@ -246,9 +278,7 @@ class LLMEngine(KvTransferMixin):
         )
         logits = self.runner.run(batch)
         sampling = [item.seq for item in batch if item.samples]
-        tokens = sample(
-            logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling]
-        ) if sampling else []  # fmt: skip
+        sampled = self.sampler.sample(logits, sampling, self.eos_token_ids) if sampling else None
         # The step's time, split between the stages by the tokens each contributed to it.
         elapsed, total_tokens = time.perf_counter() - started, sum(item.num_new for item in batch)
         prefill_share = prefill_tokens / total_tokens if total_tokens else 0.0
@@ -261,21 +291,23 @@ class LLMEngine(KvTransferMixin):
             if seq.export is not None and seq.num_computed == seq.num_tokens:
                 self._finish_export(seq)
         outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
-            seq.token_ids.append(token)
-            outputs.append(self._after_token(seq, token))
+        if sampled is not None:
+            for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+                seq.token_ids.append(token)
+                outputs.append(self._after_token(seq, token, logprob))
         return outputs
 
-    def _after_token(self, seq: Sequence, token: int) -> StepOutput:
+    def _after_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
         detok = self._detok[seq.request_id]
         reason = None
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
+        params = seq.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         else:
             detok.add(token)
             if detok.stopped:
                 reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -290,6 +322,7 @@ class LLMEngine(KvTransferMixin):
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             completion_tokens=seq.num_output_tokens,
             kv_transferred_tokens=self._transferred.get(seq.request_id, 0),
+            logprobs=() if logprob is None else (logprob,),  # each step outputs the one token it drew
         )
         self._sent_tokens[seq.request_id] = seq.num_output_tokens
         if reason is not None:
@@ -298,8 +331,9 @@ class LLMEngine(KvTransferMixin):
         return output
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._seqs, self._generators, self._detok, self._sent_tokens, self._transferred):
+        for table in (self._seqs, self._detok, self._sent_tokens, self._transferred):
             table.pop(request_id, None)
+        self.sampler.forget(request_id)
 
     # -- offline use --------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: builds the flattened batch, runs it, returns next-token logits.
 
-The only part of the engine that touches the device; everything else is plain Python bookkeeping.
+The only part of the engine that runs the model; the logits stay on its device, where engine.sampler draws
+from them (only the sampled ids cross to the host). Everything else is plain Python bookkeeping.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute every scheduled token; returns float32 logits [N, vocab] for the N entries that sample,
-        in batch order."""
+        """Compute every scheduled token; returns float32 logits [N, vocab] on the model's device for the N
+        entries that sample, in batch order."""
         step = MicroBatch.of(batch)
         meta = build_metadata(step.slices, self.kv_cache.block_size, self.device)
         input_ids = torch.as_tensor(step.token_ids, dtype=torch.long, device=self.device)
@@ -37,9 +38,9 @@ class ModelRunner:
         finally:
             self.kv_cache.on_layer_stored = None
         if not step.sample_rows:
-            return torch.empty(0, self.model.config.vocab_size)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         rows = torch.as_tensor(step.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        return self.model.compute_logits(hidden[rows])  # float32 already
 
     def close(self) -> None:
         """Nothing to release (the parallel executor's ``close`` stops its workers)."""

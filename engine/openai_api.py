@@ -3,8 +3,8 @@
 Parsing turns a ``/v1/completions`` or ``/v1/chat/completions`` body into a :class:`GenerationRequest`;
 every client mistake becomes an :class:`OpenAIError` (an OpenAI-shaped 4xx), never a 500. The answers'
 bodies, SSE chunks and usage object are built in :mod:`engine.openai_format`; the error in
-:mod:`engine.openai_errors`; single fields are read by :mod:`engine.openai_params`. Engines own only the
-generation in between.
+:mod:`engine.openai_errors`; single fields are read by :mod:`engine.openai_params`, the sampling ones (and
+what is refused) by :mod:`engine.openai_sampling`. Engines own only the generation in between.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -25,16 +25,18 @@ from engine.openai_params import (
     PACKED_IDS_FIELD,
     bool_param,
     int_param,
-    number_param,
     stop_param,
     token_ids_param,
     unpack_token_ids,
 )
+from engine.openai_sampling import PLAIN, Capabilities, parse_sampling, reject_unsupported
+from engine.sequence import SamplingParams
 
 RequestKind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
 
 DEFAULT_MAX_TOKENS = 16
+DEFAULT_PARAMS = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
 
 SSE_CONTENT_TYPE = "text/event-stream"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -59,14 +61,10 @@ class GenerationRequest:
     response_id: str  # the OpenAI ``id``: cmpl-<hex> / chatcmpl-<hex>
     model: str
     prompt_token_ids: np.ndarray  # uint32
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    stop: tuple[str, ...] = ()
+    params: SamplingParams = DEFAULT_PARAMS  # of choice 0
+    n: int = 1  # choices
     stream: bool = False
     include_usage: bool = False
-    seed: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: disabled
     cache_salt: str = ""
     prefill_url: str | None = None  # disaggregated: pull the prompt's K/V from this prefill engine
     kv_pull: KvPull | None = None  # pull the K/V of a cached prefix from a peer engine
@@ -76,6 +74,41 @@ class GenerationRequest:
     @property
     def prompt_tokens(self) -> int:
         return int(self.prompt_token_ids.shape[0])
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.params.stop
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
+
+    @property
+    def temperature(self) -> float:
+        return self.params.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.params.top_p
+
+    @property
+    def top_k(self) -> int:
+        return self.params.top_k  # 0: disabled
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: a seeded request's choices draw with seed, seed + 1, ... (as vLLM),
+        so that they differ from each other and each is reproducible."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=self.params.seed + index)
 
 
 # Ids are a random per-process prefix plus a counter: unique across processes and restarts without a
@@ -105,8 +138,12 @@ def parse_request(
     tokenizer: Tokenizer,
     request_id: str | None = None,
     max_model_len: int | None = None,
+    capabilities: Capabilities = PLAIN,
+    vocab_size: int | None = None,
 ) -> GenerationRequest:
-    """Validate a request body; raises :class:`OpenAIError` for anything a client got wrong.
+    """Validate a request body; raises :class:`OpenAIError` for anything a client got wrong, or asked for
+    and the engine cannot do: ``capabilities`` says whether that includes n > 1 and logprobs. With
+    ``vocab_size`` token ids in logit_bias and stop_token_ids are checked against it.
 
     ``prompt_token_ids`` (a kvgate extension the gateway sends), or the same ids packed in
     ``prompt_token_ids_hex``, wins over ``prompt`` / ``messages``: the gateway already tokenized the prompt
@@ -128,7 +165,7 @@ def parse_request(
             f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
         )
 
-    _reject_unsupported(data, kind)
+    _reject_unsupported(data, kind, capabilities)
     if data.get(PACKED_IDS_FIELD) is not None:
         prompt_param = PACKED_IDS_FIELD
         ids = unpack_token_ids(data[PACKED_IDS_FIELD])
@@ -170,13 +207,22 @@ def parse_request(
         include_usage = bool_param(
             stream_options.get("include_usage"), "stream_options.include_usage", default=False
         )
+        if stream_options.get("continuous_usage_stats"):
+            raise OpenAIError(
+                "continuous_usage_stats is not supported", param="stream_options.continuous_usage_stats"
+            )
 
-    seed_raw = data.get("seed")
+    params, n = parse_sampling(
+        data,
+        kind,
+        capabilities,
+        max_tokens=max_tokens,
+        stop=stop_param(data.get("stop")),
+        vocab_size=vocab_size,
+    )
     cache_salt = data.get("cache_salt")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise OpenAIError("cache_salt must be a string", param="cache_salt")
-    top_k_raw = data.get("top_k")
-    top_k = 0 if top_k_raw is None else int_param(top_k_raw, "top_k", lo=-1)
     prefill_url, kv_pull = _kv_transfer_params(data.get("kv_transfer_params"))
     shared_raw = data.get("cache_shared_blocks")
     shared_blocks = 0 if shared_raw is None else int_param(shared_raw, "cache_shared_blocks", lo=0)
@@ -187,14 +233,10 @@ def parse_request(
         response_id=new_response_id(kind),
         model=served_model,
         prompt_token_ids=ids,
-        max_tokens=max_tokens,
-        stop=stop_param(data.get("stop")),
+        params=params,
+        n=n,
         stream=stream,
         include_usage=stream and include_usage,
-        seed=None if seed_raw is None else int_param(seed_raw, "seed"),
-        temperature=number_param(data.get("temperature"), "temperature", lo=0.0, hi=2.0, default=1.0),
-        top_p=number_param(data.get("top_p"), "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
-        top_k=max(top_k, 0),
         cache_salt=cache_salt or "",
         prefill_url=prefill_url,
         kv_pull=kv_pull,
@@ -237,20 +279,8 @@ def _url(params: dict[str, Any], key: str) -> str | None:
     return url.rstrip("/")
 
 
-def _reject_unsupported(data: dict[str, Any], kind: RequestKind) -> None:
-    n = data.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
-        raise OpenAIError("only n=1 is supported", param="n")
-    best_of = data.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise OpenAIError("only best_of=1 is supported", param="best_of")
-    if data.get("echo"):
-        raise OpenAIError("echo is not supported", param="echo")
-    # Silently returning no logprobs would be a wrong answer; refusing is honest.
-    if data.get("logprobs") not in (None, False):
-        raise OpenAIError("logprobs are not supported", param="logprobs")
-    if kind == "chat" and data.get("top_logprobs") is not None:
-        raise OpenAIError("logprobs are not supported", param="top_logprobs")
+def _reject_unsupported(data: dict[str, Any], kind: RequestKind, capabilities: Capabilities) -> None:
+    reject_unsupported(data, kind, capabilities)
     # Nor does this engine call tools: an answer that ignored them would be a different one.
     tools_field = tools_requested(data)
     if tools_field is not None:

@@ -13,6 +13,8 @@ from cache.tokens import uint32_array
 from engine.openai_errors import OpenAIError
 
 MAX_STOP_STRINGS = 4
+MAX_TOKEN_ID_ENTRIES = 1024  # logit_bias entries, stop_token_ids: bounds each request's work per step
+MAX_LOGIT_BIAS = 100.0
 
 # The prompt's ids packed by ``cache.tokens.pack_token_ids``: what kvgate's gateway sends engines that report
 # ``"token_ids_hex": true`` on /health. JSON numbers cost an engine about 25 ns per id to read (a 100k-token
@@ -92,3 +94,46 @@ def stop_param(value: Any) -> tuple[str, ...]:
         raise OpenAIError(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
     # An empty stop string would match before the first token; it cannot be what the client meant.
     return tuple(s for s in value if s)
+
+
+def logit_bias_param(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object mapping token ids (as strings) to a bias in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise OpenAIError("logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    if len(value) > MAX_TOKEN_ID_ENTRIES:
+        raise OpenAIError(f"logit_bias takes at most {MAX_TOKEN_ID_ENTRIES} entries", param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        # JSON object keys are strings; int() alone would also take " 7", "+7" and "7_0".
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise OpenAIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise OpenAIError(
+                f"logit_bias token id {token} is outside the model's vocabulary of {vocab_size}",
+                param="logit_bias",
+            )
+        if not isinstance(bias, int | float) or isinstance(bias, bool):
+            raise OpenAIError(f"logit_bias[{key}] must be a number", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise OpenAIError(f"logit_bias values must lie in [-100, 100], got {bias}", param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def token_id_list_param(value: Any, param: str, vocab_size: int | None) -> tuple[int, ...]:
+    """A short list of token ids (e.g. vLLM's ``stop_token_ids``), each within the vocabulary if known."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise OpenAIError(f"{param} must be an array of token ids", param=param)
+    if len(value) > MAX_TOKEN_ID_ENTRIES:
+        raise OpenAIError(f"{param} takes at most {MAX_TOKEN_ID_ENTRIES} token ids", param=param)
+    if vocab_size is not None and value and max(value) >= vocab_size:
+        raise OpenAIError(
+            f"{param} holds token id {max(value)}, outside the model's vocabulary of {vocab_size}",
+            param=param,
+        )
+    return tuple(value)

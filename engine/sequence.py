@@ -15,17 +15,34 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How one sequence picks its tokens (engine.sampler applies them, the whole batch at once)."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or negative: off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one; 0: off
     seed: int | None = None  # same seed, same output
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # generating one ends the answer ("stop"); its text is not output
+    ignore_eos: bool = False  # EOS is an ordinary token: generation runs to max_tokens
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be generated before this many tokens
+    # OpenAI's penalties, over the generated tokens: logit -= frequency x count + presence x (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' / vLLM's, over prompt and generated tokens: a positive logit is divided by it, a
+    # negative one multiplied.
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k likeliest tokens'
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)

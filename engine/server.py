@@ -19,14 +19,18 @@ from engine.async_engine import AsyncEngine, EngineDead
 from engine.engine_types import RequestRejected, StepOutput
 from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
+from engine.kv_send import write_frames
 from engine.kv_source_request import parse_kv_source_request
 from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
-from engine.kv_transfer import KvTransferError, frame
+from engine.kv_transfer import KvTransferError, StagedFrame
+from engine.kv_wire import head as kv_head
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
+from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response
-from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
+from engine.openai_format import models_body, sse_response
+from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -90,10 +94,11 @@ class EngineServer:
     async def _kv_source(
         self,
         request: web.Request,
-        open_frames: Callable[[str, list[int], CacheNamespace, int], AsyncGenerator[bytes, None]],
+        open_frames: Callable[[str, list[int], CacheNamespace, int], AsyncGenerator[StagedFrame, None]],
     ) -> web.StreamResponse:
         """Check a KV transfer request (the body ``KvImporter`` sends), then stream the frames
-        ``open_frames(request id, prompt token ids, namespace, from_position)`` yields."""
+        ``open_frames(request id, prompt token ids, namespace, from_position)`` yields, their payloads
+        written as they are (``engine.kv_send``)."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         try:
             req = parse_kv_source_request(
@@ -113,14 +118,11 @@ class EngineServer:
         response.content_type = KV_CONTENT_TYPE
         async with contextlib.aclosing(frames):  # the receiving engine hanging up aborts the prefill
             try:
-                await response.prepare(request)
-                await response.write(first)
-                async for chunk in frames:
-                    await response.write(chunk)
+                await write_frames(request, response, first, frames)
                 await response.write_eof()
             except EngineDead as exc:
                 with contextlib.suppress(ConnectionResetError):
-                    await response.write(b"".join(frame({"t": "error", "message": str(exc)})))
+                    await response.write(kv_head({"t": "error", "message": str(exc)}))
             except ConnectionResetError:
                 pass
         return response
@@ -178,25 +180,25 @@ class EngineServer:
                 tokenizer=self.llm.tokenizer,
                 request_id=request_id,
                 max_model_len=self.llm.max_model_len,
+                capabilities=FULL,
+                vocab_size=self.llm.model_config.vocab_size,
             )
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed,
-                stop=req.stop,
-            )
-            outputs = self.engine.generate(
-                f"{request_id}-{req.response_id}",
-                req.prompt_token_ids.tolist(),
-                params,
-                CacheNamespace(req.cache_salt, req.cache_shared_blocks),
-                prefill_url=req.prefill_url,
-                pull_url=req.kv_pull.url if req.kv_pull else None,
-                pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
-            )
-            first = await anext(outputs)  # errors before the first token still become an HTTP error
+            prompt = req.prompt_token_ids.tolist()
+            namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
+
+            def start(index: int, params: SamplingParams, transfer: bool) -> AsyncGenerator[StepOutput, None]:
+                return self.engine.generate(
+                    f"{request_id}-{req.response_id}" + (f"-{index}" if index else ""),
+                    prompt,
+                    params,
+                    namespace,
+                    prefill_url=req.prefill_url if transfer else None,
+                    pull_url=req.kv_pull.url if req.kv_pull and transfer else None,
+                    pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
+                )
+
+            outputs = Choices(req, start)
+            first = await outputs.first()  # errors before the first token still become an HTTP error
         except OpenAIError as exc:
             return exc.to_response(headers)
         except RequestRejected as exc:
@@ -218,37 +220,32 @@ class EngineServer:
         self,
         req: GenerationRequest,
         first: StepOutput,
-        rest: AsyncIterator[StepOutput],
+        rest: Choices,
         headers: dict[str, str],
     ) -> web.Response:
-        parts, last = [first.text], first
-        if not first.finished:
-            async for out in rest:
-                parts.append(out.text)
-                last = out
-        body = response_body(req, "".join(parts), _reason(last), _usage(last))
-        return json_response(body, headers=headers)
+        answer = WholeAnswer(req, self.llm.tokenizer)
+        answer.add(0, first)
+        async for index, out in rest:
+            answer.add(index, out)
+        return json_response(answer.body(), headers=headers)
 
     async def _stream(
         self,
         request: web.Request,
         req: GenerationRequest,
         first: StepOutput,
-        rest: AsyncIterator[StepOutput],
+        rest: Choices,
         headers: dict[str, str],
     ) -> web.StreamResponse:
         response = sse_response(headers)
-        fmt = SseFormatter(req)
+        answer = StreamAnswer(req, self.llm.tokenizer)
         await response.prepare(request)
         try:
-            await response.write(fmt.start() + (fmt.token(first.text) if first.text else b""))
-            last = first
-            if not first.finished:
-                async for out in rest:
-                    if out.text:
-                        await response.write(fmt.token(out.text))
-                    last = out
-            await response.write(fmt.finish(_reason(last), _usage(last)))
+            await response.write(answer.start() + answer.chunk(0, first))
+            async for index, out in rest:
+                if chunk := answer.chunk(index, out):
+                    await response.write(chunk)
+            await response.write(answer.end())
             await response.write_eof()
         except EngineDead as exc:
             error = _engine_failed(exc)
@@ -261,14 +258,6 @@ class EngineServer:
 
 def _engine_failed(exc: BaseException) -> OpenAIError:
     return OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
-
-
-def _reason(out: StepOutput) -> Any:
-    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
-
-
-def _usage(out: StepOutput) -> dict[str, Any]:
-    return usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
 
 
 ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)

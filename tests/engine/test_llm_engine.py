@@ -171,3 +171,12 @@ def test_cache_salts_keep_tenants_apart_but_share_the_public_prefix(tiny_model_d
         public_seed=seq.public_seed,
         shared_blocks=4,
     )
+
+
+def test_the_kv_cache_is_sized_by_the_options(tiny_model_dir: Path) -> None:
+    from engine.kv_cache_sizing import DEFAULT_KV_MEMORY_GIB
+
+    default = engine(tiny_model_dir, num_kv_blocks=None)  # on CPU: nothing to profile, the default size
+    half = engine(tiny_model_dir, num_kv_blocks=None, kv_memory_gib=DEFAULT_KV_MEMORY_GIB / 2)
+    assert default.blocks.num_blocks > 1 and half.blocks.num_blocks == default.blocks.num_blocks // 2
+    assert engine(tiny_model_dir, num_kv_blocks=7, kv_memory_gib=1.0).blocks.num_blocks == 7

@@ -8,34 +8,37 @@ import torch
 
 from cache.tokens import ByteTokenizer
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import make_generator, sample
-from engine.sequence import SamplingParams
+from engine.sampler import Sampler
+from engine.sequence import SamplingParams, Sequence
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, 2.8, -5.0]])
 
 
-def draws(params: SamplingParams, n: int = 400, seed: int = 0) -> Counter[int]:
-    g = make_generator(seed)
-    return Counter(sample(LOGITS, [params], [g])[0] for _ in range(n))
+def draws(params: SamplingParams, n: int = 400) -> list[int]:
+    """``n`` tokens drawn one step at a time by one sequence (the sampler consumes its logits: copies)."""
+    sampler = Sampler(LOGITS.shape[1])
+    seq = Sequence("r", [0], params, 0)
+    return [sampler.sample(LOGITS.clone(), [seq]).token_ids[0] for _ in range(n)]
 
 
 def test_greedy_and_top_k_one_take_the_argmax() -> None:
-    assert draws(SamplingParams(temperature=0.0)) == Counter({1: 400})
-    assert draws(SamplingParams(temperature=1.0, top_k=1)) == Counter({1: 400})
+    assert Counter(draws(SamplingParams(temperature=0.0))) == Counter({1: 400})
+    assert Counter(draws(SamplingParams(temperature=1.0, top_k=1))) == Counter({1: 400})
 
 
 def test_top_k_and_top_p_restrict_the_candidates() -> None:
     assert set(draws(SamplingParams(temperature=1.0, top_k=2))) == {1, 2}
     # Tokens 1, 2, 3 hold ~0.97 of the mass: top_p 0.5 keeps 1 and 2 (the first two reach 0.5).
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.5))) == {1, 2}
-    assert len(draws(SamplingParams(temperature=1.0))) >= 3
+    assert len(set(draws(SamplingParams(temperature=1.0)))) >= 3
+    # min_p 0.9: only tokens at least 0.9 as likely as token 1 (e^-0.1 = 0.905: token 2, not 3).
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.9))) == {1, 2}
 
 
 def test_the_same_seed_draws_the_same_tokens() -> None:
-    params = SamplingParams(temperature=1.5)
-    a = [sample(LOGITS, [params], [g])[0] for g in [make_generator(7)] for _ in range(50)]
-    b = [sample(LOGITS, [params], [g])[0] for g in [make_generator(7)] for _ in range(50)]
-    assert a == b
+    params = SamplingParams(temperature=1.5, seed=7)
+    assert draws(params, 50) == draws(params, 50)
+    assert draws(params, 50) != draws(SamplingParams(temperature=1.5, seed=8), 50)
 
 
 def feed(detok: IncrementalDetokenizer, text: str) -> str:
