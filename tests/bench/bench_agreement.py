@@ -184,6 +184,12 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
     }
 
 
+def max_over_mean(before: list[float], after: list[float]) -> float:
+    """The engines' largest share of what they did between two readings of a counter, over the mean."""
+    done = [a - b for a, b in zip(after, before, strict=True)]
+    return max(done) / (sum(done) / len(done)) if sum(done) else 0.0
+
+
 async def engine_requests(engines: list[EngineProcess]) -> list[float]:
     from trace_workload import engine_counts
 
@@ -208,8 +214,7 @@ async def live(args: argparse.Namespace, trace: list[TraceRequest], prof: Engine
                 raise RuntimeError("kvgate did not become ready")
             before = await engine_requests(engines)
             figures = await replay(router.port, trace)
-            counts = [a - b for a, b in zip(await engine_requests(engines), before, strict=True)]
-            figures["load_max_over_mean"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0
+            figures["load_max_over_mean"] = max_over_mean(before, await engine_requests(engines))
             figures["gateway_overhead_ms"] = await overhead_mean_ms(router.port)
             return figures
         finally:

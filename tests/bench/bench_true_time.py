@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agreement import LIVE_BLOCK, WORKLOADS, replay, start_engines, workload
+from bench_agreement import LIVE_BLOCK, WORKLOADS, max_over_mean, replay, start_engines, workload
 from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
 from trace_workload import engine_counts, scrape
 
@@ -62,11 +62,6 @@ CAPACITY_BLOCKS = 64_000  # 16-token blocks per engine: 2000 of the trace's 512-
 PULL_FRACTION = 0.24  # bench_routers.start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
 FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean", "busy_max_over_mean")
 BUSY = "kvgate_engine_busy_seconds_total"  # the engine's step time, prefill and decode
-
-
-def max_over_mean(before: list[float], after: list[float]) -> float:
-    done = [a - b for a, b in zip(after, before, strict=True)]
-    return max(done) / (sum(done) / len(done)) if sum(done) else 0.0
 
 
 async def engine_busy(engines: list[EngineProcess]) -> list[float]:
