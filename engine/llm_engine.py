@@ -108,7 +108,7 @@ class LLMEngine(KvTransferMixin):
                 self.dtype,
                 self.device,
             )
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(

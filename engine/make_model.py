@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from engine.model.config import ModelConfig
 from engine.model.llama import CausalLM
+from engine.parallel.layers import checkpoint_shapes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # The same ChatML as cache.tokens.render_chat, so transformers' apply_chat_template agrees with the gateway.
@@ -166,7 +167,7 @@ def random_weights(
     """normal(0, INIT_STD) for matrices, ones for norms; drawn in float32 in module order, then cast, so a
     seed gives the same weights in either dtype."""
     with torch.device("meta"):
-        shapes = [(name, p.shape) for name, p in CausalLM(config).named_parameters()]
+        shapes = list(checkpoint_shapes(CausalLM(config)).items())  # Hugging Face names, q/k/v apart
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     total = sum(math.prod(shape) for _, shape in shapes)

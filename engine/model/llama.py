@@ -1,8 +1,10 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
-Module names follow Hugging Face exactly (``model.layers.N.self_attn.q_proj`` ...), so a transformers state
-dict loads with ``strict=True``. A step is flattened: ``input_ids`` and ``positions`` are [T] for T tokens
-from any number of sequences; ``AttentionMetadata`` says which sequence each token belongs to.
+Module names follow Hugging Face, except that q/k/v and gate/up are merged (``self_attn.qkv_proj``,
+``mlp.gate_up_proj``): four GEMMs a layer instead of seven. The loader fills the merged weights from the
+checkpoint's separate tensors (``engine.parallel.layers.checkpoint_pieces``). A step is flattened:
+``input_ids`` and ``positions`` are [T] for T tokens from any number of sequences; ``AttentionMetadata``
+says which sequence each token belongs to.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from engine.kernels import ops
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
 from engine.parallel.distributed import RankPlacement, TensorParallel
-from engine.parallel.layers import attention_projections, column_linear, embedding, lm_head, row_linear
+from engine.parallel.layers import embedding, gate_up_projection, lm_head, qkv_projection, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -39,9 +41,10 @@ class Attention(nn.Module):
         hidden, d = config.hidden_size, config.head_dim
         self.head_dim = d
         self.scale = d**-0.5
-        self.q_proj, self.k_proj, self.v_proj = attention_projections(
+        self.qkv_proj = qkv_projection(
             hidden, config.num_attention_heads, config.num_key_value_heads, d, config.attention_bias, tp
         )  # with tp > 1, this rank's heads only
+        self.sizes = self.qkv_proj.sizes  # this rank's q, k and v widths
         self.o_proj = row_linear(config.num_attention_heads * d, hidden, config.o_proj_bias, tp)
         self.q_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -55,9 +58,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, -1, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, -1, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, -1, self.head_dim)
+        # Strided views of one [T, q + 2 kv] output: the kernels read rows at any stride
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, -1, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, -1, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, cos, sin)
@@ -70,12 +75,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = column_linear(hidden, inter, bias, tp)
-        self.up_proj = column_linear(hidden, inter, bias, tp)
+        self.gate_up_proj = gate_up_projection(hidden, inter, bias, tp)  # [gate; up], this rank's halves
         self.down_proj = row_linear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        down: torch.Tensor = self.down_proj(ops.silu_and_mul(gate, up))
         return down
 
 

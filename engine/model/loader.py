@@ -2,6 +2,8 @@
 
 Every tensor name and shape is checked against the model before any weight is read, so a wrong or
 incomplete checkpoint fails fast with a ``ModelLoadError`` that names what is wrong, not halfway through.
+The checkpoint stays in Hugging Face's layout: its q/k/v and gate/up tensors are read into slices of the
+model's merged layers (``checkpoint_pieces``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import CausalLM
 from engine.parallel.distributed import RankPlacement
-from engine.parallel.layers import Shard, read_shard, shard_map
+from engine.parallel.layers import Shard, checkpoint_pieces, checkpoint_shapes, read_shard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,20 +55,43 @@ def load_model(
         model = CausalLM(config, placement).to(dtype)
         whole = model if placement is None else CausalLM(config).to(dtype)
     # a tied lm_head.weight is listed once, as the embedding
-    check_names_and_shapes(directory, dict(whole.named_parameters()), stored, config)
+    check_names_and_shapes(directory, checkpoint_shapes(whole), stored, config)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each parameter new storage, which unties them
     params = dict(model.named_parameters())
-    shards = shard_map(model)
     # A last pipeline stage without the embedding reads its tied head from the embedding's tensor.
-    source = {name: _tied_source(name, config) for name in params}
+    sources = [(piece, _tied_source(piece.name, config)) for piece in checkpoint_pieces(model)]
     with torch.no_grad():
-        for path in sorted({stored[source[name]].path for name in params}):
-            names = [name for name in params if stored[source[name]].path == path]
+        for path in sorted({stored[name].path for _, name in sources}):
             with _open(path) as f:
-                for name in names:
-                    params[name].copy_(_read(f, path, source[name], shards.get(name)))
+                for piece, name in sources:
+                    if stored[name].path == path:
+                        param = params[piece.param]
+                        target = param if piece.rows is None else param[piece.rows]
+                        target.copy_(_read(f, path, name, piece.shard))
     return model.eval(), config
+
+
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An unsharded model's weights under the checkpoint's names (q/k/v and gate/up apart): views of its
+    parameters, a tied head once, as the embedding."""
+    params = dict(model.named_parameters())
+    out = {}
+    for piece in checkpoint_pieces(model):
+        param = params[piece.param].detach()
+        out[piece.name] = param if piece.rows is None else param[piece.rows]
+    return out
+
+
+def load_state_dict(model: CausalLM, state: Mapping[str, torch.Tensor]) -> None:
+    """Fill an unsharded ``model`` from a state dict in Hugging Face's layout (a transformers model's
+    ``state_dict()``): every tensor must be there with its shape, nothing else (as ``strict=True``)."""
+    stored = {name: StoredTensor(Path("<state dict>"), tuple(t.shape), "F32") for name, t in state.items()}
+    check_names_and_shapes(Path("<state dict>"), checkpoint_shapes(model), stored, model.config)
+    views = checkpoint_state(model)
+    with torch.no_grad():
+        for name, view in views.items():
+            view.copy_(state[name])
 
 
 def _tied_source(name: str, config: ModelConfig) -> str:
@@ -113,7 +138,10 @@ def index_checkpoint(paths: list[Path]) -> dict[str, StoredTensor]:
 
 
 def check_names_and_shapes(
-    directory: Path, params: Mapping[str, torch.Tensor], stored: dict[str, StoredTensor], config: ModelConfig
+    directory: Path,
+    params: Mapping[str, tuple[int, ...]],  # checkpoint name -> the shape the model expects
+    stored: dict[str, StoredTensor],
+    config: ModelConfig,
 ) -> None:
     ignored = {name for name in stored if name.endswith("rotary_emb.inv_freq")}  # old checkpoints' buffers
     if config.tie_word_embeddings:
@@ -129,12 +157,11 @@ def check_names_and_shapes(
             f"{directory}: {len(unexpected)} unexpected tensors in the checkpoint (not part of a "
             f"{config.architecture} with this config): {_some(unexpected)}"
         )
-    for name, param in params.items():
+    for name, shape in params.items():
         entry = stored[name]
-        if entry.shape != tuple(param.shape):
+        if entry.shape != shape:
             raise ModelLoadError(
-                f"{entry.path}: tensor {name} has shape {list(entry.shape)}, "
-                f"the config expects {list(param.shape)}"
+                f"{entry.path}: tensor {name} has shape {list(entry.shape)}, the config expects {list(shape)}"
             )
         if entry.dtype not in FLOAT_DTYPES:
             raise ModelLoadError(

@@ -7,10 +7,15 @@ is split in rows too: the embedding all-reduces (each token is found on one rank
 all-gathers its logits. Each layer says in ``shards`` which slice of the full checkpoint tensor it holds, so
 the loader reads only that slice. With ``tp.size == 1`` the factories return plain ``nn.Linear`` and
 ``nn.Embedding``: a single process is exactly the model it was.
+
+q/k/v and gate/up run as one GEMM each (``MergedColumnLinear``) while the checkpoint keeps Hugging Face's
+separate tensors: each merged layer lists its parts, and ``checkpoint_pieces`` maps every checkpoint tensor
+(or this rank's slice of it) to the rows of the merged parameter it fills, as vLLM's stacked-params mapping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +45,31 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(rows), in_features))
         self.bias = nn.Parameter(torch.empty(len(rows))) if bias else None
         self.shards = {"weight": Shard(0, rows.start, rows.stop), "bias": Shard(0, rows.start, rows.stop)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint layer inside a merged one: its name beside the merged layer (``q_proj``), the rows of
+    its full output (``size`` of them) that this rank holds."""
+
+    name: str
+    rows: range
+    size: int
+
+
+class MergedColumnLinear(nn.Module):
+    """Several column-parallel layers over the same input as one GEMM: the parts' rows stacked in order,
+    each part's own slice on a sharded rank (q, k and v each split by heads, gate and up each by halves)."""
+
+    def __init__(self, in_features: int, parts: Sequence[Part], bias: bool) -> None:
+        super().__init__()
+        self.parts = tuple(parts)
+        self.sizes = [len(p.rows) for p in self.parts]  # this rank's output width of each part
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -131,23 +161,27 @@ def lm_head(hidden: int, vocab_size: int, tp: TensorParallel | None) -> nn.Modul
     return ParallelLMHead(vocab_size, hidden, tp)
 
 
-def attention_projections(
+def qkv_projection(
     hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TensorParallel | None
-) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """q, k and v projections. Across ranks each holds ``num_heads / tp`` query heads and the KV heads they
-    read: ``num_kv_heads / tp`` of them, or one replicated head when there are fewer KV heads than ranks."""
-    if tp is None or not tp.enabled:
-        kv = num_kv_heads * head_dim
-        return (
-            nn.Linear(hidden, num_heads * head_dim, bias=bias),
-            nn.Linear(hidden, kv, bias=bias),
-            nn.Linear(hidden, kv, bias=bias),
-        )
-    kv_rows = kv_head_rows(num_kv_heads, head_dim, tp)
-    return (
-        ColumnParallelLinear(hidden, even_split(num_heads * head_dim, tp), bias),
-        ColumnParallelLinear(hidden, kv_rows, bias),
-        ColumnParallelLinear(hidden, kv_rows, bias),
+) -> MergedColumnLinear:
+    """q, k and v as one layer (``sizes`` gives this rank's q, k, v widths). Across ranks each holds
+    ``num_heads / tp`` query heads and the KV heads they read: ``num_kv_heads / tp`` of them, or one
+    replicated head when there are fewer KV heads than ranks."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    q_rows, kv_rows = range(q), range(kv)
+    if tp is not None and tp.enabled:
+        q_rows, kv_rows = even_split(q, tp), kv_head_rows(num_kv_heads, head_dim, tp)
+    parts = [Part("q_proj", q_rows, q), Part("k_proj", kv_rows, kv), Part("v_proj", kv_rows, kv)]
+    return MergedColumnLinear(hidden, parts, bias)
+
+
+def gate_up_projection(
+    hidden: int, intermediate: int, bias: bool, tp: TensorParallel | None
+) -> MergedColumnLinear:
+    """The MLP's gate and up as one layer: [gate; up], each split on its own across ranks."""
+    rows = even_split(intermediate, tp) if tp is not None and tp.enabled else range(intermediate)
+    return MergedColumnLinear(
+        hidden, [Part("gate_proj", rows, intermediate), Part("up_proj", rows, intermediate)], bias
     )
 
 
@@ -182,6 +216,55 @@ def shard_map(model: nn.Module) -> dict[str, Shard]:
         for local, shard in shards.items():
             if getattr(module, local, None) is not None:
                 out[f"{prefix}.{local}" if prefix else local] = shard
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A checkpoint tensor (``shard`` of it, or all of it when None) and where it goes: ``rows`` of model
+    parameter ``param`` (all of it when None)."""
+
+    name: str
+    shard: Shard | None
+    param: str
+    rows: slice | None = None
+
+
+def checkpoint_pieces(model: nn.Module) -> list[Piece]:
+    """What to read from the checkpoint to fill every parameter of ``model`` (a tied head once, as the
+    embedding), in module order, a merged layer's parts one after another as the checkpoint lists them."""
+    unique = {name for name, _ in model.named_parameters()}
+    shards = shard_map(model)
+    pieces: list[Piece] = []
+    for prefix, module in model.named_modules():
+        names = [
+            (local, f"{prefix}.{local}" if prefix else local)
+            for local, _ in module.named_parameters(recurse=False)
+        ]
+        names = [(local, full) for local, full in names if full in unique]
+        if not isinstance(module, MergedColumnLinear):
+            pieces.extend(Piece(full, shards.get(full), full) for _, full in names)
+            continue
+        parent = prefix.rpartition(".")[0]
+        start = 0
+        for part in module.parts:
+            whole = part.rows == range(part.size)
+            shard = None if whole else Shard(0, part.rows.start, part.rows.stop)
+            rows = slice(start, start + len(part.rows))
+            for local, full in names:
+                name = f"{parent}.{part.name}.{local}" if parent else f"{part.name}.{local}"
+                pieces.append(Piece(name, shard, full, rows))
+            start += len(part.rows)
+    return pieces
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for an unsharded ``model`` (on the meta device is enough)."""
+    params = dict(model.named_parameters())
+    out: dict[str, tuple[int, ...]] = {}
+    for piece in checkpoint_pieces(model):
+        param = params[piece.param]
+        out[piece.name] = tuple(param.shape if piece.rows is None else param[piece.rows].shape)
     return out
 
 

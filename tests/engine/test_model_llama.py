@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 from engine.attention import KVCache, SeqSlice, build_metadata
 from engine.model.config import ModelConfig
-from engine.model.llama import CausalLM
-from engine.model.loader import load_model
+from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.loader import checkpoint_state, load_model, load_state_dict
+from engine.parallel.layers import MergedColumnLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,7 +93,38 @@ def prompt(seed: int = 2, length: int = PROMPT) -> torch.Tensor:
 def test_transformers_state_dict_loads_strictly(checkpoint: tuple[Path, Any]) -> None:
     directory, hf = checkpoint
     model = CausalLM(ModelConfig.from_dir(directory))
-    model.load_state_dict(hf.state_dict(), strict=True)
+    load_state_dict(model, hf.state_dict())
+    theirs = hf.state_dict()
+    ours = checkpoint_state(model)
+    assert set(ours) == set(theirs) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_a_loaded_layer_runs_four_merged_gemms(checkpoint: tuple[Path, Any]) -> None:
+    """One qkv_proj and one gate_up_proj per layer, their rows q, k, v and gate, up as the checkpoint's."""
+    directory, hf = checkpoint
+    model, config = load_model(directory)
+    layer = cast(DecoderLayer, model.model.layers[1])
+    linears = sorted(
+        name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear | MergedColumnLinear)
+    )
+    assert linears == ["mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj"]
+    theirs = hf.model.layers[1]
+    attn, mlp = theirs.self_attn, theirs.mlp
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    if attn.q_proj.bias is not None:  # Qwen2's q/k/v biases merge too
+        bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        assert layer.self_attn.qkv_proj.bias is not None
+        assert torch.equal(layer.self_attn.qkv_proj.bias, bias)
+    else:
+        assert layer.self_attn.qkv_proj.bias is None
+    if config.qk_norm:  # Qwen3's per-head norms stay their own modules
+        assert layer.self_attn.q_norm is not None and layer.self_attn.k_norm is not None
+        assert torch.equal(layer.self_attn.q_norm.weight, attn.q_norm.weight)
+        assert torch.equal(layer.self_attn.k_norm.weight, attn.k_norm.weight)
 
 
 @torch.inference_mode()

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import CausalLM
-from engine.model.loader import load_model
+from engine.model.loader import checkpoint_state, load_model
+from engine.parallel.layers import checkpoint_shapes
 
 CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -33,7 +34,7 @@ def random_state(raw: dict[str, Any]) -> dict[str, torch.Tensor]:
     """What a checkpoint of ``raw`` holds: every parameter once, a tied lm_head left out."""
     torch.manual_seed(0)
     model = CausalLM(ModelConfig.from_hf(raw))
-    return {name: torch.randn(p.shape) for name, p in model.named_parameters()}
+    return {name: torch.randn(shape) for name, shape in checkpoint_shapes(model).items()}
 
 
 def write(directory: Path, state: dict[str, torch.Tensor], raw: dict[str, Any] | None = None) -> Path:
@@ -59,7 +60,7 @@ def write_sharded(directory: Path, state: dict[str, torch.Tensor]) -> Path:
 
 
 def assert_holds(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
+    params = checkpoint_state(model)  # q/k/v and gate/up read back out of the merged layers
     assert set(params) == set(state)
     for name, tensor in state.items():
         assert torch.equal(params[name].float(), tensor.float()), name

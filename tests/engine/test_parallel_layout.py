@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine.model.config import ModelConfig
+from engine.model.llama import DecoderLayer
 from engine.model.loader import load_model
 from engine.parallel.distributed import (
     ParallelConfig,
@@ -22,7 +24,7 @@ from engine.parallel.distributed import (
     placement_for,
     stage_layers,
 )
-from engine.parallel.layers import Shard, kv_head_rows, read_shard, shard_map
+from engine.parallel.layers import Shard, checkpoint_pieces, kv_head_rows, read_shard
 from engine.parallel.pipeline import MicroBatch, split_micro_batches
 from engine.scheduler import ScheduledSeq
 from engine.sequence import SamplingParams, Sequence
@@ -129,24 +131,51 @@ def test_reading_a_shard_pads_past_the_end_with_zeros(tmp_path: Path) -> None:
 
 
 def reassembled(model_dir: Path, parallel: ParallelConfig) -> dict[str, torch.Tensor]:
-    """Every rank's loaded parameters, their shards put back together. Ranks holding the same slice (a
-    replicated norm, a replicated KV head) must hold the same values."""
+    """Every rank's loaded parameters, their shards put back together under the checkpoint's names (a merged
+    qkv_proj or gate_up_proj split into its parts). Ranks holding the same slice (a replicated norm, a
+    replicated KV head) must hold the same values."""
     config = ModelConfig.from_dir(model_dir)
     pieces: dict[str, dict[int, torch.Tensor]] = {}
-    shards: dict[str, Shard] = {}
+    dims: dict[str, int] = {}
     for rank in range(parallel.world_size):
         model, _ = load_model(model_dir, placement=placement_for(config, parallel, rank))
-        sharded = shard_map(model)
-        shards.update(sharded)
-        for name, param in model.named_parameters():
-            start = sharded[name].start if name in sharded else 0
-            previous = pieces.setdefault(name, {}).setdefault(start, param.detach())
-            assert torch.equal(previous, param), f"{name}: ranks disagree on the same slice"
+        params = dict(model.named_parameters())
+        for piece in checkpoint_pieces(model):
+            param = params[piece.param].detach()
+            value = param if piece.rows is None else param[piece.rows]
+            start = piece.shard.start if piece.shard else 0
+            if piece.shard:
+                dims[piece.name] = piece.shard.dim
+            previous = pieces.setdefault(piece.name, {}).setdefault(start, value)
+            assert torch.equal(previous, value), f"{piece.name}: ranks disagree on the same slice"
     out = {}
     for name, by_start in pieces.items():
         parts = [by_start[s] for s in sorted(by_start)]
-        out[name] = torch.cat(parts, dim=shards[name].dim) if name in shards else parts[0]
+        out[name] = torch.cat(parts, dim=dims[name]) if name in dims else parts[0]
     return out
+
+
+def test_tp2_ranks_hold_their_heads_q_k_v_rows_and_their_halves_of_gate_and_up(tiny_model_dir: Path) -> None:
+    full = load_file(tiny_model_dir / "model.safetensors")
+    config = ModelConfig.from_dir(tiny_model_dir)
+    d, q_heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size
+    for rank in range(2):
+        model, _ = load_model(tiny_model_dir, placement=placement_for(config, ParallelConfig(2, 1), rank))
+        layer = cast(DecoderLayer, model.model.layers[1])
+        assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+        q = slice(rank * q_heads // 2 * d, (rank + 1) * q_heads // 2 * d)  # this rank's query heads
+        kv = slice(rank * kv_heads // 2 * d, (rank + 1) * kv_heads // 2 * d)  # and the KV heads they read
+        name = "model.layers.1.self_attn"
+        expected = torch.cat(
+            [full[f"{name}.{p}_proj.weight"][rows] for p, rows in (("q", q), ("k", kv), ("v", kv))]
+        )
+        assert torch.equal(layer.self_attn.qkv_proj.weight, expected)
+        assert layer.self_attn.qkv_proj.sizes == [q.stop - q.start, kv.stop - kv.start, kv.stop - kv.start]
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        name = "model.layers.1.mlp"
+        expected = torch.cat([full[f"{name}.gate_proj.weight"][half], full[f"{name}.up_proj.weight"][half]])
+        assert torch.equal(layer.mlp.gate_up_proj.weight, expected)
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (2, 2), (4, 1)])
