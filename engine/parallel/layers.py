@@ -15,6 +15,7 @@ separate tensors: each merged layer lists its parts, and ``checkpoint_pieces`` m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,15 @@ class MergedColumnLinear(nn.Module):
         self.sizes = [len(p.rows) for p in self.parts]  # this rank's output width of each part
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation (the parts share one fan-in, so one call covers them all): a model
+        built without a checkpoint, as tests and make_model do, must not compute on uninitialised memory."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.weight.shape[1]) if self.weight.shape[1] > 0 else 0.0
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -3,6 +3,7 @@ paths (chunked prefill, batched sequences) agreeing with one plain step."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -201,3 +202,19 @@ def test_bfloat16_runs_close_to_float32(checkpoint: tuple[Path, Any]) -> None:
     # against transformers in bf16 the ops are the same ones in the same order (identical on CPU today)
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
     torch.testing.assert_close(ours, hf_bf16(ids[None]).logits[0].float(), atol=0.02 * scale, rtol=0)
+
+
+def test_a_model_built_without_a_checkpoint_starts_from_nn_linears_initialisation() -> None:
+    """The merged projections are initialised as nn.Linear is: a model built in memory (tests, make_model)
+    computed on uninitialised memory when they were not (NaN logits, depending on what the allocator held)."""
+    config = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    max_position_embeddings=64, attention_bias=True)  # fmt: skip
+    layer = CausalLM(config).model.layers[0]
+    for merged in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        bound = 1 / math.sqrt(merged.weight.shape[1])
+        for tensor in (merged.weight, merged.bias):
+            if tensor is None:
+                continue
+            assert torch.isfinite(tensor).all() and tensor.abs().max() <= bound + 1e-6
+            assert tensor.std() > bound / 10  # drawn, not left at zeros
