@@ -7,10 +7,15 @@ per step, where each new token's K/V goes (``slot_mapping``) and which cache slo
 (``block_tables``; the torch path's padded ``dense`` layout is built from them on first use); every layer
 then stores and attends.
 
-``StepMetadata`` builds the same metadata from persistent state: a block table row per running sequence,
-kept on the device and written only where a sequence was admitted or gained blocks, and on CUDA every
-per-step array staged in pinned host memory and copied without blocking (``build_metadata`` rebuilds the
-whole table from Python lists each step; the pipeline-parallel path still uses it).
+``engine.step_metadata.StepMetadata`` builds the same metadata from persistent state (a block table row
+per running sequence, pinned staging on CUDA); ``build_metadata`` rebuilds it from Python lists each step
+(the pipeline-parallel path still uses it).
+
+A mixed step (decode rows, query length 1, beside prefill chunks) is split by ``MixedSplit``: the decode
+rows go through the decode kernel, which reads each KV head's K/V once for its whole query-head group and
+splits long contexts, where the prefill kernel would read it once per query head and never split; only
+the prefill rows go through the prefill kernel. Both paths' indices are built with the rest of the step's
+metadata, once, not per layer.
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ class DenseLayout:
 
 
 @dataclass(frozen=True)
+class MixedSplit:
+    """A step with both decode rows and prefill rows: what each kernel path needs for its own rows."""
+
+    decode_rows: torch.Tensor  # [Bd] long: flat row of each decode sequence's one token
+    decode_tables: torch.Tensor  # [Bd, max_blocks]: their block table rows
+    decode_seq_lens: torch.Tensor  # [Bd] int32: their context lengths, this token included
+    decode_max_context: int  # on the host: sizes the decode split without a device sync
+    prefill_seqs: torch.Tensor  # [Bp] long: the step's other sequences (indices into query_start ...)
+    prefill_max_query: int  # their longest chunk, on the host
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slices: tuple[SeqSlice, ...]
     device: torch.device
@@ -58,6 +75,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B]: context_lens on the device
     query_start: torch.Tensor  # [B + 1]: sequence b's rows are query_start[b]:query_start[b + 1]
     prefix_lens: torch.Tensor  # [B]: tokens of each sequence in the cache before this step
+    mixed: MixedSplit | None = None  # set when the step has decode rows and prefill rows
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +103,7 @@ def build_metadata(
     num_computed = np.fromiter((s.num_computed for s in slices), dtype=np.int64, count=count)
     num_blocks = np.fromiter((len(s.block_table) for s in slices), dtype=np.int64, count=count)
     ctx = num_computed + num_new
-    _check(num_new, ctx, num_blocks, block_size)
+    check_step(num_new, ctx, num_blocks, block_size)
     tables = np.zeros((count, int(num_blocks.max())), dtype=np.int32)
     for b, s in enumerate(slices):
         tables[b, : len(s.block_table)] = s.block_table
@@ -95,6 +113,18 @@ def build_metadata(
     pos = np.arange(starts[-1]) - starts[seq] + num_computed[seq]
     slots = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
     device = torch.device(device)
+    mixed = None
+    split = split_rows(num_new)
+    if split is not None:
+        dec, pre = split
+        mixed = MixedSplit(
+            decode_rows=torch.from_numpy(starts[dec]).to(device),
+            decode_tables=torch.from_numpy(tables[dec]).to(device),
+            decode_seq_lens=_int32(ctx[dec], device),
+            decode_max_context=int(ctx[dec].max()),
+            prefill_seqs=torch.from_numpy(pre).to(device),
+            prefill_max_query=int(num_new[pre].max()),
+        )
     return AttentionMetadata(
         slices=tuple(slices),
         device=device,
@@ -106,179 +136,24 @@ def build_metadata(
         seq_lens=_int32(ctx, device),
         query_start=_int32(starts, device),
         prefix_lens=_int32(num_computed, device),
+        mixed=mixed,
     )
 
 
-class StepMetadata:
-    """Builds each step's ``AttentionMetadata`` from a persistent block table: row ``r`` holds the blocks of
-    one sequence, written when it is admitted (its block list is a new list: first admission, or again
-    after preemption freed it) and extended when it grows. Rows of sequences that left are reused, least
-    recently used first, once no row is free; nothing has to be told about a finish. On CUDA the table
-    lives on the device and each step's arrays go through pinned buffers with non-blocking copies."""
-
-    def __init__(
-        self,
-        block_size: int,
-        device: torch.device | str = "cpu",
-        max_num_seqs: int = 64,
-        max_blocks: int = 16,
-    ) -> None:
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.staged = self.device.type == "cuda"
-        self.host = np.zeros((max(1, max_num_seqs), max(1, max_blocks)), dtype=np.int32)  # the table
-        self.table = self._device_table()  # on CPU the same memory as ``host``
-        self.rows: dict[int, tuple[object, list[int], int]] = {}  # id(owner) -> (owner, its block list, row)
-        self.free = list(range(self.host.shape[0] - 1, -1, -1))
-        self.written = np.zeros(self.host.shape[0], dtype=np.int64)  # blocks of each row written so far
-        self._done: torch.cuda.Event | None = None  # the last step's copies out of the pinned buffers
-        self._pinned: dict[str, torch.Tensor] = {}
-
-    def _device_table(self) -> torch.Tensor:
-        table = torch.from_numpy(self.host)
-        return table.to(self.device) if self.staged else table
-
-    def release(self, owner: object) -> None:
-        """Give up ``owner``'s row now (optional: a full table reuses the least recently used rows)."""
-        entry = self.rows.pop(id(owner), None)
-        if entry is not None:
-            self.free.append(entry[2])
-
-    def rows_for(self, seqs: Sequence[tuple[object, list[int]]]) -> np.ndarray:
-        """The row of each (owner, live block list), its row brought up to date; on CUDA the changed rows
-        are copied to the device table."""
-        if len(seqs) > self.host.shape[0]:
-            self._resize(len(seqs), self.host.shape[1])
-        widest = max(len(blocks) for _, blocks in seqs)
-        if widest > self.host.shape[1]:
-            self._resize(self.host.shape[0], max(widest, 2 * self.host.shape[1]))
-        rows = np.empty(len(seqs), dtype=np.int64)
-        dirty: list[int] = []
-        in_step = {id(owner) for owner, _ in seqs}
-        for i, (owner, blocks) in enumerate(seqs):
-            key = id(owner)
-            entry = self.rows.pop(key, None)  # popped and put back: the dict's order is recency
-            if entry is None or entry[1] is not blocks:
-                row = entry[2] if entry is not None else self._take(in_step)
-                old = int(self.written[row])
-                self.host[row, : len(blocks)] = blocks
-                self.host[row, len(blocks) : max(old, len(blocks))] = (
-                    0  # a reused row reads block 0 past its end
-                )
-                self.written[row] = len(blocks)
-                dirty.append(row)
-            else:
-                row = entry[2]
-                done = int(self.written[row])
-                if len(blocks) > done:  # grown since the last step: only the new blocks
-                    self.host[row, done : len(blocks)] = blocks[done:]
-                    self.written[row] = len(blocks)
-                    dirty.append(row)
-            self.rows[key] = (owner, blocks, row)  # holds the owner: its id is not reused meanwhile
-            rows[i] = row
-        if self.staged and dirty:
-            self._wait()
-            index = np.asarray(dirty, dtype=np.int64)
-            staged = self._stage("rows", self.host[index])
-            where = self._stage("row_ids", index).to(torch.long)
-            self.table.index_copy_(0, where, staged)
-        return rows
-
-    def _take(self, in_step: set[int]) -> int:
-        if self.free:
-            return self.free.pop()
-        for key, (_, _, row) in self.rows.items():  # oldest use first
-            if key not in in_step:
-                del self.rows[key]
-                return row
-        raise AssertionError("the table is sized for every sequence of the step")  # _resize saw to it
-
-    def _resize(self, num_rows: int, num_blocks: int) -> None:
-        self._wait()
-        host = np.zeros((max(num_rows, self.host.shape[0]), num_blocks), dtype=np.int32)
-        host[: self.host.shape[0], : self.host.shape[1]] = self.host
-        self.free.extend(range(host.shape[0] - 1, self.host.shape[0] - 1, -1))
-        written = np.zeros(host.shape[0], dtype=np.int64)
-        written[: self.written.shape[0]] = self.written
-        self.host, self.written = host, written
-        self.table = self._device_table()
-
-    def _wait(self) -> None:
-        """The pinned buffers are rewritten only once the copies out of them are done."""
-        if self._done is not None:
-            self._done.synchronize()
-            self._done = None
-
-    def _stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device: on CUDA through a reused pinned buffer, one non-blocking copy."""
-        if not self.staged:
-            return torch.from_numpy(values)
-        flat = values.reshape(-1)
-        dtype = torch.from_numpy(flat[:0]).dtype
-        buffer = self._pinned.get(name)
-        if buffer is None or buffer.numel() < flat.size or buffer.dtype != dtype:
-            buffer = torch.empty(max(flat.size, 1024), dtype=dtype, pin_memory=True)
-            self._pinned[name] = buffer
-        host = buffer[: flat.size]
-        host.numpy()[:] = flat
-        out = host.to(self.device, non_blocking=True).view(values.shape)
-        return out
-
-    def build(
-        self, seqs: Sequence[tuple[object, list[int], int, int]], token_ids: np.ndarray | None = None
-    ) -> tuple[AttentionMetadata, torch.Tensor | None, torch.Tensor]:
-        """Metadata for (owner, live block list, tokens cached, new tokens) per sequence; with ``token_ids``
-        [T] those on the device too. -> (metadata, token ids or None, positions [T] long)."""
-        if not seqs:
-            raise ValueError("a step needs at least one sequence")
-        count = len(seqs)
-        num_new = np.fromiter((s[3] for s in seqs), dtype=np.int64, count=count)
-        num_computed = np.fromiter((s[2] for s in seqs), dtype=np.int64, count=count)
-        num_blocks = np.fromiter((len(s[1]) for s in seqs), dtype=np.int64, count=count)
-        ctx = num_computed + num_new
-        _check(num_new, ctx, num_blocks, self.block_size)
-        self._wait()
-        rows = self.rows_for([(s[0], s[1]) for s in seqs])
-        starts = np.concatenate(([0], np.cumsum(num_new)))
-        seq = np.repeat(np.arange(count), num_new)
-        pos = np.arange(starts[-1]) - starts[seq] + num_computed[seq]
-        block = self.block_size
-        slots = self.host[rows[seq], pos // block].astype(np.int64) * block + pos % block
-        widest = int(num_blocks.max())
-        lens = np.concatenate((ctx, starts, num_computed)).astype(np.int32)  # one copy for the three
-        longs = np.concatenate((slots, pos, rows, token_ids if token_ids is not None else pos[:0]))
-        staged_longs, staged_lens = self._stage("longs", longs), self._stage("lens", lens)
-        if self.staged:
-            self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._done.record()
-        t = int(starts[-1])
-        row_index = staged_longs[2 * t : 2 * t + count]
-        if self.staged:
-            tables = self.table.index_select(0, row_index)[:, :widest]
-        else:
-            tables = torch.from_numpy(self.host[rows, :widest])
-        meta = AttentionMetadata(
-            slices=tuple(SeqSlice(s[1], s[2], s[3]) for s in seqs),
-            device=self.device,
-            block_size=block,
-            query_lens=tuple(num_new.tolist()),
-            context_lens=tuple(ctx.tolist()),
-            slot_mapping=staged_longs[:t],
-            block_tables=tables,
-            seq_lens=staged_lens[:count],
-            query_start=staged_lens[count : 2 * count + 1],
-            prefix_lens=staged_lens[2 * count + 1 :],
-        )
-        ids = staged_longs[2 * t + count :] if token_ids is not None else None
-        return meta, ids, staged_longs[t : 2 * t]
-
-
-def _check(num_new: np.ndarray, ctx: np.ndarray, num_blocks: np.ndarray, block_size: int) -> None:
+def check_step(num_new: np.ndarray, ctx: np.ndarray, num_blocks: np.ndarray, block_size: int) -> None:
     bad = np.flatnonzero((num_new < 1) | (num_blocks * block_size < ctx))
     if bad.size:
         b = int(bad[0])
         blocks = num_blocks[b]
         raise ValueError(f"sequence {b}: {num_new[b]} new tokens, {ctx[b]} in context, {blocks} blocks")
+
+
+def split_rows(num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(decode sequences, prefill sequences) of a mixed step, by index; None unless both kinds are there."""
+    one = num_new == 1
+    if one.all() or not one.any():
+        return None
+    return np.flatnonzero(one), np.flatnonzero(~one)
 
 
 def _int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -319,15 +194,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Store this step's K/V in the cache, then attend each query to its sequence's cached context."""
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if ops.use_triton(q):
-        if meta.is_decode:
-            longest = max(meta.context_lens)  # known on the host: no device sync to size the split
-            tables, lens, block = meta.block_tables, meta.seq_lens, meta.block_size
-            return ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, block, scale, longest)
-        return ops.paged_prefill_attention(
-            q, k, v, k_cache, v_cache, meta.block_tables, meta.query_start, meta.prefix_lens, meta.block_size,
-            scale, max(meta.query_lens),
-        )  # fmt: skip
+    if _use_kernels(q):
+        return kernel_attention(q, k, v, k_cache, v_cache, meta, scale)
     dense = meta.dense
     keys = k_cache[dense.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lk, D]
     values = v_cache[dense.key_slots].transpose(1, 2).to(q.dtype)
@@ -336,6 +204,40 @@ def paged_attention(
         queries, keys, values, attn_mask=dense.mask, scale=scale, enable_gqa=queries.shape[1] != keys.shape[1]
     )
     return out.transpose(1, 2)[dense.query_valid]  # [T, Hq, D], flat order
+
+
+def _use_kernels(q: torch.Tensor) -> bool:
+    """The kernel path (``kernel_attention``) where Triton runs; one padded SDPA call elsewhere."""
+    return ops.use_triton(q)
+
+
+def kernel_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]: this step's K/V, already stored in the cache
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention through ``ops``' paged kernels (Triton, or their torch references off CUDA): a decode step
+    through the decode kernel, a prefill step through the prefill kernel, a mixed step split between them."""
+    block = meta.block_size
+    if meta.is_decode:
+        longest = max(meta.context_lens)  # known on the host: no device sync to size the split
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, block, scale, longest
+        )
+    mixed = meta.mixed
+    args = (q, k, v, k_cache, v_cache, meta.block_tables, meta.query_start, meta.prefix_lens, block, scale)
+    if mixed is None:
+        return ops.paged_prefill_attention(*args, max(meta.query_lens))
+    out = ops.paged_prefill_attention(*args, mixed.prefill_max_query, mixed.prefill_seqs)  # its rows only
+    decoded = ops.paged_decode_attention(
+        q.index_select(0, mixed.decode_rows), k_cache, v_cache, mixed.decode_tables, mixed.decode_seq_lens,
+        block, scale, mixed.decode_max_context,
+    )  # fmt: skip
+    return out.index_copy_(0, mixed.decode_rows, decoded)
 
 
 class KVCache:

@@ -12,10 +12,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import KVCache, StepMetadata
+from engine.attention import KVCache
 from engine.kv_export import layer_sender, plan_exports
 from engine.model.llama import CausalLM
 from engine.scheduler import ScheduledSeq
+from engine.step_metadata import StepMetadata
 
 
 class ModelRunner:

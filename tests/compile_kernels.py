@@ -24,6 +24,7 @@ from engine.kernels.triton_support import LazyKernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "context_lens_ptr", "query_start_ptr", "prefix_lens_ptr", "slot_ptr"}
+LONG_POINTERS = {"seq_ids_ptr"}  # a mixed step's prefill sequences (engine.attention.MixedSplit: long)
 FLOAT_ARGS = {"eps", "qk_scale"}
 SHARED_MEMORY = 227 * 1024  # per block on an H100/H200 SM
 
@@ -42,6 +43,8 @@ def compile_for_hopper(
             signature[name] = "constexpr"
         elif name in INT_POINTERS:
             signature[name] = "*i32"
+        elif name in LONG_POINTERS:
+            signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = "*fp32" if name in fp32_pointers else f"*{dtype}"
         else:
@@ -88,17 +91,18 @@ def variants(
         block = (
             32 if head_dim > 128 or dtype == "fp32" else 64
         )  # as paged_prefill_attention_triton picks them
-        consts = {
-            "BLOCK_M": block,
-            "BLOCK_N": block,
-            "BLOCK_D": head_dim,
-            "DOT_FP32": dtype == "fp32",
-            "PRECISION": "ieee" if dtype == "fp32" else "tf32",
-        }
         options = {"num_warps": 4, "num_stages": 2}
-        out.append(
-            (f"prefill {dtype} d={head_dim}", attention_prefill._prefill_kernel, dtype, consts, (), options)
-        )
+        for some in (False, True):  # every sequence of the step, or a mixed step's prefill sequences only
+            consts = {
+                "BLOCK_M": block,
+                "BLOCK_N": block,
+                "BLOCK_D": head_dim,
+                "DOT_FP32": dtype == "fp32",
+                "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                "HAS_SEQ_IDS": some,
+            }
+            name = f"prefill {dtype} d={head_dim}{' seq_ids' if some else ''}"
+            out.append((name, attention_prefill._prefill_kernel, dtype, consts, (), options))
     return out
 
 

@@ -5,6 +5,9 @@ The step is flattened (``query_start`` [B + 1] gives each sequence's rows of q, 
 serves a batch of prompts, prefill chunks and single decode tokens alike. A program computes BLOCK_M query
 rows of one head in two passes of the same online softmax: the cached prefix (every key visible), then the
 new keys themselves (causal), read from k and v directly rather than from the cache.
+
+``seq_ids`` restricts a call to some of the step's sequences (a mixed step sends its decode rows to the
+decode kernel instead): their rows of the output are written, the other rows are left unwritten.
 """
 
 import math
@@ -27,13 +30,16 @@ def paged_prefill_attention_torch(
     prefix_lens: torch.Tensor,  # [B] int: tokens of each sequence already in the cache
     block_size: int,
     scale: float,
+    seq_ids: torch.Tensor | None = None,  # [Bp] int: only these sequences (their rows of the output)
 ) -> torch.Tensor:  # [T, Hq, D]
     """The reference: prefix keys gathered through the block table, then the new keys; float32 softmax."""
-    check_prefill(q, k, v, k_cache, v_cache, block_tables, query_start, prefix_lens)
+    check_prefill(q, k, v, k_cache, v_cache, block_tables, query_start, prefix_lens, seq_ids)
     group = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     starts = query_start.tolist()
-    for b, prefix in enumerate(prefix_lens.tolist()):
+    prefixes = prefix_lens.tolist()
+    for b in range(len(prefixes)) if seq_ids is None else seq_ids.tolist():
+        prefix = prefixes[b]
         rows = slice(starts[b], starts[b + 1])
         pos = torch.arange(prefix, device=q.device)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
@@ -58,6 +64,7 @@ def _prefill_kernel(
     block_tables_ptr,
     query_start_ptr,
     prefix_lens_ptr,
+    seq_ids_ptr,
     out_ptr,
     stride_qt,
     stride_qh,
@@ -79,9 +86,12 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
+    if HAS_SEQ_IDS:  # the grid covers only the listed sequences
+        b = tl.load(seq_ids_ptr + b)
     head = tl.program_id(2)
     kv_head = head // group
     row0 = tl.load(query_start_ptr + b)
@@ -172,17 +182,19 @@ def paged_prefill_attention_triton(
     block_size: int,
     scale: float,
     max_query_len: int | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same as ``paged_prefill_attention_torch``. ``max_query_len`` (known on the host) sizes the grid
-    without a device sync."""
-    check_prefill(q, k, v, k_cache, v_cache, block_tables, query_start, prefix_lens)
+    """Same as ``paged_prefill_attention_torch``. ``max_query_len`` (known on the host; over ``seq_ids``
+    when given) sizes the grid without a device sync."""
+    check_prefill(q, k, v, k_cache, v_cache, block_tables, query_start, prefix_lens, seq_ids)
     tokens, q_heads, dim = q.shape
     out = torch.empty_like(q)
-    batch = prefix_lens.shape[0]
+    batch = prefix_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if tokens == 0 or batch == 0:
         return out
     if max_query_len is None:
-        max_query_len = int((query_start[1:] - query_start[:-1]).max())
+        lens = query_start[1:] - query_start[:-1]
+        max_query_len = int((lens if seq_ids is None else lens[seq_ids.long()]).max())
     block_m = 64 if q.is_cuda else 16
     block_n = 64 if q.is_cuda else 16
     block_d = max(16, next_power_of_2(dim))
@@ -198,6 +210,7 @@ def paged_prefill_attention_triton(
         block_tables,
         query_start,
         prefix_lens,
+        query_start if seq_ids is None else seq_ids,  # unread without seq_ids
         out,
         q.stride(0),
         q.stride(1),
@@ -219,6 +232,7 @@ def paged_prefill_attention_triton(
         BLOCK_D=block_d,
         DOT_FP32=q.dtype == torch.float32 or interpreting(),  # the interpreter has no bf16 arithmetic
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SEQ_IDS=seq_ids is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -234,6 +248,7 @@ def check_prefill(
     block_tables: torch.Tensor,
     query_start: torch.Tensor,
     prefix_lens: torch.Tensor,
+    seq_ids: torch.Tensor | None = None,
 ) -> None:
     what = "paged prefill attention"
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
@@ -261,5 +276,9 @@ def check_prefill(
     if not {query_start.dtype, prefix_lens.dtype} <= {torch.int32, torch.int64}:
         raise KernelInputError(f"{what}: query_start and prefix_lens must be int32/int64")
     _check_tables(block_tables, batch, what)
+    if seq_ids is not None and (
+        seq_ids.dim() != 1 or seq_ids.dtype not in (torch.int32, torch.int64) or seq_ids.stride(0) != 1
+    ):
+        raise KernelInputError(f"{what}: seq_ids must be a contiguous [Bp] int32/int64 tensor")
     if any(t.stride(-1) != 1 for t in (q, k, v)) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise KernelInputError(f"{what}: q, k, v need a contiguous last dimension, the caches contiguity")

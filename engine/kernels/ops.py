@@ -90,10 +90,11 @@ def paged_prefill_attention(
     block_size: int,
     scale: float,
     max_query_len: int | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """New tokens q [T, Hq, D] over their cached prefix and themselves -> [T, Hq, D]; see
-    ``attention_prefill``."""
+    """New tokens q [T, Hq, D] over their cached prefix and themselves -> [T, Hq, D]; with ``seq_ids`` only
+    those sequences' rows are written. See ``attention_prefill``."""
     args = (q, k, v, k_cache, v_cache, block_tables, query_start, prefix_lens)
     if use_triton(q):
-        return paged_prefill_attention_triton(*args, block_size, scale, max_query_len)
-    return paged_prefill_attention_torch(*args, block_size, scale)
+        return paged_prefill_attention_triton(*args, block_size, scale, max_query_len, seq_ids)
+    return paged_prefill_attention_torch(*args, block_size, scale, seq_ids)

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import torch
 
-from engine.attention import SeqSlice, StepMetadata, build_metadata
+from engine.attention import SeqSlice, build_metadata
+from engine.step_metadata import StepMetadata
 
 
 def main() -> None:

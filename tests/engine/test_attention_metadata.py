@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqSlice, build_metadata
+from engine.attention import AttentionMetadata, SeqSlice, build_metadata
 
 BLOCK = 4
+
+
+def mixed_fields(meta: AttentionMetadata) -> tuple[object, ...] | None:
+    """A mixed step's split, as lists; None for a pure decode or pure prefill step."""
+    m = meta.mixed
+    if m is None:
+        return None
+    tensors = (m.decode_rows, m.decode_tables, m.decode_seq_lens, m.prefill_seqs)
+    return (*(t.tolist() for t in tensors), m.decode_max_context, m.prefill_max_query)
 
 
 def test_kernel_fields_agree_with_the_dense_layout() -> None:
@@ -26,6 +35,8 @@ def test_kernel_fields_agree_with_the_dense_layout() -> None:
     ]
     assert meta.slot_mapping.tolist() == expected
     assert meta.slot_mapping.tolist()[-1] == 8 * BLOCK  # position 12: first slot of the fourth block
+    # the decode row (sequence 2, row 11) goes to the decode kernel, the other two to the prefill kernel
+    assert mixed_fields(meta) == ([11], [[0, 3, 4, 8]], [13], [0, 1], 13, 9)
     assert build_metadata([SeqSlice([3], 2, 1), SeqSlice([1], 0, 1)], BLOCK).is_decode
 
 
@@ -51,16 +62,16 @@ def test_the_persistent_table_equals_the_rebuilt_one_through_admissions_growth_p
     reuse rows, and every step's metadata equal ``build_metadata`` over copies of the block lists."""
     import random
 
-    from engine.attention import StepMetadata
     from engine.block_manager import BlockManager
     from engine.sequence import SamplingParams, Sequence
+    from engine.step_metadata import StepMetadata
 
     rng = random.Random(0)
     blocks = BlockManager(64, BLOCK)
     persistent = StepMetadata(BLOCK, "cpu", max_num_seqs=3, max_blocks=2)
     waiting: list[Sequence] = []
     running: list[Sequence] = []
-    made = 0
+    made = mixed_steps = 0
     for step in range(300):
         if rng.random() < 0.3:
             made += 1
@@ -106,6 +117,8 @@ def test_the_persistent_table_equals_the_rebuilt_one_through_admissions_growth_p
         for field in ("slot_mapping", "seq_lens", "query_start", "prefix_lens"):
             assert getattr(meta, field).tolist() == getattr(rebuilt, field).tolist(), (step, field)
         assert (meta.query_lens, meta.context_lens) == (rebuilt.query_lens, rebuilt.context_lens)
+        assert mixed_fields(meta) == mixed_fields(rebuilt), step
+        mixed_steps += meta.mixed is not None
         expected = [c + i for _, _, c, n in items for i in range(n)]
         assert positions.tolist() == expected
         for seq, table, _, _ in items:  # each row: the sequence's blocks, then zeros (padding reads block 0)
@@ -114,13 +127,13 @@ def test_the_persistent_table_equals_the_rebuilt_one_through_admissions_growth_p
         for seq, *_ in items:
             seq.num_computed = seq.num_tokens
     assert persistent.host.shape[0] > 3 and persistent.host.shape[1] > 2  # it had to grow
-    assert made > 50
+    assert made > 50 and mixed_steps > 20
 
 
 def test_token_ids_come_with_the_metadata() -> None:
     import numpy as np
 
-    from engine.attention import StepMetadata
+    from engine.step_metadata import StepMetadata
 
     owner_a, owner_b = object(), object()
     meta, ids, positions = StepMetadata(BLOCK).build(
@@ -129,3 +142,10 @@ def test_token_ids_come_with_the_metadata() -> None:
     assert ids is not None and ids.tolist() == list(range(100, 111))
     assert positions.tolist() == [*range(9), 5, 6]
     assert meta.block_tables.tolist() == [[7, 2, 5], [1, 6, 0]]
+    # A mixed step: the split's arrays ride in the same staged copies as the ids
+    meta, ids, _ = StepMetadata(BLOCK).build(
+        [(owner_a, [7, 2, 5], 9, 1), (owner_b, [1, 6], 5, 2)], np.array([100, 101, 102], dtype=np.int64)
+    )
+    assert ids is not None and ids.tolist() == [100, 101, 102]
+    assert meta.prefix_lens.tolist() == [9, 5]
+    assert mixed_fields(meta) == ([0], [[7, 2, 5]], [10], [1], 10, 2)
