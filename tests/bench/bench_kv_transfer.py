@@ -40,12 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pd import pinned
 
 from engine.attention import KVCache
 from engine.engine_types import ImportTicket
@@ -73,16 +75,6 @@ for _ in range(rounds):
 
 def progress(message: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def pinned(cores: set[int]) -> Iterator[None]:
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def write_model(directory: Path, layers: int, kv_heads: int, head_dim: int) -> Path:
