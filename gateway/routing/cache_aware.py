@@ -37,6 +37,9 @@ class CacheAwarePolicy:
     def __init__(self, settings: RoutingSettings, *, kv_pull: bool = False) -> None:
         self.settings = settings
         self.pulls_kv = kv_pull
+        # The margins in seconds, derived once (the settings are frozen): estimate_ttft_s runs per candidate.
+        self._load_penalty_s = settings.load_penalty
+        self._tie_tolerance_s = settings.tie_tolerance
 
     def pulled_tokens(self, request: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens ``candidate`` would pull from its peer rather than compute (0: no pull)."""
@@ -58,7 +61,7 @@ class CacheAwarePolicy:
         return (
             candidate.rtt_s
             + candidate.queued_prefill_tokens * s.prefill_s_per_token
-            + candidate.load * s.load_penalty
+            + candidate.load * self._load_penalty_s
             + pulled * s.kv_pull_s_per_token
             + uncached * s.prefill_s_per_token
         )
@@ -86,7 +89,7 @@ class CacheAwarePolicy:
         scored = [(self.estimate_ttft_s(request, c), c) for c in usable]
         best = min(t for t, _ in scored)
         s = self.settings
-        tied = [c for t, c in scored if t <= best + max(s.tie_tolerance, s.tie_tolerance_frac * best)]
+        tied = [c for t, c in scored if t <= best + max(self._tie_tolerance_s, s.tie_tolerance_frac * best)]
         half = request.prompt_tokens / 2
         chosen = min(
             tied,
