@@ -3,6 +3,8 @@
 Decoding every token alone breaks multi-byte characters and merges; decoding the whole output every step
 costs O(n) per token. As in vLLM, each step decodes a short window that starts a few tokens back and emits
 only what is new. Text that could be the start of a stop string is held back until it is known not to be.
+As in vLLM, stop strings are looked for only once more than ``min_tokens`` tokens are out, and only where
+they end in new text.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from cache.tokens import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # window start
@@ -20,6 +22,7 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._min_tokens = min_tokens  # stop strings cannot end the text before more tokens than this are out
         self.stopped = False
 
     def add(self, token_id: int) -> None:
@@ -33,9 +36,12 @@ class IncrementalDetokenizer:
             return  # an incomplete UTF-8 sequence: wait for the rest of the character
         delta = window[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        start = max(0, len(self.text) - self._hold)  # a stop string may straddle the old text's end
+        old = len(self.text)
         self.text += delta
-        hits = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        if len(self._ids) <= self._min_tokens:
+            return
+        # A stop string may straddle the old text's end; one that ended before (under min_tokens) stays.
+        hits = [at for s in self.stop if (at := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

@@ -3,21 +3,82 @@
 ``KvImporter`` runs it on a worker thread: a frame's payload is read with ``recv_into`` into the staging
 buffer it is scattered from, where aiohttp's client would hand the body over as new bytes objects (the
 socket's copy, then its chunked parser's, then the caller's), and nothing of the transfer runs on the event
-loop. One request per connection (``Connection: close``): a transfer is megabytes, a connect is nothing
-beside it. ``abort`` (from any thread) makes a blocked read fail at once.
+loop. Connections are kept alive: one whose response was read to its end goes back to a pool (per peer)
+that the next transfer to that peer takes it from, so a stream of transfers opens one TCP connection (and
+one TLS handshake) instead of one each; a pooled connection the peer has closed meanwhile is dropped, or
+the request is sent again on a new one if it failed before any byte of the answer. ``abort`` (from any
+thread) makes a blocked read fail at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
+import threading
+import time
 from urllib.parse import urlsplit
 
 from engine.kv_wire import KvTransferError
 
 _SCRATCH = 64 << 10  # status line, headers, chunk lines, frame headers: read ahead into this
 _MAX_HEAD = 64 << 10  # the response's status line and headers at most
+_DRAIN_S = 1.0  # the most close() waits for the end of a body the caller read all frames of
+
+Peer = tuple[bool, str, int]  # (https, host, port)
+
+
+class ConnectionPool:
+    """Idle keep-alive connections, per peer: at most ``per_peer`` each, none older than ``idle_s``
+    (servers close idle connections themselves: aiohttp's after 75 s)."""
+
+    def __init__(self, per_peer: int = 4, idle_s: float = 30.0) -> None:
+        self.per_peer = per_peer
+        self.idle_s = idle_s
+        self._idle: dict[Peer, list[tuple[float, socket.socket]]] = {}
+        self._lock = threading.Lock()
+        self.opened = 0  # connections made (for tests and metrics)
+
+    def take(self, peer: Peer) -> socket.socket | None:
+        """The most recently used idle connection to ``peer`` that still looks open, or None."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(peer)
+                if not idle:
+                    return None
+                since, sock = idle.pop()
+            if time.monotonic() - since < self.idle_s and _looks_open(sock):
+                return sock
+            sock.close()
+
+    def give(self, peer: Peer, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(peer, [])
+            idle.append((time.monotonic(), sock))
+            dropped = idle[: -self.per_peer] if len(idle) > self.per_peer else []
+            del idle[: len(dropped)]
+        for _, old in dropped:
+            old.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for entries in idle.values():
+            for _, sock in entries:
+                sock.close()
+
+
+def _looks_open(sock: socket.socket) -> bool:
+    """An idle connection has nothing to read: readable means the peer closed it (or broke protocol)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+POOL = ConnectionPool()
 
 
 class HttpBodyReader:
@@ -29,6 +90,7 @@ class HttpBodyReader:
         content_type: str = "application/json",
         connect_timeout_s: float = 5.0,
         timeout_s: float = 60.0,
+        pool: ConnectionPool | None = POOL,  # None: a connection of its own, closed at the end
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -37,11 +99,14 @@ class HttpBodyReader:
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
+        self._pool = pool
+        self._peer: Peer = (self._https, self._host, self._port)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         host = parts.netloc.rpartition("@")[2]  # never credentials in the Host header
         self._request = (
             f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\nUser-Agent: kvgate-kv-import\r\n\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: {'close' if pool is None else 'keep-alive'}\r\n"
+            "User-Agent: kvgate-kv-import\r\n\r\n"
         ).encode("latin-1") + body
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
@@ -59,23 +124,21 @@ class HttpBodyReader:
     # -- the exchange -------------------------------------------------------------------------------------
 
     def open(self) -> int:
-        """Connect, send the request, read the status line and headers; returns the status."""
+        """Connect (or take a pooled connection), send the request, read the status line and headers;
+        returns the status."""
         if self._aborted:
             raise KvTransferError(f"the KV transfer from {self.url} was aborted")
-        sock = socket.create_connection((self._host, self._port), timeout=self._connect_timeout_s)
-        try:
-            if self._https:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
-            sock.settimeout(self._timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
-        if self._aborted:  # aborted while connecting
-            self.abort()
-        sock.sendall(self._request)
-        status_line = self._line()
+        reused = self._pool.take(self._peer) if self._pool is not None else None
+        if reused is not None:
+            try:
+                status_line = self._exchange(reused)
+            except (OSError, KvTransferError):
+                if self._aborted or self._hi:  # aborted, or the peer answered something: not a stale socket
+                    raise
+                self.close()  # the peer closed it while we sent: send again on a new connection
+                status_line = self._exchange(self._connect())
+        else:
+            status_line = self._exchange(self._connect())
         fields = status_line.split(b" ", 2)
         if len(fields) < 2 or not fields[0].startswith(b"HTTP/1.") or not fields[1].isdigit():
             raise KvTransferError(f"{self.url} answered {status_line[:80]!r}, not HTTP/1.x")
@@ -100,6 +163,28 @@ class HttpBodyReader:
             except ValueError:
                 raise KvTransferError(f"{self.url} answered a bad content-length") from None
         return self.status
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self._host, self._port), timeout=self._connect_timeout_s)
+        try:
+            if self._https:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            sock.close()
+            raise
+        if self._pool is not None:
+            self._pool.opened += 1
+        return sock
+
+    def _exchange(self, sock: socket.socket) -> bytes:
+        """Send the request on ``sock``; its answer's status line."""
+        sock.settimeout(self._timeout_s)
+        self._sock = sock
+        if self._aborted:  # aborted while connecting
+            self.abort()
+        sock.sendall(self._request)
+        return self._line()
 
     def readinto(self, buf: memoryview) -> None:
         """Fill ``buf`` with the next body bytes; KvTransferError if the body ends first."""
@@ -142,9 +227,32 @@ class HttpBodyReader:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
+        """Done with the exchange: the connection goes back to the pool if its answer was read to the end
+        (a chunked body's last frame read, its closing chunk is waited for a moment), else it is closed."""
+        sock = self._sock
+        if sock is None:
+            return
+        reusable = self._pool is not None and self._finished()
+        self._sock = None
+        if reusable and self._pool is not None:
+            sock.settimeout(self._timeout_s)
+            self._pool.give(self._peer, sock)
+        else:
             sock.close()
+
+    def _finished(self) -> bool:
+        if self._aborted or not self.status or "close" in self.headers.get("connection", "").lower():
+            return False
+        try:
+            if self._chunked and not self._ended and self._remaining == 0:
+                assert self._sock is not None
+                self._sock.settimeout(_DRAIN_S)
+                if self._next_chunk():
+                    return False  # the caller left part of the body unread
+        except (OSError, KvTransferError):
+            return False
+        done = self._ended if self._chunked else self._remaining == 0
+        return done and self._lo == self._hi  # nothing of a next answer read ahead
 
     # -- framing ------------------------------------------------------------------------------------------
 
@@ -160,6 +268,8 @@ class HttpBodyReader:
         except ValueError:
             raise KvTransferError(f"malformed chunk from {self.url}: {line[:40]!r}") from None
         if size == 0:
+            while self._line():  # trailer fields, then the blank line that ends the body
+                pass
             self._ended = True
             return False
         self._remaining = size

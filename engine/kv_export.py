@@ -6,7 +6,8 @@ the positions its own prefix cache already held). Staging is one gather into a h
 as it is; on a GPU it is queued on the streams and nothing here waits for the device (no ``.cpu()``,
 ``.item()``, ``.tolist()``). What may wait is the sink's window: a receiver slower than the engine holds the
 step back, frame by frame, rather than letting staged K/V pile up; a closed window (the receiver left)
-stops the sink's frames at once.
+stops the sink's frames at once. A receiver that takes nothing for the window's timeout (a few seconds)
+stalls the step no longer: its export is closed with an error frame and aborted after the step.
 
 Cached positions (a peer's KV pull, an export whose every position was cached) need no step: the engine
 holds their blocks (``PinnedRun``) and the writer stages them frame by frame at the receiver's pace, off
@@ -58,6 +59,7 @@ class ExportSink:
     frame_bytes: int = 4 << 20  # payload of one frame at most: a layer of a long prompt goes in several
     sent_positions: int = 0
     stopped: bool = False  # the window was closed: nothing more is staged
+    stalled: bool = False  # ...because the receiver stopped reading: the sink was closed with an error
 
     def stage(
         self, layer: int, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
@@ -72,6 +74,10 @@ class ExportSink:
             buffers=self.buffers, window=self.window, frame_bytes=self.frame_bytes,
         )  # fmt: skip
         self.stopped = not sent
+        if self.stopped and self.window is not None and self.window.stalled and not self.stalled:
+            self.stalled = True  # the engine aborts the export after this step
+            seconds = f"{self.window.timeout_s:g}"
+            self.close({"t": "error", "message": f"the receiving engine took no K/V for {seconds} s"})
 
 
 @dataclass(frozen=True)

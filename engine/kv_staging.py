@@ -47,24 +47,32 @@ class HostBuffers:
                 self._idle.remove(min(self._idle, key=lambda b: b.numel()))
 
 
+SEND_STALL_TIMEOUT_S = 5.0  # the longest a step waits for room in a window before giving the export up
+
+
 class SendWindow:
     """At most ``limit`` frames of one transfer in flight between the thread that stages them and the
     writer that sends them. ``take`` blocks the stager until the writer gives one back (backpressure), and
-    returns False once the transfer is closed (its receiver left), so nothing waits on a dead transfer."""
+    returns False once the transfer is closed (its receiver left), so nothing waits on a dead transfer. A
+    receiver that stops reading holds the sender's step for ``timeout_s`` at most (default
+    ``SEND_STALL_TIMEOUT_S``): then the window closes as ``stalled`` and ``take`` returns False."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, timeout_s: float | None = None) -> None:
         if limit < 1:
             raise ValueError("a send window holds at least one frame")
         self.limit = limit
+        self.timeout_s = SEND_STALL_TIMEOUT_S if timeout_s is None else timeout_s
         self._cond = threading.Condition()
         self.in_flight = 0
         self.peak = 0  # the most frames ever in flight at once
         self.closed = False
+        self.stalled = False  # closed because no frame was given back for ``timeout_s``
 
     def take(self) -> bool:
         with self._cond:
-            while self.in_flight >= self.limit and not self.closed:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: self.in_flight < self.limit or self.closed, self.timeout_s):
+                self.closed = self.stalled = True
+                self._cond.notify_all()
             if self.closed:
                 return False
             self.in_flight += 1

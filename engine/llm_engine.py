@@ -64,6 +64,7 @@ class EngineConfig:
     compressed_weights: bool = False  # BF16 weights held in the palette form, each layer expanded as it runs
     tensor_parallel_size: int = 1  # with either above 1, tp x pp worker processes run the model
     pipeline_parallel_size: int = 1
+    cuda_graphs: bool = True  # on CUDA, decode steps replay captured graphs (engine.cuda_graphs)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -75,8 +76,11 @@ class EngineConfig:
 
 
 class LLMEngine(KvTransferMixin):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        """With ``detokenize=False`` (an engine core apart from its API process, ``engine.core``) outputs
+        carry token ids without text and stop strings are not looked for: the API process does both."""
         self.config = config
+        self.detokenize = detokenize
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _DTYPES[config.dtype] if config.dtype else None
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
@@ -101,14 +105,22 @@ class LLMEngine(KvTransferMixin):
             num_blocks = self._num_kv_blocks(mc)
             self.kv_cache = KVCache(
                 mc.num_hidden_layers,
-                num_blocks,
+                num_blocks + 1,  # the last one is CUDA graphs' scratch block: the block manager never has it
                 config.block_size,
                 mc.num_key_value_heads,
                 mc.head_dim,
                 self.dtype,
                 self.device,
             )
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
+            self.runner = ModelRunner(
+                self.model,
+                self.kv_cache,
+                self.device,
+                config.max_num_seqs,
+                scratch_block=num_blocks,
+                max_model_len=config.max_model_len or mc.max_position_embeddings,
+                cuda_graphs=config.cuda_graphs and not config.compressed_weights,
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -142,6 +154,7 @@ class LLMEngine(KvTransferMixin):
             num_blocks=num_blocks,
             block_size=config.block_size,
             vocab_size=mc.vocab_size,
+            max_num_seqs=config.max_num_seqs,
         )
         return num_blocks
 
@@ -251,7 +264,8 @@ class LLMEngine(KvTransferMixin):
         # The last prompt token is always computed here: its step yields the first token's logits.
         seq.import_end = len(prompt) - 1 if pull_tokens is None else min(pull_tokens, len(prompt) - 1)
         self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if self.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self._sent_tokens[request_id] = 0
         self.scheduler.add(seq)
 
@@ -276,9 +290,8 @@ class LLMEngine(KvTransferMixin):
         prefill_tokens = sum(
             item.num_new for item in batch if item.seq.num_computed < item.seq.num_prompt_tokens
         )
-        logits = self.runner.run(batch)
         sampling = [item.seq for item in batch if item.samples]
-        sampled = self.sampler.sample(logits, sampling, self.eos_token_ids) if sampling else None
+        sampled = self.runner.execute(batch, self.sampler, self.eos_token_ids)
         # The step's time, split between the stages by the tokens each contributed to it.
         elapsed, total_tokens = time.perf_counter() - started, sum(item.num_new for item in batch)
         prefill_share = prefill_tokens / total_tokens if total_tokens else 0.0
@@ -288,7 +301,9 @@ class LLMEngine(KvTransferMixin):
             seq = item.seq
             seq.num_computed += item.num_new
             self.blocks.register_full_blocks(seq)
-            if seq.export is not None and seq.num_computed == seq.num_tokens:
+            if seq.export is not None and seq.export.stalled:  # its receiver stopped reading: give it up
+                self.abort(seq.request_id)
+            elif seq.export is not None and seq.num_computed == seq.num_tokens:
                 self._finish_export(seq)
         outputs = []
         if sampled is not None:
@@ -298,14 +313,15 @@ class LLMEngine(KvTransferMixin):
         return outputs
 
     def _after_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
-        detok = self._detok[seq.request_id]
+        detok = self._detok.get(seq.request_id)  # None without detokenize
         reason = None
         params = seq.params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         else:
-            detok.add(token)
-            if detok.stopped:
+            if detok is not None:
+                detok.add(token)
+            if detok is not None and detok.stopped:
                 reason = "stop"
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
@@ -314,7 +330,7 @@ class LLMEngine(KvTransferMixin):
         sent = self._sent_tokens[seq.request_id]
         output = StepOutput(
             request_id=seq.request_id,
-            text=detok.take(final=reason is not None),
+            text=detok.take(final=reason is not None) if detok is not None else "",
             token_ids=tuple(seq.output_token_ids[sent:]),
             finished=reason is not None,
             finish_reason=reason,

@@ -20,13 +20,14 @@ import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.engine_types import TokenLogprob
 from engine.sampling_ops import UNIFORMS_PER_ROW, Scratch, draw, top_logprobs
 from engine.sampling_penalties import PenaltyPool, add_bias, ban
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
 
@@ -34,6 +35,21 @@ MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit
 def make_rng(seed: int | None) -> random.Random:
     """A sequence's own generator: seeded, the same request draws the same uniforms."""
     return random.Random() if seed is None else random.Random(seed % 2**64)
+
+
+class SamplingSeq(Protocol):
+    """What the sampler reads of a sequence (``engine.sequence.Sequence``, or a worker's copy of it)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> list[int]: ...  # starts with the prompt (read once, for penalties)
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +80,7 @@ class Sampler:
         if state is not None and state.slot is not None and self._pool is not None:
             self._pool.release(state.slot)
 
-    def _state(self, seq: Sequence, device: torch.device) -> _SeqState:
+    def _state(self, seq: SamplingSeq, device: torch.device) -> _SeqState:
         state = self._states.get(seq.request_id)
         if state is None:
             state = self._states[seq.request_id] = _SeqState(make_rng(seq.params.seed))
@@ -76,7 +92,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Iterable[int] = ()
+        self, logits: torch.Tensor, seqs: Seq[SamplingSeq], eos_token_ids: Iterable[int] = ()
     ) -> SamplerOutput:
         """One token per row of ``logits`` [N, vocab] (float32, any device; changed in place) for the N
         sequences ``seqs``, in order. ``eos_token_ids``: what min_tokens holds off besides stop_token_ids."""
@@ -115,7 +131,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _process(
-        self, logits: torch.Tensor, seqs: Seq[Sequence], states: list[_SeqState], eos: tuple[int, ...]
+        self, logits: torch.Tensor, seqs: Seq[SamplingSeq], states: list[_SeqState], eos: tuple[int, ...]
     ) -> None:
         """logit_bias, then the min_tokens ban, then the penalties (vLLM's order), on the rows using them."""
         bias_rows: list[int] = []

@@ -1,5 +1,5 @@
 """The driver's side of a tp x pp engine: spawns one worker process per rank, sends each step to all of them,
-returns the logits of the last stage, and notices a rank that died.
+returns the tokens the last stage sampled, and notices a rank that died.
 
 The scheduler runs once, here, so block tables are the same on every rank. A watchdog thread waits on the
 workers' process sentinels: the moment one exits, ``failure`` is set and the other workers are stopped (they
@@ -17,6 +17,7 @@ import pickle
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
@@ -25,8 +26,9 @@ import torch
 
 from engine.model.errors import ModelLoadError
 from engine.parallel.distributed import ParallelConfig, ParallelConfigError
-from engine.parallel.pipeline import plan_step
+from engine.parallel.step_plan import StepPlanner
 from engine.parallel.workers import WorkerSpec, worker_main
+from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledSeq
 
 log = logging.getLogger("kvgate.engine.parallel")
@@ -42,7 +44,8 @@ class RankFailed(RuntimeError):
 
 
 class ParallelExecutor:
-    """Runs steps on ``tp * pp`` worker processes; the same ``run(batch) -> logits`` as ``ModelRunner``."""
+    """Runs steps on ``tp * pp`` worker processes; the same ``execute`` as ``ModelRunner``, but the last
+    stage samples (with a ``Sampler`` of its own): only token ids come back."""
 
     def __init__(
         self,
@@ -57,6 +60,7 @@ class ParallelExecutor:
         timeout_s: float = 120.0,
         startup_timeout_s: float = 600.0,
         min_micro_batch_tokens: int = 64,
+        max_num_seqs: int = 64,
     ) -> None:
         world = parallel.world_size
         if device.type == "cuda" and torch.cuda.device_count() < world:
@@ -74,8 +78,7 @@ class ParallelExecutor:
         self._closing = False
         self._output_rank = parallel.rank(parallel.pipeline_parallel_size - 1, 0)
         # One micro-batch per stage keeps every stage busy once the pipeline is full; 1 turns overlap off.
-        self.num_micro_batches = parallel.pipeline_parallel_size
-        self.min_micro_batch_tokens = min_micro_batch_tokens
+        self.planner = StepPlanner(parallel.pipeline_parallel_size, min_micro_batch_tokens)
         # Fork would copy the driver's threads and CUDA state; spawn would import torch again in every
         # worker (seconds of CPU each). A fork server imports it once and forks clean workers from itself.
         ctx = mp.get_context("forkserver")
@@ -100,6 +103,7 @@ class ParallelExecutor:
                 block_size=block_size,
                 timeout_s=timeout_s,
                 threads=threads,
+                max_num_seqs=max_num_seqs,
             )
             process = ctx.Process(
                 target=worker_main, args=(spec, theirs), name=f"kvgate-rank{rank}", daemon=True
@@ -118,12 +122,23 @@ class ParallelExecutor:
 
     # -- steps ------------------------------------------------------------------------------------------
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute every scheduled token on the ranks; float32 logits [N, vocab] of the N sampling entries,
-        in batch order. Raises RankFailed (and stops every worker) if any rank fails."""
+    @property
+    def min_micro_batch_tokens(self) -> int:
+        return self.planner.min_micro_batch_tokens
+
+    @min_micro_batch_tokens.setter
+    def min_micro_batch_tokens(self, value: int) -> None:
+        self.planner.min_micro_batch_tokens = value
+
+    def execute(
+        self, batch: list[ScheduledSeq], sampler: Sampler | None = None, eos_token_ids: Iterable[int] = ()
+    ) -> SamplerOutput | None:
+        """Compute every scheduled token on the ranks and sample the entries that sample, in batch order
+        (None when none does). ``sampler`` is the driver's and goes unused: the last stage keeps its own.
+        Raises RankFailed (and stops every worker) if any rank fails."""
         if self.failure is not None:
             raise self.failure
-        plan = plan_step(batch, self.num_micro_batches, self.min_micro_batch_tokens)
+        plan = self.planner.plan(batch, eos_token_ids)
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
@@ -132,11 +147,9 @@ class ParallelExecutor:
                 self._fail(f"rank {self._describe(rank)} cannot be reached: {exc}")
         replies = self._collect(self.timeout_s)
         self.steps += 1
-        self.micro_batches += len(plan)
-        logits = replies[self._output_rank]
-        if logits is None:
-            return torch.empty(0, self.vocab_size)
-        return torch.from_numpy(logits)
+        self.micro_batches += len(plan.micro_batches)
+        sampled: SamplerOutput | None = replies[self._output_rank]
+        return sampled if plan.sampling else None
 
     def _collect(self, timeout_s: float, *, starting: bool = False) -> dict[int, Any]:
         """Each rank's answer; raises as soon as one rank errs or dies, or when time runs out."""

@@ -1,7 +1,8 @@
 """The worker process of one rank: join the group, load this rank's shard, then run each step it is sent.
 
-The driver (``engine.parallel.executor``) talks to each worker over a pipe: it sends the pickled step plan,
-the worker answers ``("ok", logits or None)`` or ``("error", kind, message)``, after which it computes
+The driver (``engine.parallel.executor``) talks to each worker over a pipe: it sends the pickled step plan
+(``engine.parallel.step_plan.StepPlan``), the worker answers ``("ok", SamplerOutput or None)`` (the tokens
+the last stage's first tensor-parallel rank sampled) or ``("error", kind, message)``, after which it computes
 nothing more and waits to be stopped. A closed pipe (the driver is gone) or a ``None`` plan ends the worker.
 """
 
@@ -41,6 +42,7 @@ class WorkerSpec:
     block_size: int
     timeout_s: float
     threads: int
+    max_num_seqs: int = 64  # sizes the block table (it grows if a step needs more)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -77,7 +79,7 @@ def _start(spec: WorkerSpec) -> PipelineStage:
     kv_cache = KVCache(
         len(placement.layers), spec.num_blocks, spec.block_size, kv_heads, config.head_dim, dtype, device
     )
-    return PipelineStage(model, kv_cache, placement, spec.parallel, device)
+    return PipelineStage(model, kv_cache, placement, spec.parallel, device, spec.max_num_seqs)
 
 
 def _serve(stage: PipelineStage, conn: Connection) -> None:
@@ -92,12 +94,12 @@ def _serve(stage: PipelineStage, conn: Connection) -> None:
         if failed:
             continue  # the driver stops a failed engine; exiting first would only blur which rank failed
         try:
-            logits = stage.run(plan)
+            sampled = stage.run(plan)
         except Exception as exc:  # a peer died mid-collective, or the step itself failed
             _send(conn, ("error", type(exc).__name__, f"{exc}"))
             failed = True
             continue
-        _send(conn, ("ok", None if logits is None else logits.numpy()))
+        _send(conn, ("ok", sampled))
 
 
 def _send(conn: Connection, message: tuple[object, ...]) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from engine import kv_import, model_runner
+from engine import kv_import, kv_staging, model_runner
 from engine.async_engine import AsyncEngine
 from engine.attention import KVCache
 from engine.kv_export import ExportSink, layer_sender
@@ -344,3 +344,32 @@ async def test_a_request_that_leaves_mid_pull_frees_its_blocks_once_the_worker_s
     finally:
         await runner.cleanup()
         await target.runner.cleanup()
+
+
+async def test_a_receiver_that_stops_reading_holds_the_step_no_longer_than_the_window_timeout(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_staging, "SEND_STALL_TIMEOUT_S", 0.2)
+    llm = engine(tiny_model_dir)
+    async_engine = await started(llm, window=2)
+    try:
+        frames = async_engine.export("stalled", prompt(30, offset=5), CacheNamespace(), 0)
+        held = [await anext(frames), await anext(frames)]  # the receiver takes two frames, then stops
+        window = next(iter(async_engine._windows))
+        last = await asyncio.wait_for(anext(frames), 5.0)  # the step gave up on it after 0.2 s
+        assert parse_header(last.head[LENGTH_BYTES:]) == {
+            "t": "error",
+            "message": "the receiving engine took no K/V for 0.2 s",
+        }
+        with pytest.raises(StopAsyncIteration):
+            await anext(frames)
+        assert window.stalled
+        for f in held:
+            f.release()
+        await until(lambda: not llm.scheduler.has_work())  # aborted: its blocks went back
+        assert all(b.ref_count == 0 for b in llm.blocks.blocks)
+        assert llm.kv_buffers.outstanding == 0
+        outputs = [o async for o in async_engine.generate("after", prompt(9), SamplingParams(max_tokens=3))]
+        assert outputs[-1].finished  # the engine serves on
+    finally:
+        await async_engine.stop()

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from engine.async_engine import EngineDead
 from engine.cli import main as engine_main
+from engine.engine_types import TokenLogprob
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.errors import ModelLoadError
 from engine.model_runner import ModelRunner
@@ -105,6 +106,54 @@ def test_parallel_greedy_tokens_are_exactly_one_process_tokens(
         assert runner.micro_batches == runner.steps
 
 
+# Seeded draws under every sampling option the last stage must apply as the driver's sampler did.
+SAMPLED = [
+    SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, logprobs=2),
+    SamplingParams(max_tokens=8, top_k=20, seed=3, repetition_penalty=1.3, frequency_penalty=0.5),
+    SamplingParams(max_tokens=8, seed=11, min_tokens=5, logit_bias=((5, 3.0),), presence_penalty=0.4),
+    SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, min_p=0.05),
+]
+Sampled = list[tuple[list[int], list[TokenLogprob]]]
+
+
+def run_sampled(engine: LLMEngine, tag: str) -> Sampled:
+    batch = prompts(engine.model_config.vocab_size)[: len(SAMPLED)]
+    ids = [f"{tag}-{i}" for i in range(len(batch))]
+    for request_id, prompt, params in zip(ids, batch, SAMPLED, strict=True):
+        engine.add_request(request_id, prompt, params)
+    out: dict[str, tuple[list[int], list[TokenLogprob]]] = {i: ([], []) for i in ids}
+    while engine.has_work():
+        for step in engine.step():
+            out[step.request_id][0].extend(step.token_ids)
+            out[step.request_id][1].extend(step.logprobs)
+    return [out[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(tiny_model_dir: Path) -> Sampled:
+    return run_sampled(LLMEngine(config(tiny_model_dir)), "sampled")
+
+
+def test_the_last_stage_samples_seeded_tokens_exactly_as_one_process(
+    parallel_engine: LLMEngine, sampled_reference: Sampled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_logits_here(*args: object) -> None:
+        raise AssertionError("the driver sampled: logits came back from the ranks")
+
+    monkeypatch.setattr(parallel_engine.sampler, "sample", no_logits_here)
+    got = run_sampled(parallel_engine, "sampled")
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in sampled_reference]
+    for (_, logprobs), (_, expected) in zip(got, sampled_reference, strict=True):
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in logprobs] == [
+            (lp.token_id, [t for t, _ in lp.top]) for lp in expected
+        ]
+        flat = [v for lp in logprobs for v in (lp.logprob, *(v for _, v in lp.top))]
+        assert flat == pytest.approx(
+            [v for lp in expected for v in (lp.logprob, *(v for _, v in lp.top))], abs=1e-4
+        )
+    assert [bool(lps) for _, lps in got] == [p.logprobs is not None for p in SAMPLED]
+
+
 def test_an_unsplittable_layout_is_refused_with_a_clear_message(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,10 +185,10 @@ def test_a_step_that_fails_on_the_ranks_fails_the_engine_with_their_error(tiny_m
         bad = Sequence("bad", [1, 2, 3], GREEDY, 0, block_table=[10_000])  # a block no cache has
         failed = r"rank [01] \(pipeline stage 0, tensor-parallel rank [01]\) failed: IndexError"
         with pytest.raises(RankFailed, match=failed):
-            runner.run([ScheduledSeq(bad, 3, True)])
+            runner.execute([ScheduledSeq(bad, 3, True)])
         assert engine.failure is not None
         with pytest.raises(RankFailed):  # every later step too, without reaching the ranks
-            runner.run([ScheduledSeq(bad, 3, True)])
+            runner.execute([ScheduledSeq(bad, 3, True)])
         for process in runner.processes:
             process.join(5.0)
         assert not any(p.is_alive() for p in runner.processes)

@@ -25,7 +25,7 @@ from engine.parallel.distributed import (
     stage_layers,
 )
 from engine.parallel.layers import Shard, checkpoint_pieces, kv_head_rows, read_shard
-from engine.parallel.pipeline import MicroBatch, split_micro_batches
+from engine.parallel.step_plan import MicroBatch, split_micro_batches
 from engine.scheduler import ScheduledSeq
 from engine.sequence import SamplingParams, Sequence
 
@@ -115,9 +115,9 @@ def test_a_micro_batch_flattens_its_sequences_in_order() -> None:
     items = scheduled(3, 2)
     items[1] = ScheduledSeq(items[1].seq, 2, False)  # a prefill chunk that does not sample
     mb = MicroBatch.of(items)
-    assert mb.token_ids == [0, 1, 2, 0, 1] and mb.positions == [0, 1, 2, 0, 1]
+    assert mb.token_ids == [0, 1, 2, 0, 1]
     assert mb.sample_rows == [2]
-    assert [(s.block_table, s.num_computed, s.num_new) for s in mb.slices] == [([0], 0, 3), ([1], 0, 2)]
+    assert mb.seqs == [(items[0].seq.request_id, 0, 3), (items[1].seq.request_id, 0, 2)]
 
 
 def test_reading_a_shard_pads_past_the_end_with_zeros(tmp_path: Path) -> None:

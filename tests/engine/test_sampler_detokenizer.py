@@ -74,3 +74,12 @@ def test_an_unfinished_character_at_the_end_still_goes_out() -> None:
     detok.add("é".encode()[0])  # the first byte of a two-byte character, and then the answer ends
     assert detok.take() == "a"
     assert detok.take(final=True) == "\ufffd"
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    # As vLLM: no stop string ends the text before more than min_tokens tokens are out, and one that ended
+    # before stays (only text that ends in new tokens is looked at).
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=("ab",), min_tokens=4)
+    assert feed(detok, "abcab tail") == "abc" and detok.stopped
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=("ab",), min_tokens=2)
+    assert feed(detok, "xab tail") == "x" and detok.stopped  # "ab" ends at the third token: found
