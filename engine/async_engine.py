@@ -83,9 +83,13 @@ class AsyncEngine:
         on_kv_events: Callable[[list[KvEvent]], Any] | None = None,
         kv_fetcher: KvFetcher | None = None,
         kv_send_window: int = 8,
+        on_step: Callable[[], Any] | None = None,
     ) -> None:
+        """``on_step`` is called on the loop once per step, after that step's outputs are queued (an engine
+        core gathers them into one message with it: ``engine.core``)."""
         self.engine = engine
         self._on_kv_events = on_kv_events
+        self._on_step = on_step
         self._kv_fetcher = kv_fetcher
         self.kv_send_window = kv_send_window  # staged K/V frames of one export in flight at most
         self._commands: deque[tuple[Any, ...]] = deque()
@@ -350,6 +354,8 @@ class AsyncEngine:
                 continue
             fetch = self._pull if ticket.pull else self._import
             self._imports[ticket.request_id] = asyncio.create_task(fetch(ticket, *source))
+        if self._on_step is not None:
+            self._on_step()
 
     async def _import(self, ticket: ImportTicket, prefill_url: str, namespace: CacheNamespace) -> None:
         assert self._kv_fetcher is not None

@@ -260,6 +260,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="its part in disaggregated serving, as the gateway sees it (default: both)",
     )
+    parser.add_argument(
+        "--engine-core",
+        choices=("process", "thread"),
+        default="process",
+        help="where the scheduler and the model run: an engine core process apart from the HTTP server "
+        "(which tokenizes, detokenizes and streams meanwhile), or a thread of it (default: %(default)s)",
+    )
     add_tls_arguments(parser)
 
 
@@ -287,8 +294,6 @@ def run_engine(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvgate engine: {problem}", file=sys.stderr)
         return 2
-    import torch
-
     from cache.tokens import TokenizerError
     from engine.llm_engine import EngineConfig
     from engine.model.errors import ModelLoadError
@@ -297,8 +302,6 @@ def run_engine(args: argparse.Namespace) -> int:
     from engine.server import ServerConfig, serve
 
     ssl_context = tls_context(args)  # before the model loads: a bad certificate fails at once
-    if args.threads:
-        torch.set_num_threads(args.threads)
     engine_config = EngineConfig(
         model_dir=args.model,
         served_model_name=args.served_model_name,
@@ -319,7 +322,13 @@ def run_engine(args: argparse.Namespace) -> int:
         engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role
     )
     try:
-        return serve(engine_config, server_config, ssl_context=ssl_context)
+        return serve(
+            engine_config,
+            server_config,
+            ssl_context=ssl_context,
+            engine_core=args.engine_core,
+            threads=args.threads,
+        )
     except ModelLoadError as exc:
         print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urljoin
 
 import numpy as np
 import orjson
@@ -34,6 +35,8 @@ from engine.kv_staging import HostBuffers, side_stream
 from engine.kv_transfer import DTYPES, KvTransferError, position_slots, slots_on
 from engine.kv_wire import LENGTH_BYTES, header_length, parse_header, payload_bytes
 from engine.sequence import CacheNamespace
+
+MAX_REDIRECTS = 3
 
 
 class KvImporter:
@@ -88,7 +91,7 @@ class KvImporter:
             cache_salt=namespace.salt,
             cache_shared_blocks=namespace.shared_blocks,
         )
-        transfer = _Transfer(self, HttpBodyReader(url, orjson.dumps(body), timeout_s=timeout_s), ticket)
+        transfer = _Transfer(self, url, orjson.dumps(body), timeout_s, ticket)
         running = asyncio.get_running_loop().run_in_executor(self._workers, transfer.run)
         try:
             async with asyncio.timeout(timeout_s):
@@ -97,7 +100,7 @@ class KvImporter:
             raise KvTransferError(f"KV transfer from {url} took over {timeout_s:g} s") from None
         finally:
             if not running.done():  # timed out or cancelled: stop the worker, and wait until it has
-                transfer.conn.abort()
+                transfer.abort()
                 await _settled(running)
             self.bytes_received += transfer.bytes
 
@@ -117,22 +120,42 @@ async def _settled(running: asyncio.Future[Any]) -> None:
 
 
 class _Transfer:
-    """One fetch, on its worker thread: the HTTP exchange, then frames into the ticket's blocks."""
+    """One fetch, on its worker thread: the HTTP exchange (following a 307/308 redirect with the same body:
+    an engine whose cache is in an engine core process sends there), then frames into the ticket's blocks."""
 
-    def __init__(self, importer: KvImporter, conn: HttpBodyReader, ticket: ImportTicket) -> None:
+    def __init__(
+        self, importer: KvImporter, url: str, body: bytes, timeout_s: float, ticket: ImportTicket
+    ) -> None:
         self.importer = importer
-        self.conn = conn
+        self.body, self.timeout_s = body, timeout_s
+        self.conn = HttpBodyReader(url, body, timeout_s=timeout_s)
+        self.aborted = False
         self.ticket = ticket
         self.bytes = 0
         cache = importer.kv_cache
         self.device = cache.k[0].device
         self.stream = side_stream(self.device) if self.device.type == "cuda" else None
 
+    def abort(self) -> None:
+        """Make the worker's exchange fail now (from any thread), a redirected one too."""
+        self.aborted = True
+        self.conn.abort()
+
     def run(self) -> dict[str, int]:
         url = self.conn.url
         try:
             with torch.inference_mode():
                 status = self.conn.open()
+                for _ in range(MAX_REDIRECTS):
+                    location = self.conn.headers.get("location")
+                    if status not in (307, 308) or not location:
+                        break
+                    self.conn.close()
+                    url = urljoin(url, location)
+                    self.conn = HttpBodyReader(url, self.body, timeout_s=self.timeout_s)
+                    if self.aborted:
+                        self.conn.abort()
+                    status = self.conn.open()
                 if status != 200:
                     raise KvTransferError(f"{url} answered {status}: {self.conn.read_text(4096)[:300]}")
                 return self._receive()

@@ -1,4 +1,10 @@
-"""kvgate's engine over HTTP: the OpenAI API and KV events of the simulator, served by a real model."""
+"""kvgate's engine over HTTP: the OpenAI API and KV events of the simulator, served by a real model.
+
+Two ways to run the engine behind it: on a thread of this process (``AsyncEngine``: what
+``EngineServer(LLMEngine, ...)`` does), or in an engine core process of its own (``engine.core``: give it an
+``EngineCoreClient``), so that HTTP, tokenizing and detokenizing here overlap the model's steps there. The
+core then serves the KV source routes itself, where the K/V cache is: these answer with a redirect to it.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,21 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.core.client import EngineCoreClient
+from engine.core.messages import EngineInfo
 from engine.engine_types import RequestRejected, StepOutput
 from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
-from engine.kv_send import write_frames
-from engine.kv_source_request import parse_kv_source_request
-from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
-from engine.kv_transfer import KvTransferError, StagedFrame
-from engine.kv_wire import head as kv_head
+from engine.kv_serve import MAX_BODY_BYTES, REQUEST_ID_HEADER, OpenFrames, engine_failed, serve_kv_source
+from engine.kv_transfer import KvTransferError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
@@ -33,12 +38,13 @@ from engine.openai_format import models_body, sse_response
 from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
 
-REQUEST_ID_HEADER = "x-request-id"
 # remote: the prompt's K/V came from a prefill engine; pull: a pull from a peer's cache was asked for; local
 TRANSFER_HEADER = "x-kvgate-kv-transfer"
 TRANSFERRED_HEADER = "x-kvgate-kv-transferred-tokens"  # positions whose K/V arrived (0 after a failed pull)
 ROLES = ("prefill", "decode", "both")
-MAX_BODY_BYTES = 64 * 2**20  # the token ids of a long prompt outgrow aiohttp's 1 MiB default
+ENGINE_CORE_MODES = ("process", "thread")
+EngineCoreMode = Literal["process", "thread"]
+__all__ = ["MAX_BODY_BYTES", "REQUEST_ID_HEADER"]  # kept here for those that import them from the server
 
 
 @dataclass(frozen=True)
@@ -50,21 +56,45 @@ class ServerConfig:
 
 
 class EngineServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+    """Serves an ``LLMEngine`` stepped on a thread here, or an engine core process (``EngineCoreClient``)."""
+
+    def __init__(self, engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> None:
         if config.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {config.role!r}")
         self.config = config
-        self.llm = engine
-        self.publisher = KvEventPublisher(config.engine_id, engine.config.block_size)
-        # KV transfer needs the cache in this process: a tp/pp engine's lives in its workers.
-        cache = engine.kv_cache
-        self.importer = KvImporter(cache, engine.model_name) if cache is not None else None
-        self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish, kv_fetcher=self.importer)
+        self.engine: AsyncEngine | EngineCoreClient
+        self.importer: KvImporter | None = None
+        if isinstance(engine, EngineCoreClient):
+            self.llm: LLMEngine | None = None  # the model is in the core process
+            self.info, self.tokenizer, self.counters = engine.info, engine.tokenizer, engine.counters
+            self.publisher = KvEventPublisher(config.engine_id, self.info.block_size)
+            engine.on_kv_events = self.publisher.publish
+            self.engine = engine
+        else:
+            self.llm = engine
+            self.info, self.tokenizer, self.counters = (
+                EngineInfo.of(engine),
+                engine.tokenizer,
+                engine.counters,
+            )
+            self.publisher = KvEventPublisher(config.engine_id, self.info.block_size)
+            # KV transfer needs the cache in this process: a tp/pp engine's lives in its workers.
+            cache = engine.kv_cache
+            self.importer = KvImporter(cache, engine.model_name) if cache is not None else None
+            self.engine = AsyncEngine(engine, on_kv_events=self.publisher.publish, kv_fetcher=self.importer)
         self.created = int(time.time())
 
     @property
     def model(self) -> str:
-        return self.llm.model_name
+        return self.info.model_name
+
+    @property
+    def failure(self) -> object | None:
+        """Why the engine can compute nothing more (a dead worker rank), or None."""
+        if isinstance(self.engine, EngineCoreClient):
+            return self.engine.failure
+        assert self.llm is not None
+        return self.llm.failure
 
     async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
         self.engine.start()
@@ -83,49 +113,32 @@ class EngineServer:
 
     async def kv_prefill(self, request: web.Request) -> web.StreamResponse:
         """The prefill side of disaggregation: compute a prompt and stream its K/V, layer by layer."""
-        return await self._kv_source(request, self.engine.export)
+        engine = self.engine
+        return await self._kv_source(request, engine.export if isinstance(engine, AsyncEngine) else None)
 
     async def kv_cached(self, request: web.Request) -> web.StreamResponse:
         """A peer's KV pull: stream the K/V that this engine's prefix cache holds of a prompt's positions
         ``from_position`` on, computing nothing and waiting behind no request; the done frame says how far
         it got. The blocks sent are evicted first from now on: the peer holds them."""
-        return await self._kv_source(request, self.engine.export_cached)
+        engine = self.engine
+        return await self._kv_source(
+            request, engine.export_cached if isinstance(engine, AsyncEngine) else None
+        )
 
-    async def _kv_source(
-        self,
-        request: web.Request,
-        open_frames: Callable[[str, list[int], CacheNamespace, int], AsyncGenerator[StagedFrame, None]],
-    ) -> web.StreamResponse:
-        """Check a KV transfer request (the body ``KvImporter`` sends), then stream the frames
-        ``open_frames(request id, prompt token ids, namespace, from_position)`` yields, their payloads
-        written as they are (``engine.kv_send``)."""
-        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
-        try:
-            req = parse_kv_source_request(
-                await request.read(), served_model=self.model, block_size=self.llm.config.block_size
+    async def _kv_source(self, request: web.Request, open_frames: OpenFrames | None) -> web.StreamResponse:
+        """Serve a KV source route here, or (``open_frames`` None: an engine core process holds the cache)
+        redirect the request, body and all (307), to the core's own server of it."""
+        if open_frames is not None:
+            return await serve_kv_source(
+                request, open_frames, model=self.model, block_size=self.info.block_size
             )
-            namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
-            ids = req.prompt_token_ids.tolist()
-            frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, req.from_position)
-            first = await anext(frames)
-        except OpenAIError as exc:
-            return exc.to_response()
-        except RequestRejected as exc:
-            return OpenAIError(str(exc)).to_response()
-        except EngineDead as exc:
-            return _engine_failed(exc).to_response()
-        response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
-        response.content_type = KV_CONTENT_TYPE
-        async with contextlib.aclosing(frames):  # the receiving engine hanging up aborts the prefill
-            try:
-                await write_frames(request, response, first, frames)
-                await response.write_eof()
-            except EngineDead as exc:
-                with contextlib.suppress(ConnectionResetError):
-                    await response.write(kv_head({"t": "error", "message": str(exc)}))
-            except ConnectionResetError:
-                pass
-        return response
+        port = self.info.kv_port
+        if port is None or not self.engine.alive:
+            error = EngineDead(f"the engine failed: {self.engine.error or 'the engine core is not running'}")
+            return engine_failed(error).to_response()
+        # The core listens on this server's address: the client reaches it by the name it reached us by.
+        location = request.url.with_port(port).with_scheme("http")
+        raise web.HTTPTemporaryRedirect(location)
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.model, self.created))
@@ -137,26 +150,28 @@ class EngineServer:
             waiting=load["waiting"],
             kv_blocks_used=load["kv_blocks_used"],
             kv_blocks_free=load["kv_blocks_free"],
-            gpu_utilization=gpu_utilization(self.llm.device),
+            gpu_utilization=gpu_utilization(self.info.device),
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        failure = self.llm.failure  # a dead worker rank: red at once, before any step trips over it
+        failure = self.failure  # a dead worker rank: red at once, before any step trips over it
         alive = self.engine.alive and failure is None
+        info = self.info
         body: dict[str, Any] = {
             "status": "ok" if alive else "error",
             "engine_id": self.config.engine_id,
             "role": self.config.role,
             "model": self.model,
-            "block_size": self.llm.config.block_size,
+            "block_size": info.block_size,
             "kv_events": True,
-            "kv_pull": self.importer is not None,  # pulls from and serves to peers (needs the cache here)
+            "kv_pull": info.kv_pull,  # pulls from and serves to peers (needs the cache where they are served)
             "token_ids_hex": True,  # takes prompt_token_ids_hex
             "simulated": False,
-            "device": str(self.llm.device),
-            "dtype": str(self.llm.dtype).removeprefix("torch."),
-            "tensor_parallel_size": self.llm.config.tensor_parallel_size,
-            "pipeline_parallel_size": self.llm.config.pipeline_parallel_size,
+            "device": info.device,
+            "dtype": info.dtype,
+            "tensor_parallel_size": info.tensor_parallel_size,
+            "pipeline_parallel_size": info.pipeline_parallel_size,
+            "engine_core": "thread" if self.llm is not None else "process",
             "load": self.engine.load(),
         }
         if not alive:
@@ -177,11 +192,11 @@ class EngineServer:
                 body,
                 kind,
                 served_model=self.model,
-                tokenizer=self.llm.tokenizer,
+                tokenizer=self.tokenizer,
                 request_id=request_id,
-                max_model_len=self.llm.max_model_len,
+                max_model_len=self.info.max_model_len,
                 capabilities=FULL,
-                vocab_size=self.llm.model_config.vocab_size,
+                vocab_size=self.info.vocab_size,
             )
             prompt = req.prompt_token_ids.tolist()
             namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
@@ -204,7 +219,7 @@ class EngineServer:
         except RequestRejected as exc:
             return OpenAIError(str(exc), code="context_length_exceeded").to_response(headers)
         except EngineDead as exc:
-            return _engine_failed(exc).to_response(headers)
+            return engine_failed(exc).to_response(headers)
         except KvTransferError as exc:
             # Nothing reached the client yet: the gateway may retry with another prefill engine.
             error = OpenAIError(str(exc), status=502, error_type="server_error", code="kv_transfer_failed")
@@ -223,7 +238,7 @@ class EngineServer:
         rest: Choices,
         headers: dict[str, str],
     ) -> web.Response:
-        answer = WholeAnswer(req, self.llm.tokenizer)
+        answer = WholeAnswer(req, self.tokenizer)
         answer.add(0, first)
         async for index, out in rest:
             answer.add(index, out)
@@ -238,7 +253,7 @@ class EngineServer:
         headers: dict[str, str],
     ) -> web.StreamResponse:
         response = sse_response(headers)
-        answer = StreamAnswer(req, self.llm.tokenizer)
+        answer = StreamAnswer(req, self.tokenizer)
         await response.prepare(request)
         try:
             await response.write(answer.start() + answer.chunk(0, first))
@@ -248,7 +263,7 @@ class EngineServer:
             await response.write(answer.end())
             await response.write_eof()
         except EngineDead as exc:
-            error = _engine_failed(exc)
+            error = engine_failed(exc)
             with contextlib.suppress(ConnectionResetError):
                 await response.write(b"data: " + error.body() + b"\n\n")
         except ConnectionResetError:
@@ -256,14 +271,11 @@ class EngineServer:
         return response
 
 
-def _engine_failed(exc: BaseException) -> OpenAIError:
-    return OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
-
-
 ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
+def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web.Application:
+    """The engine's app; with an ``EngineCoreClient`` its lifespan ends by stopping that core process."""
     server = EngineServer(engine, config)
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_SERVER] = server
@@ -274,22 +286,35 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/kv/cached", server.kv_cached)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
-    app.router.add_get("/metrics", metrics_handler(config.engine_id, engine.counters, server.gauges))
+    app.router.add_get("/metrics", metrics_handler(config.engine_id, server.counters, server.gauges))
     server.publisher.add_routes(app)
     return app
 
 
 def serve(
-    engine_config: EngineConfig, server_config: ServerConfig, *, ssl_context: ssl.SSLContext | None = None
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    engine_core: EngineCoreMode = "process",
+    threads: int | None = None,
 ) -> int:
     """Load the model, serve until SIGINT/SIGTERM (on uvloop when installed), over https:// when given
-    ``ssl_context``; returns the exit status."""
+    ``ssl_context``; returns the exit status. ``engine_core="process"`` loads and steps the model in an
+    engine core process (``engine.core``; ``threads``: its torch CPU threads), ``"thread"`` here."""
     try:
         import uvloop
 
         loop_factory: Any = uvloop.new_event_loop
     except ImportError:
         loop_factory = None
+    if engine_core == "process":
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(_serve_core(engine_config, server_config, ssl_context, threads))
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     engine = LLMEngine(engine_config)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
@@ -298,30 +323,45 @@ def serve(
         engine.close()  # a tp/pp engine's worker processes
 
 
-async def _serve(engine: LLMEngine, config: ServerConfig, ssl_context: ssl.SSLContext | None) -> int:
-    runner = web.AppRunner(
-        build_app(engine, config), handler_cancellation=True, access_log=None, shutdown_timeout=5
-    )
+async def _serve_core(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    ssl_context: ssl.SSLContext | None,
+    threads: int | None,
+) -> int:
+    client = await EngineCoreClient.launch(engine_config, kv_host=config.host, threads=threads)
+    try:
+        return await _serve(client, config, ssl_context)
+    finally:
+        await client.stop()  # (the app's lifespan did, unless the app never started)
+
+
+async def _serve(
+    engine: LLMEngine | EngineCoreClient, config: ServerConfig, ssl_context: ssl.SSLContext | None
+) -> int:
+    app = build_app(engine, config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context).start()
         host, port = runner.addresses[0][:2]
         scheme = "http" if ssl_context is None else "https"
-        blocks = f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}"
-        if engine.config.parallel.world_size > 1:
-            parallel = engine.config.parallel
-            blocks += f", tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
+        info = app[ENGINE_SERVER].info
+        blocks = f"{info.num_kv_blocks} KV blocks of {info.block_size}"
+        if info.tensor_parallel_size * info.pipeline_parallel_size > 1:
+            blocks += f", tp={info.tensor_parallel_size} pp={info.pipeline_parallel_size}"
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it serves
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        core = "engine core process" if isinstance(engine, EngineCoreClient) else "engine thread"
         print(
-            f"kvgate engine {config.engine_id}: serving {engine.model_name!r} "
-            f"({engine.dtype}, {engine.device}, {blocks}) on {scheme}://{host}:{port}",
+            f"kvgate engine {config.engine_id}: serving {info.model_name!r} "
+            f"({info.dtype}, {info.device}, {blocks}, {core}) on {scheme}://{host}:{port}",
             file=sys.stderr,
             flush=True,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
         await runner.cleanup()
