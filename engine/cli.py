@@ -267,6 +267,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the scheduler and the model run: an engine core process apart from the HTTP server "
         "(which tokenizes, detokenizes and streams meanwhile), or a thread of it (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, run every decode step eagerly instead of replaying captured graphs (vLLM's "
+        "--enforce-eager)",
+    )
     add_tls_arguments(parser)
 
 
@@ -317,6 +324,7 @@ def run_engine(args: argparse.Namespace) -> int:
         compressed_weights=args.compressed_weights,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
+        cuda_graphs=args.cuda_graphs,
     )
     server_config = ServerConfig(
         engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role

@@ -84,3 +84,15 @@ def test_padded_decode_steps_equal_unpadded_ones_and_write_only_the_scratch_bloc
     ):
         torch.testing.assert_close(ours[: scratch.start], theirs[: scratch.start], atol=1e-5, rtol=1e-5)
         assert ours[scratch].abs().sum() > 0 and theirs[scratch].abs().sum() == 0  # padding wrote there only
+
+
+def test_the_engine_cli_turns_graphs_off_with_no_cuda_graphs() -> None:
+    import argparse
+
+    from engine.cli import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    base = ["--model", "m", "--port", "0"]
+    assert parser.parse_args(base).cuda_graphs is True
+    assert parser.parse_args([*base, "--no-cuda-graphs"]).cuda_graphs is False
