@@ -336,6 +336,7 @@ def run_engine(args: argparse.Namespace) -> int:
             ssl_context=ssl_context,
             engine_core=args.engine_core,
             threads=args.threads,
+            tls_files=None if args.tls_cert is None else (args.tls_cert, args.tls_key),
         )
     except ModelLoadError as exc:
         print(f"kvgate engine: cannot load the model: {exc}", file=sys.stderr)

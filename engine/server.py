@@ -137,7 +137,7 @@ class EngineServer:
             error = EngineDead(f"the engine failed: {self.engine.error or 'the engine core is not running'}")
             return engine_failed(error).to_response()
         # The core listens on this server's address: the client reaches it by the name it reached us by.
-        location = request.url.with_port(port).with_scheme("http")
+        location = request.url.with_scheme("https" if self.info.kv_tls else "http").with_port(port)
         raise web.HTTPTemporaryRedirect(location)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -298,9 +298,11 @@ def serve(
     ssl_context: ssl.SSLContext | None = None,
     engine_core: EngineCoreMode = "process",
     threads: int | None = None,
+    tls_files: tuple[str, str | None] | None = None,
 ) -> int:
     """Load the model, serve until SIGINT/SIGTERM (on uvloop when installed), over https:// when given
-    ``ssl_context``; returns the exit status. ``engine_core="process"`` loads and steps the model in an
+    ``ssl_context`` (made of ``tls_files``, which an engine core reads to serve its KV routes the same
+    way); returns the exit status. ``engine_core="process"`` loads and steps the model in an
     engine core process (``engine.core``; ``threads``: its torch CPU threads), ``"thread"`` here."""
     try:
         import uvloop
@@ -310,7 +312,7 @@ def serve(
         loop_factory = None
     if engine_core == "process":
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(_serve_core(engine_config, server_config, ssl_context, threads))
+            return runner.run(_serve_core(engine_config, server_config, ssl_context, threads, tls_files))
     if threads:
         import torch
 
@@ -328,8 +330,11 @@ async def _serve_core(
     config: ServerConfig,
     ssl_context: ssl.SSLContext | None,
     threads: int | None,
+    tls_files: tuple[str, str | None] | None = None,
 ) -> int:
-    client = await EngineCoreClient.launch(engine_config, kv_host=config.host, threads=threads)
+    client = await EngineCoreClient.launch(
+        engine_config, kv_host=config.host, threads=threads, tls_files=tls_files
+    )
     try:
         return await _serve(client, config, ssl_context)
     finally:

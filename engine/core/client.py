@@ -64,7 +64,12 @@ class EngineCoreClient:
 
     @classmethod
     async def launch(
-        cls, config: EngineConfig, *, kv_host: str = "127.0.0.1", threads: int | None = None
+        cls,
+        config: EngineConfig,
+        *,
+        kv_host: str = "127.0.0.1",
+        threads: int | None = None,
+        tls_files: tuple[str, str | None] | None = None,
     ) -> EngineCoreClient:
         """Spawn the core (not daemonic: a tp/pp engine spawns workers of its own), load the tokenizer here
         meanwhile, and return once the core is ready; its startup error is raised here."""
@@ -73,7 +78,7 @@ class EngineCoreClient:
         context = multiprocessing.get_context("spawn")
         process = context.Process(
             target=run_core,
-            args=(CoreConfig(config, kv_host=kv_host, threads=threads), theirs),
+            args=(_core_config(config, kv_host, threads, tls_files), theirs),
             name="kvgate-engine-core",
             daemon=False,
         )
@@ -235,3 +240,11 @@ async def _reap(process: multiprocessing.process.BaseProcess, timeout_s: float =
             return
         end()
         await asyncio.to_thread(process.join, 5.0)
+
+
+def _core_config(
+    config: EngineConfig, kv_host: str, threads: int | None, tls_files: tuple[str, str | None] | None
+) -> CoreConfig:
+    """The core's configuration; with the API server's (certificate, key) files it serves K/V over https."""
+    cert, key = tls_files if tls_files is not None else (None, None)
+    return CoreConfig(config, kv_host=kv_host, threads=threads, tls_cert=cert, tls_key=key)

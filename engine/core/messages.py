@@ -38,9 +38,10 @@ class EngineInfo:
     pipeline_parallel_size: int = 1
     kv_pull: bool = True  # the K/V cache is in the process that serves the KV routes: transfers work
     kv_port: int | None = None  # process mode: the core's own server of the KV source routes
+    kv_tls: bool = False  # ... served over https (the API server's certificate)
 
     @classmethod
-    def of(cls, llm: LLMEngine, kv_port: int | None = None) -> EngineInfo:
+    def of(cls, llm: LLMEngine, kv_port: int | None = None, kv_tls: bool = False) -> EngineInfo:
         config = llm.config
         return cls(
             model_name=llm.model_name,
@@ -54,6 +55,7 @@ class EngineInfo:
             pipeline_parallel_size=config.pipeline_parallel_size,
             kv_pull=llm.kv_cache is not None,  # a tp/pp engine's cache lives in its workers
             kv_port=kv_port,
+            kv_tls=kv_tls,
         )
 
 

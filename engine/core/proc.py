@@ -11,6 +11,7 @@ import contextlib
 import pickle
 import signal
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,17 @@ class CoreConfig:
     kv_host: str = "127.0.0.1"  # where the core serves the KV source routes (the API server's address)
     threads: int | None = None  # torch's CPU threads
     heartbeat_s: float = 0.05  # between steps, load changes (an abort's freed blocks) go out this often
+    # The API server's --tls-cert and --tls-key: K/V is served over https as the API is (an SSLContext
+    # does not cross to a spawned process; the files do).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
 
 def run_core(config: CoreConfig, sock: socket.socket) -> None:
@@ -103,7 +115,8 @@ class EngineCore:
     async def run(self) -> None:
         self.engine.start()
         kv_runner, kv_port = await self._serve_kv()
-        send(self._writer, Ready(EngineInfo.of(self.llm, kv_port=kv_port)))
+        info = EngineInfo.of(self.llm, kv_port=kv_port, kv_tls=self.config.tls_cert is not None)
+        send(self._writer, Ready(info))
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             while True:
@@ -201,7 +214,7 @@ class EngineCore:
         app.router.add_post("/v1/kv/cached", cached)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
         await runner.setup()
-        await web.TCPSite(runner, self.config.kv_host, 0).start()
+        await web.TCPSite(runner, self.config.kv_host, 0, ssl_context=self.config.ssl_context()).start()
         return runner, int(runner.addresses[0][1])
 
 

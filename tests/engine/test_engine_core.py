@@ -235,3 +235,30 @@ def _outlived(pids: list[int], wait_s: float = 10.0) -> dict[int, str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+async def test_with_tls_the_core_serves_kv_over_https_and_the_redirect_says_so(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = tmp_path / "engine.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(cert))
+    client = await EngineCoreClient.launch(engine_config(tiny_model_dir), tls_files=(str(cert), None))
+    served = await start(client, "tls")
+    try:
+        async with served.session.post(served.url + "/v1/kv/cached", json={}, allow_redirects=False) as r:
+            location = r.headers["Location"]
+        assert r.status == 307 and location.startswith("https://127.0.0.1:")
+        trust = ssl.create_default_context()
+        ca.configure_trust(trust)
+        async with served.session.post(location, json={}, ssl=trust) as r:  # a TLS handshake, then the
+            assert r.status == 404 and "model" in (await r.json())["error"]["message"]  # core's own answer
+        with pytest.raises(aiohttp.ClientError):  # plain http is not served there
+            async with served.session.post(location.replace("https", "http", 1), json={}) as r:
+                await r.read()
+    finally:
+        await close(served)
