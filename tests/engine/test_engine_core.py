@@ -218,6 +218,48 @@ async def test_sigterm_of_the_server_stops_the_core(tiny_model_dir: Path) -> Non
             await server.wait()
 
 
+async def test_the_kernel_tells_the_core_when_its_api_process_dies(tiny_model_dir: Path) -> None:
+    """The core asks for SIGTERM on its parent's death (prctl), so that it goes even while it loads a model
+    and reads no socket. Shown on a stopped core: after SIGKILL of the API process, a SIGTERM is pending."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
+    server = await asyncio.create_subprocess_exec(*argv, "--device", "cpu", stderr=asyncio.subprocess.PIPE)
+    children: list[int] = []
+    try:
+        assert server.stderr is not None
+        line = (await asyncio.wait_for(server.stderr.readline(), 60)).decode()
+        assert "engine core process" in line, line  # said once the core is ready
+        children = await asyncio.to_thread(_children, server.pid)
+        core = next(pid for pid in children if "spawn_main" in _cmdline(pid))
+        os.kill(core, signal.SIGSTOP)
+        server.kill()
+        await server.wait()
+        pending = 0
+        for _ in range(100):
+            if pending := _pending_signals(core):
+                break
+            await asyncio.sleep(0.02)
+        assert pending & (1 << (signal.SIGTERM - 1))
+    finally:
+        if server.returncode is None:
+            server.kill()
+            await server.wait()
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def _pending_signals(pid: int) -> int:
+    """The process's pending signals, its threads' and its own, as a bit mask (bit n-1: signal n)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
