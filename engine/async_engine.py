@@ -280,6 +280,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        try:
+            engine.warm_up()  # here: the memory it maps is this thread's arena
+        except Exception:
+            log.exception("warming the engine up failed")  # the steps will say whether the model works
         while not self._stopping:
             had_commands = bool(self._commands)
             while self._commands:

@@ -14,7 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import KVCache
+from engine.attention import KVCache, SeqSlice, build_metadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import ops
 from engine.kv_export import layer_sender, plan_exports
@@ -43,6 +43,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.metadata = StepMetadata(kv_cache.block_size, device, max_num_seqs, max_blocks_per_seq)
+        self.scratch_block = scratch_block
         self.decode_graphs: DecodeGraphs | None = None
         probe = torch.empty(0, device=device)
         if cuda_graphs and device.type == "cuda" and ops.use_triton(probe) and scratch_block is not None:
@@ -77,6 +78,20 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         rows = torch.as_tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # float32 already
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """Run one prompt of ``num_tokens`` dummy tokens, its K/V all written to the scratch block, so that
+        the first real step that large finds its memory already mapped (as vLLM's dummy run at start-up).
+        Call it on the thread that will run the steps: glibc gives each thread an arena of its own."""
+        assert self.scratch_block is not None, "warming up writes to the scratch block"
+        block = self.kv_cache.block_size
+        table = [self.scratch_block] * -(-num_tokens // block)
+        meta = build_metadata([SeqSlice(table, 0, num_tokens)], block, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(ids, pos, self.kv_cache, meta)
+        self.model.compute_logits(hidden[-1:])
 
     def execute(
         self, batch: list[ScheduledSeq], sampler: Sampler, eos_token_ids: Iterable[int] = ()

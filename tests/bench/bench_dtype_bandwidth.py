@@ -10,8 +10,8 @@
 3. ``F.linear`` at decode shapes (batch 1, 16, 64) for the layers of the two checkpoints of
    ``bench_engine_vs_vllm.py`` (h256, small) and an 8B-like 4096x4096, each dtype: ms per call, weight
    GB/s, and bf16/fp32; and which oneDNN implementation a bf16 matmul runs (``ONEDNN_VERBOSE``);
-4. kvgate's CPU attention (``engine.attention.paged_attention``: store K/V, the padded gather, one SDPA) at
-   batch 16 for 128- and 2k-token contexts, split into its parts;
+4. kvgate's CPU attention (``engine.attention.paged_attention``: store K/V, the gather, grouped
+   matmuls) at batch 16 for 128- and 2k-token contexts, split into its parts;
 5. torch's SDPA kernel alone at decode shapes (one query per sequence) and at a prefill shape, against the
    same decode attention as two grouped matmuls with a float32 softmax (``grouped_attention``);
 6. a whole kvgate decode step (``engine.llm_engine.LLMEngine`` on the ``small`` checkpoint, a batch of 16,
@@ -230,9 +230,9 @@ def onednn_report() -> None:
 def attention_case(
     hq: int, hkv: int, d: int, ctx: int, batch: int, dtype: torch.dtype
 ) -> list[Callable[[], object]]:
-    """paged_attention for one decode step of one layer, and its parts: the padded layout (built once per
-    step on the host), the gather of the cached K/V, the SDPA call."""
-    from engine.attention import SeqSlice, build_metadata, paged_attention
+    """paged_attention for one decode step of one layer, and its parts: the torch plan (built once per step
+    on the host), the gather of the cached K/V, the grouped matmuls with their float32 softmax."""
+    from engine.attention import SeqSlice, build_metadata, grouped_decode, paged_attention
 
     block = 32
     per_seq = -(-(ctx + 1) // block)
@@ -241,24 +241,30 @@ def attention_case(
     q, k, v = (torch.randn(batch, h, d, dtype=dtype) for h in (hq, hkv, hkv))
     kc, vc = torch.randn(slots, hkv, d, dtype=dtype), torch.randn(slots, hkv, d, dtype=dtype)
     meta = build_metadata(slices, block)
-    dense = meta.dense
-    keys, values = kc[dense.key_slots].transpose(1, 2), vc[dense.key_slots].transpose(1, 2)
-    queries = q[dense.query_rows].transpose(1, 2)
+    plan = meta.torch_plan.decode
+    assert plan is not None
+
+    def gather() -> object:
+        rows = plan.cache_rows(hkv)
+        return tuple(c.view(-1, d).index_select(0, rows).view(batch, hkv, -1, d) for c in (kc, vc))
+
     return [
         lambda: paged_attention(q, k, v, kc, vc, meta, d**-0.5),
-        lambda: build_metadata(slices, block).dense,
-        lambda: (kc[dense.key_slots].transpose(1, 2), vc[dense.key_slots].transpose(1, 2)),
-        lambda: F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=dense.mask, scale=d**-0.5, enable_gqa=hq != hkv
-        ),
+        lambda: build_metadata(slices, block).torch_plan,
+        gather,
+        lambda: grouped_decode(q, kc, vc, plan, d**-0.5),
     ]
 
 
 def attention_report(batch: int, reps: int) -> None:
+    from engine.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as LLMEngine on CPU: the gathers' memory is not faulted in again each call
     print(
-        f"\nkvgate's CPU attention (paged_attention: store, padded gather, SDPA), batch {batch}, ms a layer:"
+        f"\nkvgate's CPU attention (paged_attention: store, gather, grouped matmuls), batch {batch}, "
+        "ms a layer:"
     )
-    names = ("whole", "dense", "gather", "sdpa")
+    names = ("whole", "plan", "gather", "grouped")
     print(
         f"  {'heads q/kv, D':<14} {'context':>7}"
         + "".join(f" {n + ' f32':>11} {n + ' bf16':>11}" for n in names)
@@ -272,7 +278,8 @@ def attention_report(batch: int, reps: int) -> None:
                 f" {a * 1e3:11.3f} {b * 1e3:11.3f}" for a, b in zip(times[:4], times[4:], strict=True)
             )
             print(f"  {f'{hq}/{hkv}, {d}':<14} {ctx:>7}" + cells)
-    print("  (dense: the padded layout and mask, built on the host once per step and shared by the layers)")
+    print("  (plan: block table rows and context mask, built once per step and shared by the layers;")
+    print("   grouped: the gather included; glibc's malloc tuned as the engine tunes it)")
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

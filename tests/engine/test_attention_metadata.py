@@ -1,5 +1,5 @@
-"""build_metadata: the kernels' view of a step (slots, int32 tables and lengths) agrees with the torch
-path's padded layout, and a step that does not fit its blocks is refused."""
+"""build_metadata: the kernels' view of a step (slots, int32 tables and lengths) agrees with the block
+tables, and a step that does not fit its blocks is refused."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def mixed_fields(meta: AttentionMetadata) -> tuple[object, ...] | None:
     return (*(t.tolist() for t in tensors), m.decode_max_context, m.prefill_max_query)
 
 
-def test_kernel_fields_agree_with_the_dense_layout() -> None:
+def test_kernel_fields_agree_with_the_block_tables() -> None:
     # a prompt, a chunk after a partial page, a decode token at a page boundary
     slices = [SeqSlice([7, 2, 5], 0, 9), SeqSlice([1, 6], 5, 2), SeqSlice([0, 3, 4, 8], 12, 1)]
     meta = build_metadata(slices, BLOCK)
@@ -29,8 +29,8 @@ def test_kernel_fields_agree_with_the_dense_layout() -> None:
     assert meta.seq_lens.tolist() == [9, 7, 13] and meta.prefix_lens.tolist() == [0, 5, 12]
     assert meta.block_tables.tolist() == [[7, 2, 5, 0], [1, 6, 0, 0], [0, 3, 4, 8]]
     expected = [
-        int(meta.dense.key_slots[b, pos])
-        for b, s in enumerate(slices)
+        s.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+        for s in slices
         for pos in range(s.num_computed, s.num_computed + s.num_new)
     ]
     assert meta.slot_mapping.tolist() == expected

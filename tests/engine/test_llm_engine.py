@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from cache.events import BlockStored
 from cache.hashing import namespace_seed, namespaced_block_hashes
@@ -49,6 +51,42 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     e = engine(tiny_model_dir, max_num_batched_tokens=8, num_kv_blocks=24)
     assert e.generate(prompts(e.model_config.vocab_size), GREEDY) == single_runs
     assert e.scheduler.preemptions > 0
+
+
+def test_warming_up_writes_only_the_scratch_block(tiny_model_dir: Path, single_runs: list[list[int]]) -> None:
+    e = engine(tiny_model_dir, max_num_batched_tokens=100)
+    assert e.kv_cache is not None
+    block = e.config.block_size
+    scratch = slice(e.blocks.num_blocks * block, None)  # the last block: the block manager never has it
+    before = [t.clone() for t in e.kv_cache.k]
+    e.warm_up()
+    for old, new in zip(before, e.kv_cache.k, strict=True):
+        assert torch.equal(old[: scratch.start], new[: scratch.start]) and not torch.equal(
+            old[scratch], new[scratch]
+        )
+    assert e.generate(prompts(e.model_config.vocab_size), GREEDY) == single_runs
+
+
+def test_a_cpu_engine_loads_on_one_thread_and_gives_torch_its_threads_back(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import llm_engine
+
+    seen: list[int] = []
+    load = llm_engine.load_model
+
+    def load_counting_threads(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "load_model", load_counting_threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine(tiny_model_dir)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefix_cached_runs_give_the_same_tokens(tiny_model_dir: Path, single_runs: list[list[int]]) -> None:
