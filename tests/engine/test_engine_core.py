@@ -200,7 +200,7 @@ def _free_port() -> int:
 async def test_sigterm_of_the_server_stops_the_core(tiny_model_dir: Path) -> None:
     port = _free_port()
     argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
-    argv += ["--device", "cpu", "--kv-blocks", "64", "--block-size", "4"]
+    argv += ["--device", "cpu", "--kv-blocks", "64", "--block-size", "4", "--engine-core", "process"]
     server = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
     try:
         assert server.stderr is not None
@@ -223,7 +223,9 @@ async def test_the_kernel_tells_the_core_when_its_api_process_dies(tiny_model_di
     and reads no socket. Shown on a stopped core: after SIGKILL of the API process, a SIGTERM is pending."""
     port = _free_port()
     argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
-    server = await asyncio.create_subprocess_exec(*argv, "--device", "cpu", stderr=asyncio.subprocess.PIPE)
+    server = await asyncio.create_subprocess_exec(
+        *argv, "--device", "cpu", "--engine-core", "process", stderr=asyncio.subprocess.PIPE
+    )
     children: list[int] = []
     try:
         assert server.stderr is not None
@@ -304,3 +306,11 @@ async def test_with_tls_the_core_serves_kv_over_https_and_the_redirect_says_so(
                 await r.read()
     finally:
         await close(served)
+
+
+async def test_auto_is_a_core_process_on_cuda_and_a_thread_on_cpu() -> None:
+    from engine.cli import engine_core_mode
+
+    assert engine_core_mode("auto", "cuda") == engine_core_mode("auto", "cuda:1") == "process"
+    assert engine_core_mode("auto", "cpu") == "thread"
+    assert engine_core_mode("process", "cpu") == "process" and engine_core_mode("thread", "cuda") == "thread"
