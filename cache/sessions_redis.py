@@ -1,11 +1,14 @@
 """Session bindings in Redis: one key per session, value msgpack [region, engine, made_at], a sliding TTL.
 
-Newest wins, decided in Redis: a write is one Lua script that stores a binding only where none is held or
-the held one is older (by ``made_at``), so a gateway rebuilding after an outage, or a write that arrives
-late, can never undo a newer decision. The scripts that slide and release compare the held binding with
-the caller's (engine and ``made_at``) and answer what Redis holds, so a gateway that missed a message learns
-the truth from its next write. Values written before bindings were stamped ([region, engine]) read as
-``made_at`` 0.
+The first claim of a new session wins, decided in Redis: a claim is one Lua script that stores the binding
+only where none is held and otherwise answers the binding held (its TTL restarted, as a read would), so two
+gateways that claim one new session at the same moment agree before either sends it anywhere. Moves and
+rebuilds are newest wins, decided in Redis too: a write is one Lua script that stores a binding only where
+none is held or the held one is older (by ``made_at``), so a gateway rebuilding after an outage, or a write
+that arrives late, can never undo a newer decision. The scripts that slide and release compare the held
+binding with the caller's (engine and ``made_at``) and answer what Redis holds, so a gateway that missed a
+message learns the truth from its next write. Values written before bindings were stamped ([region,
+engine]) read as ``made_at`` 0.
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ if h and h.made_at == mine and h.engine == ARGV[3] then
   return {1}
 end
 if h and h.made_at >= mine then return {0, cur, redis.call('PTTL', KEYS[1])} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+return {1}
+"""
+)
+
+# KEYS: [1] session key. ARGV: [1] value, [2] made_at, [3] engine, [4] ttl ms.
+# The first claim wins: writes the binding only where none is held. Returns {1} when the key holds this
+# binding afterwards, else {0, held value, its PTTL} with the held binding's TTL restarted (the claim was a
+# request of that session: it slides, as GETEX would).
+_CLAIM = (
+    _HELD
+    + """
+local cur = redis.call('GET', KEYS[1])
+local h = held(cur)
+if h and not (h.made_at == tonumber(ARGV[2]) and h.engine == ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return {0, cur, redis.call('PTTL', KEYS[1])}
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
 return {1}
 """
@@ -117,6 +138,7 @@ class RedisSessionStore:
         self.keys = keys or RedisKeys()
         self.ttl_s = ttl_s
         self._offer = redis.register_script(_OFFER)
+        self._claim = redis.register_script(_CLAIM)
         self._slide = redis.register_script(_SLIDE)
         self._release = redis.register_script(_RELEASE)
 
@@ -134,6 +156,12 @@ class RedisSessionStore:
     async def offer(self, tenant: str, session_id: str, binding: SessionBinding) -> HeldBinding:
         """Newest wins: write ``binding`` unless Redis holds a newer one (or a tie); returns what it holds."""
         reply = await self._offer(keys=self._script_keys(tenant, session_id), args=self._offer_args(binding))
+        return self._held(reply, binding)
+
+    async def claim(self, tenant: str, session_id: str, binding: SessionBinding) -> HeldBinding:
+        """The first claim wins: write ``binding`` unless Redis holds a binding (whatever its time); returns
+        what it holds afterwards (the held one's TTL restarted)."""
+        reply = await self._claim(keys=self._script_keys(tenant, session_id), args=self._offer_args(binding))
         return self._held(reply, binding)
 
     async def offer_many(self, items: Sequence[tuple[tuple[str, str], SessionBinding]]) -> list[HeldBinding]:

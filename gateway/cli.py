@@ -42,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--workers",
         type=int,
         default=int(os.environ.get("KVGATE_WORKERS", "1")),
-        help="gateway processes sharing the port (default 1; more use more cores: give them Redis to share "
-        "sessions, the ledger and rate limits)",
+        help="gateway processes sharing the port (default 1; more use more cores). They share sessions, the "
+        "ledger and rate limits through --redis, or without it through a private redis-server they start",
     )
     serve.set_defaults(func=_serve)
 

@@ -164,6 +164,8 @@ class Gateway:
         last_error: GatewayError | None = None
         for attempt in range(self.resilience.max_attempts + len(plan.prefilling)):
             route = self.router.decide(plan)
+            if not isinstance(route, GatewayError) and (claim := self.router.pending_claim(plan)):
+                route = await self.router.follow_claim(plan, route, claim)  # (a session new to this view)
             if isinstance(route, GatewayError):  # no engine left: say why the last one failed, if one did
                 raise last_error if last_error is not None else route
             try:

@@ -10,11 +10,13 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from gateway.config import KvgateConfig
 from gateway.http.listening import check_can_listen
 from gateway.http.server import run_gateway
+from gateway.state.private_redis import PrivateRedis, stop_with_parent
 from gateway.tenancy.billing import spool_path
 from gateway.user_errors import UserError
 from region_map.config import ConfigError
@@ -22,8 +24,12 @@ from region_map.config import ConfigError
 log = logging.getLogger("kvgate.server")
 
 
-def _run_worker(config: KvgateConfig) -> None:
-    """A worker process: its error in one line, as the command's would be."""
+def _run_worker(config: KvgateConfig, parent: int) -> None:
+    """A worker process: its error in one line, as the command's would be. It stops (draining, as on
+    SIGTERM) when ``kvgate serve`` dies, even killed, instead of holding the port alone."""
+    stop_with_parent()
+    if os.getppid() != parent:  # (it died before that took effect)
+        sys.exit(1)
     try:
         run_gateway(config, reuse_port=True)
     except UserError as exc:
@@ -49,17 +55,35 @@ def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
 
 def run_workers(config: KvgateConfig, workers: int) -> int:
     """``workers`` gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections).
-    Each follows every engine's KV events itself; sessions, the ledger and rate limits are shared only
-    through Redis, so without it each worker keeps its own. Stops all when one stops or on SIGINT/SIGTERM."""
+    Each follows every engine's KV events itself; sessions, the residency records of engines without
+    events, the ledger and rate limits are shared through Redis: the configured one, or without one a
+    private redis-server (``gateway.state.private_redis``) that lives as long as the workers. Stops all
+    when one stops or on SIGINT/SIGTERM."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
-    if config.gateway.redis_url is None:
-        log.warning(
-            "%d workers without Redis: each keeps its own session bindings, usage ledger and rate limits",
-            workers,
-        )
+    if config.gateway.redis_url is not None:
+        return _run_children(config, workers)
+    private = PrivateRedis(private_redis_dir(config))
+    url = private.start()
+    log.info("%d workers share their state through a private redis-server at %s", workers, url)
+    try:
+        gateway = config.gateway.model_copy(update={"redis_url": url})
+        return _run_children(dataclasses.replace(config, gateway=gateway), workers)
+    finally:
+        private.stop()
+
+
+def private_redis_dir(config: KvgateConfig) -> Path:
+    """Where the workers' private Redis keeps its socket and log: beside the ledger spool (the state
+    directory), one per region and port like the spool."""
+    return spool_path(config).parent / f"workers-{config.topology.region}-{config.gateway.port}"
+
+
+def _run_children(config: KvgateConfig, workers: int) -> int:
     context: Any = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     children = [
-        context.Process(target=_run_worker, args=(worker_config(config, i),), name=f"kvgate-worker-{i}")
+        context.Process(
+            target=_run_worker, args=(worker_config(config, i), os.getpid()), name=f"kvgate-worker-{i}"
+        )
         for i in range(workers)
     ]  # fmt: skip
     for child in children:

@@ -6,7 +6,9 @@ the decision before it returns, with no await in between: the session is bound t
 prompt's new blocks are noted as held soon there, and its uncached tokens as queued there. A parallel
 request decided a microsecond later therefore sees the first one's choice: the twin requests of an agent's
 fan-out, or the first requests of a new session sent at once, land together. ``confirm`` finishes the
-commit once the engine took the request; ``release`` takes the claim back when it failed before that.
+commit once the engine took the request; ``release`` takes the claim back when it failed before that. The
+first decision for a session this gateway's view does not hold is also a claim in Redis, where the first
+claim wins: ``follow_claim`` waits for its answer and decides again if another gateway's came first.
 
 The gateway (``gateway.service``) and ``kvgate simulate`` (``gateway.simulate``) both drive this class: the
 simulator feeds it simulated engines' load and KV events, the gateway real ones.
@@ -14,6 +16,7 @@ simulator feeds it simulated engines' load and KV events, the gateway real ones.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,11 +128,10 @@ class Router:
     # -- inputs ----------------------------------------------------------------------------------------
 
     async def find_session(self, ask: RoutingAsk) -> None:
-        """The one await of routing: a session id this gateway has never seen is looked up in Redis; its
-        binding then sits in the local view that ``decide`` reads (at decision time, so that a claim made
-        meanwhile by a parallel request of the same session is what counts)."""
+        """Restart the TTL of the request's session binding (no I/O: a session this gateway's view does not
+        hold is looked up in Redis by its claim, see ``follow_claim``)."""
         if ask.session_id is not None:
-            await self.state.lookup_session(ask.tenant, ask.session_id)
+            self.state.touch_session(ask.tenant, ask.session_id)
 
     def plan(self, ask: RoutingAsk) -> Plan:
         """The request's engines and cached prefixes, computed once for all its attempts."""
@@ -275,6 +277,29 @@ class Router:
             plan.attempts += 1
             return self._commit(plan, decision, engine, prefill, binding)
 
+    def pending_claim(self, plan: Plan) -> asyncio.Future[SessionBinding | None] | None:
+        """The claim of the request's session still on its way to Redis (this request's or a parallel
+        one's), if any: the request must not go anywhere before it is answered (``follow_claim``)."""
+        ask = plan.ask
+        if ask.session_id is None or not self.state.claims:
+            return None
+        return self.state.claims.get((ask.tenant, ask.session_id))
+
+    async def follow_claim(
+        self, plan: Plan, route: Route, claim: asyncio.Future[SessionBinding | None]
+    ) -> Route | GatewayError:
+        """Wait for the session's claim (one Redis round trip, for a session this gateway had not seen):
+        the first claim in Redis wins. When another gateway's came first, the view now holds it: this
+        attempt is taken back and decided again, following that binding."""
+        held = await asyncio.shield(claim)
+        lost = route.claimed is not None and held != route.claimed  # (this request's own claim lost)
+        if held is None or (held.engine == route.engine.id and not lost):
+            return route
+        route.session = None  # (the view and Redis hold the winner already: nothing of ours to undo)
+        self.release(route)
+        plan.attempts -= 1
+        return self.decide(plan)
+
     def _prefill_for(
         self,
         plan: Plan,
@@ -317,7 +342,7 @@ class Router:
         route = Route(decision, engine, prefill, predicted, pulled, computing, queued)
         if ask.session_id is not None and (binding is None or binding.engine != engine.id):
             made = SessionBinding(engine.region, engine.id, self._wall_clock())
-            claimed = self.state.bind_session(ask.tenant, ask.session_id, made)
+            claimed = self.state.bind_session(ask.tenant, ask.session_id, made, claim=binding is None)
             route.session, route.claimed, route.previous = (ask.tenant, ask.session_id), claimed, binding
         s = self.settings
         key = engine.chain_key(s.block_size, s.min_block_size)

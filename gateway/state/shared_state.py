@@ -2,13 +2,15 @@
 
 Routing reads only the view (dict lookups, no I/O). Writes land in the view at once and reach Redis through
 the background writer; other gateways hear of them on a pub/sub channel. The single exception to "never
-wait on Redis": a session id this gateway has never seen costs one Redis read, so a conversation started
-through another gateway keeps its engine. Without Redis, the view is the whole state (the embedded mode).
+wait on Redis": a session id this gateway has never seen costs one Redis round trip, its claim: the first
+claim of a session wins in Redis, and a gateway whose claim lost follows the winner (a conversation started
+through another gateway keeps its engine; the first requests of a new session sent through two gateways at
+once go to one engine). Without Redis, the view is the whole state (the embedded mode).
 
-Sessions: every binding carries the time of the decision that made it, and the newest wins everywhere
-(Redis's conditional write, a view hearing of another gateway's binding, a rebuild after an outage). A
-gateway that missed messages catches up three ways: the answer to its own writes says what Redis holds
-instead; the periodic TTL slide of a binding in use says so too; and a follower that lost the channel
+Sessions: every binding carries the time of the decision that made it, and after the first claim the newest
+wins everywhere (Redis's conditional write, a view hearing of another gateway's binding, a rebuild after an
+outage). A gateway that missed messages catches up three ways: the answer to its own writes says what Redis
+holds instead; the periodic TTL slide of a binding in use says so too; and a follower that lost the channel
 re-reads what it holds once it is back. Residency: Redis keeps a bounded, expiring mirror (warm starts, and
 the approximate records of engines without KV events, shared between gateways), swept by one gateway at a
 time. Hearing the other gateways on the channel, and catching up after losing it, is the job of
@@ -84,6 +86,9 @@ class SharedState:
         self._redis_sweep_every_s = redis_sweep_every_s
         self._sweeper: asyncio.Task[None] | None = None
         self._synced_at: dict[tuple[str, str], float] = {}
+        # Claims sent to Redis and not answered yet: what the view holds once each is answered.
+        self.claims: dict[tuple[str, str], asyncio.Future[SessionBinding | None]] = {}
+        self._claiming: set[asyncio.Task[None]] = set()
         self.redis_errors = 0
         self.follower = GatewaysFollower(self)  # the other gateways' messages, and catching up after a break
 
@@ -109,6 +114,10 @@ class SharedState:
 
     async def stop(self) -> None:
         await self.follower.stop()
+        for task in list(self._claiming):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -148,28 +157,82 @@ class SharedState:
         self._synced_at[(tenant, session_id)] = time.monotonic()
         return self.sessions.peek_now(tenant, session_id) or binding
 
-    def bind_session(self, tenant: str, session_id: str, binding: SessionBinding) -> SessionBinding:
+    def touch_session(self, tenant: str, session_id: str) -> SessionBinding | None:
+        """The binding this view holds, its TTL restarted (in Redis now and then too); no I/O. A session
+        the view does not hold is looked up by its claim (``bind_session(..., claim=True)``)."""
+        binding = self.sessions.get_now(tenant, session_id)
+        if binding is not None:
+            self._slide_in_redis(tenant, session_id, binding)
+        return binding
+
+    def bind_session(
+        self, tenant: str, session_id: str, binding: SessionBinding, *, claim: bool = False
+    ) -> SessionBinding:
         """Claim or move a session: this gateway's decision, held here at once whatever was held, and
-        written to Redis where the newest binding wins (a newer one there comes back here). The caller
-        stamps ``made_at`` when it decides; an unstamped binding is stamped now. Returns what was bound."""
+        written to Redis. A ``claim`` (a session the view held no binding for) is sent at once and wins only
+        if Redis holds no binding: until Redis answers, ``claims`` holds a future of the binding the view
+        holds afterwards (the claim, or the binding that was there first), which the requests of that
+        session wait for before they go anywhere. A move is written in the background where the newest
+        binding wins (a newer one there comes back here). The caller stamps ``made_at`` when it decides; an
+        unstamped binding is stamped now. Returns what was bound."""
         if binding.made_at <= 0.0:
             binding = dataclasses.replace(binding, made_at=time.time())
         self.sessions.bind_now(tenant, session_id, binding)
-        store, redis = self.redis_sessions, self.redis
-        if store is None or redis is None:
+        if self.redis_sessions is None:
             return binding
         message = msgpack.packb([SESSION, self.gateway_id, tenant, session_id, *binding_fields(binding)])
-
-        async def write() -> None:
-            held = await store.offer(tenant, session_id, binding)
-            if held.binding == binding:
-                await redis.publish(self.keys.updates_channel, message)
-            else:  # a newer decision (another gateway's) is in Redis: it wins here too
-                self._correct(tenant, session_id, binding, held)
-
         self._synced_at[(tenant, session_id)] = time.monotonic()
-        self.writer.submit(write)
+        if claim and not self.writer.failing and (tenant, session_id) not in self.claims:
+            self._claim(tenant, session_id, binding, message)
+            return binding
+        self.writer.submit(functools.partial(self._offer, tenant, session_id, binding, message))
         return binding
+
+    def _claim(self, tenant: str, session_id: str, binding: SessionBinding, message: bytes) -> None:
+        """Send a claim now (not behind the writer's backlog: requests wait for its answer), bounded by
+        the read timeout; without an answer, the claim falls back to the background newest-wins write."""
+        store, redis = self.redis_sessions, self.redis
+        assert store is not None and redis is not None
+        key = (tenant, session_id)
+        answered: asyncio.Future[SessionBinding | None] = asyncio.get_running_loop().create_future()
+        self.claims[key] = answered
+
+        async def claim() -> None:
+            won = False
+            try:
+                async with asyncio.timeout(self._read_timeout_s):
+                    held = await store.claim(tenant, session_id, binding)
+                won = held.binding == binding
+                if not won:  # another gateway's claim came first: it holds the session here too
+                    self._correct(tenant, session_id, binding, held)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self.redis_errors += 1
+                log.debug("session claim in Redis failed: %s", exc)
+                self.writer.submit(functools.partial(self._offer, tenant, session_id, binding, message))
+            finally:
+                if self.claims.get(key) is answered:
+                    del self.claims[key]
+                if not answered.done():
+                    answered.set_result(self.sessions.peek_now(tenant, session_id))
+            if won:
+                try:
+                    await redis.publish(self.keys.updates_channel, message)
+                except (RedisError, OSError) as exc:
+                    self.redis_errors += 1
+                    log.debug("could not announce a session claim: %s", exc)
+
+        task = asyncio.create_task(claim(), name="kvgate-session-claim")
+        self._claiming.add(task)
+        task.add_done_callback(self._claiming.discard)
+
+    async def _offer(self, tenant: str, session_id: str, binding: SessionBinding, message: bytes) -> None:
+        """Newest wins in Redis; the others' views hear of a binding Redis took."""
+        assert self.redis_sessions is not None and self.redis is not None
+        held = await self.redis_sessions.offer(tenant, session_id, binding)
+        if held.binding == binding:
+            await self.redis.publish(self.keys.updates_channel, message)
+        else:  # a newer decision (another gateway's) is in Redis: it wins here too
+            self._correct(tenant, session_id, binding, held)
 
     def release_session(
         self, tenant: str, session_id: str, claimed: SessionBinding, previous: SessionBinding | None

@@ -1,13 +1,17 @@
 """What the gateway adds to a request: the same requests straight to a simulated engine and through the
 gateway, interleaved in one run (A B A B ...), reported as differences and ratios against direct.
 
-    python tests/bench/bench_gateway_overhead.py [--redis redis://127.0.0.1:6379/0] [--rounds 5]
+    python tests/bench/bench_gateway_overhead.py [--redis URL] [--rounds 5] [--sessions N] [--workers 1,2]
 
 Engines are zero-cost simulators (pure HTTP), each in its own process, as is the gateway; the load
 generator is a lean keep-alive client. Measures added p50/p99 latency at concurrency 1 (non-streaming and
-time to first byte of a stream) and throughput at concurrency 32. A bare relay (relay_floor.py: the same
-server stack and upstream client, no parsing, hashing or routing) runs beside it as the floor any Python
-proxy on this machine pays, so the gateway's own cost reads as "gateway - floor". A second gateway with
+time to first byte of a stream) and throughput at concurrency 32. With ``--sessions N`` every request carries
+``x-session-affinity`` (N sessions in turn, all bound during the warm-up): the path of a session already
+bound in the gateway's view, which must not wait on Redis. ``--workers 1,2`` runs every setup once per
+count of gateway processes (``kvgate serve --workers N``; CPU then counts the workers, and without Redis
+their private redis-server). A bare relay (relay_floor.py: the same server stack and upstream client, no
+parsing, hashing or routing) runs beside it as the floor any Python proxy on this machine pays, so the
+gateway's own cost reads as "gateway - floor". A second gateway with
 ``lean_http = false`` (aiohttp serving the completion endpoints too) runs beside the first, so the lean HTTP
 server's gain reads as a same-run ratio; so does each process's CPU per request (from /proc, Linux only).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -35,6 +40,8 @@ from gateway.http.upstream import UpstreamPool
 
 MODEL = "kvgate-sim"
 SYSTEM = ["You are a helpful assistant. " * 60]  # ~1.7 kB: a realistic system prompt to tokenize and hash
+SESSIONS = [0]  # --sessions: requests carry x-session-affinity, this many sessions in turn (0: none)
+_SENT = itertools.count()
 
 
 def body(i: int, *, stream: bool = False) -> bytes:
@@ -60,7 +67,12 @@ def start_engines(count: int) -> list[EngineProcess]:
 
 
 def start_gateway(
-    engines: list[EngineProcess], redis_url: str | None, workdir: Path, *, lean_http: bool = True
+    engines: list[EngineProcess],
+    redis_url: str | None,
+    workdir: Path,
+    *,
+    lean_http: bool = True,
+    workers: int = 1,
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     engine_lines = ",\n".join(
@@ -73,16 +85,20 @@ def start_gateway(
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{engine_lines}\n]\n'
         f"[gateway]\nport = {port}\nlean_http = {str(lean_http).lower()}\n{redis_line}\n"
+        f'spool_path = "{workdir / f"spool-{port}"}"\n'  # (and the workers' private Redis beside it)
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
+    if workers > 1:
+        cmd += ["--workers", str(workers)]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
 
 
 async def one(pool: UpstreamPool, payload: bytes, *, first_byte: bool = False) -> float:
+    headers = [("Content-Type", "application/json")]
+    if SESSIONS[0]:
+        headers.append(("x-session-affinity", f"bench-{next(_SENT) % SESSIONS[0]}"))
     start = time.perf_counter()
-    response = await pool.request(
-        "POST", "/v1/chat/completions", payload, [("Content-Type", "application/json")]
-    )
+    response = await pool.request("POST", "/v1/chat/completions", payload, headers)
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
     if first_byte:
@@ -141,12 +157,15 @@ def start_floor(engine_port: int, *, httptools: bool = False) -> tuple[subproces
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU a process has used (Linux /proc; NaN elsewhere)."""
+    """User + system CPU a process and its live descendants have used (``--workers``: the workers and
+    their private Redis too; Linux /proc; NaN elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 async def measure(
@@ -240,18 +259,33 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput round")
     parser.add_argument("--system-chars", type=int, default=1700, help="length of the system prompt (bytes)")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON too")
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1],
+        help="gateway processes (kvgate serve --workers), one setup per count: e.g. 1,2",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=0, help="send x-session-affinity, this many sessions in turn"
+    )
     args = parser.parse_args()
     SYSTEM[0] = ("You are a helpful assistant. " * (args.system_chars // 28 + 1))[: args.system_chars]
     install_best_loop()
+    SESSIONS[0] = args.sessions
     engines = start_engines(args.engines)
     summaries = []
     try:
         asyncio.run(wait_healthy(engines))
-        setups = [("embedded (no Redis)", None)] + ([("Redis configured", args.redis)] if args.redis else [])
-        for label, redis_url in setups:
+        setups = [
+            (f"{label}, {n} worker{'s' if n > 1 else ''}", redis_url, n)
+            for n in args.workers
+            for label, redis_url in [("embedded (no Redis)", None)]
+            + ([("Redis configured", args.redis)] if args.redis else [])
+        ]
+        for label, redis_url, workers in setups:
             with tempfile.TemporaryDirectory() as tmp:
-                gateway, port = start_gateway(engines, redis_url, Path(tmp))
-                old, old_port = start_gateway(engines, redis_url, Path(tmp), lean_http=False)
+                gateway, port = start_gateway(engines, redis_url, Path(tmp), workers=workers)
+                old, old_port = start_gateway(engines, redis_url, Path(tmp), lean_http=False, workers=workers)
                 floor, floor_port = start_floor(engines[0].port)
                 bare, bare_port = start_floor(engines[0].port, httptools=True)
                 try:

@@ -172,6 +172,20 @@ async def test_redis_offer_answers_what_redis_holds(redis_store: RedisSessionSto
     assert [h.binding for h in many] == [US, EU]
 
 
+async def test_redis_claim_the_first_claim_wins_whatever_its_time(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    store = RedisSessionStore(redis_client, redis_keys, ttl_s=0.5)
+    assert await store.claim("t", "s", EU) == HeldBinding(EU, 0.5)
+    assert await store.claim("t", "s", EU) == HeldBinding(EU, 0.5)  # its own claim again: still held
+    await asyncio.sleep(0.3)
+    held = await store.claim("t", "s", US)  # newer, but second: loses, and the held binding slides
+    assert held.binding == EU and 0.45 < held.ttl_s <= 0.5
+    claims = await asyncio.gather(*(store.claim("t", "race", b) for b in (US, EU)))
+    assert [h.binding for h in claims] == [US, US]  # one winner, whichever came first
+    assert (await store.offer("t", "s", US)).binding == US  # a move after the claim: newest wins
+
+
 async def test_redis_slide_restarts_the_ttl_only_of_the_binding_held(
     redis_client: aioredis.Redis, redis_keys: RedisKeys
 ) -> None:

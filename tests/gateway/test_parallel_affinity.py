@@ -154,3 +154,64 @@ async def test_two_gateways_on_one_redis_agree_on_a_session_claimed_in_parallel(
             cluster, f"{base} call-0 next", session=session, stream=False, url=url
         )
         assert answered == engine and cached > 0
+
+
+def lean_to(gateway: Any, favourite: str, by: int) -> None:
+    """Make ``favourite`` the least loaded engine in ``gateway``'s view (``by`` < 0 undoes it)."""
+    for engine in gateway.fleet:
+        if engine.id != favourite:
+            engine.inflight += by
+
+
+async def test_a_new_session_claimed_through_two_gateways_at_once_goes_to_one_engine(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys
+) -> None:
+    """Each gateway's view prefers another engine, and both get the first request of one new session at the
+    same moment: the first claim in Redis wins, the other gateway follows it before sending anything."""
+    shared = {"redis_url": redis_url, "redis_prefix": redis_keys.prefix, "routing": {"policy": "session"}}
+    cluster = await make_cluster({"eu-west": 4}, sim=SLOW_PREFILL, **shared)
+    second, second_url = await cluster.add_gateway("eu-west", **shared)
+    first = cluster.gateway
+    await cluster.wait_for(lambda: all(e.healthy for g in (first, second) for e in g.fleet))
+    lean_to(first, "eu-west/e0", 5)
+    lean_to(second, "eu-west/e1", 5)
+    try:
+        for trial in range(4):
+            session, base = f"race-{trial}-{uuid.uuid4().hex[:6]}", prefix(f"race{trial}")
+            answers = await asyncio.gather(
+                ask(cluster, f"{base} a", session=session, stream=False),
+                ask(cluster, f"{base} b", session=session, stream=False, url=second_url),
+            )
+            assert len({engine for engine, _, _ in answers}) == 1, (trial, answers)
+    finally:
+        lean_to(first, "eu-west/e0", -5)
+        lean_to(second, "eu-west/e1", -5)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_next_turn_through_another_gateway_follows_the_first_at_once(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys, stream: bool
+) -> None:
+    """Turn 1 through one gateway, turn 2 through another as soon as turn 1 is answered (well within the
+    50 ms a client takes to send its next turn): turn 2 goes to turn 1's engine, as a session."""
+    shared = {"redis_url": redis_url, "redis_prefix": redis_keys.prefix, "routing": {"policy": "session"}}
+    cluster = await make_cluster({"eu-west": 4}, sim=SLOW_PREFILL, **shared)
+    second, second_url = await cluster.add_gateway("eu-west", **shared)
+    first = cluster.gateway
+    await cluster.wait_for(lambda: all(e.healthy for g in (first, second) for e in g.fleet))
+    lean_to(first, "eu-west/e0", 5)
+    lean_to(second, "eu-west/e1", 5)  # left alone, the second gateway would choose another engine
+    try:
+        for trial in range(5):
+            session, base = f"turns-{trial}-{uuid.uuid4().hex[:6]}", prefix(f"turns{trial}")
+            turn1, _, _ = await ask(cluster, base, session=session, stream=stream)
+            assert cluster.session is not None
+            body = {"model": MODEL, "prompt": base + " ok next", "max_tokens": 2}
+            async with cluster.session.post(
+                second_url + "/v1/completions", json=body, headers={"x-session-affinity": session}
+            ) as r:
+                assert r.status == 200, await r.text()
+                assert (r.headers["x-kvgate-engine"], r.headers["x-kvgate-route"]) == (turn1, "session")
+    finally:
+        lean_to(first, "eu-west/e0", -5)
+        lean_to(second, "eu-west/e1", -5)

@@ -224,6 +224,33 @@ async def test_an_older_decision_that_arrives_later_loses_everywhere(
         assert await store.get("t", "s") == newer
 
 
+async def test_the_first_claim_of_a_new_session_wins_everywhere_whatever_its_time(
+    redis_url: str, redis_keys: RedisKeys, redis_client: aioredis.Redis
+) -> None:
+    async with gateways(redis_url, redis_url, prefix=redis_keys.prefix) as (a, b):
+        first = a.bind_session("t", "s", binding("eu-west/e0"), claim=True)
+        await a.claims[("t", "s")]
+        later = b.bind_session("t", "s", binding("us-east/e1"), claim=True)  # newer, but second
+        assert held(b, "s") == later  # (held at once, until Redis answers)
+        assert await b.claims[("t", "s")] == first and held(b, "s") == first
+        assert not a.claims and not b.claims
+        assert await RedisSessionStore(redis_client, redis_keys).get("t", "s") == first
+        moved = b.bind_session("t", "s", binding("us-east/e1"))  # a move after the claim: newest wins
+        await b.writer.flush()
+        await eventually(lambda: held(a, "s") == moved)
+
+
+async def test_a_claim_redis_does_not_answer_keeps_the_local_decision() -> None:
+    client = redis_client("redis://127.0.0.1:1/0", 4)  # nothing listens there
+    state = SharedState(gateway_id="alone", redis=client, redis_read_timeout_s=0.2)
+    try:
+        mine = state.bind_session("t", "s", binding("eu-west/e0"), claim=True)
+        assert await asyncio.wait_for(state.claims[("t", "s")], 2) == mine
+        assert state.redis_errors == 1 and len(state.writer) == 1  # the write waits for Redis's return
+    finally:
+        await client.aclose()
+
+
 async def test_an_unstamped_binding_is_stamped_when_bound() -> None:
     state = SharedState(gateway_id="solo")
     before = time.time()

@@ -1,0 +1,132 @@
+"""``kvgate serve --workers N`` as real processes: every worker routes on the same state, with Redis and
+without it (the workers' private redis-server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.test_cli import KVGATE, _distinct_ports, _port_open
+from tests.redis_prefixes import REDIS_URL, new_prefix
+
+MODEL = "kvgate-sim"
+
+
+def _post(port: int, prompt: str, session: str) -> tuple[str, str]:
+    """(engine, route reason) of one completion, on a new connection (the kernel picks the worker)."""
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "x-session-affinity": session},
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return r.headers["x-kvgate-engine"], r.headers["x-kvgate-route"]
+
+
+def _routed(operator_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(r"^kvgate_routing_decisions_total\{.*\} (\S+)$", text, re.M))
+
+
+@pytest.fixture
+def two_sim_engines() -> Iterator[list[int]]:
+    ports = [_distinct_ports()[0] for _ in range(2)]
+    while ports[0] == ports[1]:
+        ports[1] = _distinct_ports()[0]
+    engines = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.sim", "--port", str(p), "--model", MODEL],
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
+    yield ports
+    for engine in engines:
+        engine.kill()
+        engine.wait()
+
+
+@pytest.mark.parametrize("redis", [False, True], ids=["embedded", "redis"])
+def test_the_next_turn_on_another_worker_follows_the_session(
+    tmp_path: Path, two_sim_engines: list[int], redis: bool
+) -> None:
+    _, port, operator = _distinct_ports()
+    engines = ", ".join(
+        f'{{ name = "e{i}", url = "http://127.0.0.1:{p}" }}' for i, p in enumerate(two_sim_engines)
+    )
+    shared = f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n' if redis else ""
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{engines}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
+        f'{shared}[gateway.routing]\npolicy = "session"\n'
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=log_file
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_port_open(p) for p in (port, operator, operator + 1)):
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        for p in (operator, operator + 1):  # both workers see both engines healthy
+            while True:
+                with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=5) as r:
+                    if json.loads(r.read())["engines_healthy"] == 2:
+                        break
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        for n in range(16):  # each turn on a new connection: about half the next turns reach the other worker
+            session = f"conversation-{n}"
+            engine, _ = _post(port, f"turn one of {session}", session)
+            started = time.monotonic()
+            assert _post(port, f"turn one of {session} and two", session) == (engine, "session"), n
+            assert time.monotonic() - started < 5
+        assert _routed(operator) > 0 and _routed(operator + 1) > 0  # both workers answered
+        if redis:  # killed: its workers stop by themselves rather than hold the port
+            gateway.kill()
+            gateway.wait()
+            deadline = time.monotonic() + 15
+            while _port_open(port):
+                assert time.monotonic() < deadline, "the workers outlived kvgate serve"
+                time.sleep(0.1)
+        else:  # stopped: the private redis-server is gone with the workers, its socket too
+            gateway.terminate()
+            assert gateway.wait(30) == 0, log_path.read_text()
+            assert not list((tmp_path / f"workers-r-{port}").glob("*.sock"))
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+
+
+def test_workers_without_redis_need_redis_server_installed(tmp_path: Path) -> None:
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "http://h:1" }}]\n'
+        f'[gateway]\nport = {_distinct_ports()[1]}\nspool_path = "{tmp_path / "spool"}"\n'
+    )
+    environ = {**os.environ, "PATH": str(tmp_path)}  # no redis-server on it
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=environ,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "redis-server" in line and "--redis" in line and "Traceback" not in line
