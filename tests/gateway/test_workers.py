@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,10 +84,7 @@ def test_the_next_turn_on_another_worker_follows_the_session(
             assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
         for p in (operator, operator + 1):  # both workers see both engines healthy
-            while True:
-                with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=5) as r:
-                    if json.loads(r.read())["engines_healthy"] == 2:
-                        break
+            while _engines_healthy(p) != 2:  # (a 503 until the first probes are in)
                 assert time.monotonic() < deadline, log_path.read_text()
                 time.sleep(0.1)
         for n in range(16):  # each turn on a new connection: about half the next turns reach the other worker
@@ -130,3 +128,13 @@ def test_workers_without_redis_need_redis_server_installed(tmp_path: Path) -> No
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "redis-server" in line and "--redis" in line and "Traceback" not in line
+
+
+def _engines_healthy(operator_port: int) -> int:
+    """The engines a worker's /health counts healthy; it answers 503 while none is, with the same body."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{operator_port}/health", timeout=5) as r:
+            body = r.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+    return int(json.loads(body).get("engines_healthy", 0))
