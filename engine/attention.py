@@ -30,6 +30,13 @@ import torch.nn.functional as F
 
 from engine.kernels import ops
 
+try:  # (out, logsumexp) of torch's CPU flash kernel: q/k/v [B, H, L, D], Hq a multiple of Hkv (GQA)
+    _FLASH_CPU: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = (
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    )
+except (AttributeError, RuntimeError):  # a torch without it: the masked SDPA path
+    _FLASH_CPU = None
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -65,8 +72,12 @@ class TorchPrefill:
     """One sequence of a step with more than one new token, as the torch path attends it."""
 
     rows: slice  # its rows of the step
-    slots: torch.Tensor | None  # [prefix + new] long: its keys' cache slots; None without a cached prefix
+    # Its keys' cache slots: [prefix + new] long, or [prefix] when split; None without a cached prefix
+    slots: torch.Tensor | None
     mask: torch.Tensor | None  # [new, prefix + new] bool: True where a query may attend a key (causal)
+    # The cached prefix attended apart (``split_prefill``): unmasked over ``slots``, then causal over the
+    # chunk's own keys, the two merged by their log-sum-exps; no [new, prefix + new] mask at all
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,7 @@ def _torch_plan(meta: AttentionMetadata) -> TorchPlan:
         decode = _torch_decode(m.decode_rows, m.decode_tables, m.decode_seq_lens, block)
     prefill = []
     row = 0
+    split = _FLASH_CPU is not None and meta.device.type == "cpu"
     for s, n in zip(meta.slices, meta.query_lens, strict=True):
         rows, row = slice(row, row + n), row + n
         if n == 1 and decode is not None:
@@ -207,10 +219,13 @@ def _torch_plan(meta: AttentionMetadata) -> TorchPlan:
             continue
         ctx = s.num_computed + n
         table = torch.as_tensor(list(s.block_table), dtype=torch.long)
-        pos = torch.arange(ctx)
-        slots = table[pos // block] * block + pos % block
+        pos = torch.arange(s.num_computed if split else ctx)
+        slots = (table[pos // block] * block + pos % block).to(meta.device)
+        if split:
+            prefill.append(TorchPrefill(rows, slots, None, split=True))
+            continue
         mask = pos[None, :] <= torch.arange(s.num_computed, ctx)[:, None]  # query i sits at num_computed + i
-        prefill.append(TorchPrefill(rows, slots.to(meta.device), mask.to(meta.device)))
+        prefill.append(TorchPrefill(rows, slots, mask.to(meta.device)))
     return TorchPlan(decode, tuple(prefill))
 
 
@@ -254,7 +269,8 @@ def torch_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention in torch ops (CPU): the decode rows through ``grouped_decode``, each prefill sequence through
-    one SDPA call, causal by itself when nothing of it was cached, else over its gathered slots."""
+    one SDPA call, causal by itself when nothing of it was cached; a chunk with a cached prefix through
+    ``split_prefill`` on CPU, else one SDPA call over its gathered slots with a mask."""
     plan = meta.torch_plan
     d = plan.decode
     if d is not None and d.rows is None:
@@ -266,6 +282,10 @@ def torch_attention(
     group = q.shape[1] != k.shape[1]
     for p in plan.prefill:
         queries = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if p.split:
+            assert p.slots is not None
+            out[p.rows] = split_prefill(queries, k[p.rows], v[p.rows], k_cache, v_cache, p.slots, scale)
+            continue
         if p.slots is None:
             keys, values = k[p.rows], v[p.rows]
         else:
@@ -276,6 +296,31 @@ def torch_attention(
         )  # fmt: skip
         out[p.rows] = attended[0].transpose(0, 1)
     return out
+
+
+def split_prefill(
+    queries: torch.Tensor,  # [1, Hq, n, D]: a prefill chunk's queries
+    k: torch.Tensor,  # [n, Hkv, D]: the chunk's own K/V
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    prefix: torch.Tensor,  # [P] long: the cache slots of the sequence's P tokens before the chunk
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D]
+    """A chunk with a cached prefix as two calls of torch's CPU flash kernel, neither with a mask: the chunk's
+    queries over every prefix key, then over the chunk's own keys causally (a square: query i sees keys
+    0..i), merged by their log-sum-exps as split-KV flash attention merges its splits. With an explicit
+    [n, P + n] mask, SDPA takes a path several times slower on a long context (an O(n * (P + n)) mask)."""
+    assert _FLASH_CPU is not None
+    kp = k_cache.index_select(0, prefix).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
+    vp = v_cache.index_select(0, prefix).transpose(0, 1).unsqueeze(0)
+    out_a, lse_a = _FLASH_CPU(queries, kp, vp, 0.0, False, scale=scale)  # [1, Hq, n, D], [1, Hq, n] fp32
+    kn, vn = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    out_b, lse_b = _FLASH_CPU(queries, kn, vn, 0.0, True, scale=scale)
+    # exp(lse_a) / (exp(lse_a) + exp(lse_b)), stably: every row has keys in both parts (both lse finite)
+    weight = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    merged = torch.lerp(out_b.float(), out_a.float(), weight)  # out_b + weight * (out_a - out_b)
+    return merged[0].transpose(0, 1).to(queries.dtype)
 
 
 def grouped_decode(

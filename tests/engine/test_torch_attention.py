@@ -1,14 +1,21 @@
 """The torch (CPU) attention path: decode rows through grouped matmuls, prefill sequences through one SDPA
-call each (causal by themselves when nothing of them was cached); every row equals the float32 reference."""
+call each (causal by themselves when nothing of them was cached; a chunk with a cached prefix as two flash
+calls merged by their log-sum-exps, or one masked SDPA call without the flash op); every row equals the
+float32 reference."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine import attention
 from engine.attention import KVCache, SeqSlice, build_metadata, torch_attention
 from engine.kernels import ops
 from engine.kernels.attention_prefill import paged_prefill_attention_torch
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import SamplingParams
 from engine.step_metadata import StepMetadata
 from tests.kernel_cases import randn
 
@@ -19,6 +26,8 @@ STEPS = {
     "mixed": [(36, 1), (13, 6), (4, 1), (0, 3)],
     "decode": [(36, 1), (4, 1), (0, 1), (15, 1)],
     "prefill": [(0, 9), (13, 6), (0, 2)],
+    # later chunks of long prompts: prefixes of many blocks, chunks longer than a block, beside a decode row
+    "chunks": [(96, 40), (3, 1), (57, 33), (8, 8)],
 }
 
 
@@ -43,7 +52,13 @@ def step(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", list(STEPS))
 @pytest.mark.parametrize("persistent", [False, True], ids=["build_metadata", "StepMetadata"])
-def test_every_row_equals_the_float32_reference(kind: str, dtype: torch.dtype, persistent: bool) -> None:
+@pytest.mark.parametrize("flash", [True, False], ids=["split", "masked"])
+def test_every_row_equals_the_float32_reference(
+    kind: str, dtype: torch.dtype, persistent: bool, flash: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert attention._FLASH_CPU is not None  # this torch has the CPU flash op: the split path is tested
+    if not flash:
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)  # a torch without it: the masked fallback
     slices, cache, (q, k, v) = step(STEPS[kind], dtype)
     if persistent:
         seqs = [(object(), list(s.block_table), s.num_computed, s.num_new) for s in slices]
@@ -62,8 +77,13 @@ def test_every_row_equals_the_float32_reference(kind: str, dtype: torch.dtype, p
     torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
 
 
-def test_the_plan_groups_decode_rows_and_masks_only_cached_prefixes() -> None:
-    meta = build_metadata([SeqSlice([3, 1], 8, 1), SeqSlice([5, 2], 0, 9), SeqSlice([4, 6], 5, 3)], BLOCK)
+def test_the_plan_groups_decode_rows_and_masks_only_cached_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    slices = [SeqSlice([3, 1], 8, 1), SeqSlice([5, 2], 0, 9), SeqSlice([4, 6], 5, 3)]
+    split = build_metadata(slices, BLOCK).torch_plan.prefill[1]  # on CPU: the prefix apart, no mask
+    assert split.split and split.mask is None and split.slots is not None
+    assert split.slots.tolist() == [4 * BLOCK + i for i in range(5)]  # the 5 cached keys only
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)  # without the flash op: one masked SDPA call
+    meta = build_metadata(slices, BLOCK)
     plan = meta.torch_plan
     assert plan.decode is not None and plan.decode.rows is not None and plan.decode.rows.tolist() == [0]
     assert plan.decode.slots.tolist() == [
@@ -78,7 +98,41 @@ def test_the_plan_groups_decode_rows_and_masks_only_cached_prefixes() -> None:
     fresh, cached = plan.prefill
     assert fresh.rows == slice(1, 10) and fresh.slots is None and fresh.mask is None  # SDPA's causal kernel
     assert cached.rows == slice(10, 13) and cached.slots is not None and cached.mask is not None
+    assert not cached.split
     assert cached.slots.tolist() == [4 * BLOCK + i for i in range(BLOCK)]  # 8 keys: all in block 4
     assert cached.mask.sum(-1).tolist() == [6, 7, 8]  # positions 5, 6, 7 see keys 0..position
     decode = build_metadata([SeqSlice([3], 2, 1), SeqSlice([1, 2], 8, 1)], BLOCK).torch_plan
     assert decode.decode is not None and decode.decode.rows is None and decode.prefill == ()
+
+
+def test_a_long_prompt_chunked_over_several_steps_gives_the_one_step_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300-token prompt in 64-token chunks (four later chunks attend a cached prefix through
+    ``split_prefill``) decodes greedily as the whole prompt in one step does, and as the masked path does."""
+    calls = []
+    split_prefill = attention.split_prefill
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return split_prefill(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "split_prefill", counted)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(budget: int) -> list[int]:
+        config = EngineConfig(
+            str(tiny_model_dir), block_size=4, num_kv_blocks=128, device="cpu", max_num_batched_tokens=budget
+        )
+        engine = LLMEngine(config)
+        prompt = [(7 * j + 3) % engine.model_config.vocab_size for j in range(300)]
+        return engine.generate([prompt], greedy)[0]
+
+    whole = run(512)
+    assert calls == []  # nothing cached: SDPA's causal kernel
+    assert run(64) == whole
+    layers = 2  # the tiny preset's
+    assert len(calls) == 4 * layers
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    assert run(64) == whole
+    assert len(calls) == 4 * layers  # the masked path took those chunks
