@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -142,15 +143,33 @@ def test_every_subcommand_has_help() -> None:
 
 
 def _distinct_ports() -> tuple[int, int, int]:
-    """An engine port, a gateway port and an operator port p with p + 1 free too, all four different (each
-    free_port() closes its probe, so two calls may return the same port)."""
+    """An engine port, a gateway port and an operator port p with p + 1 free too, all four different, taken
+    below the kernel's ephemeral range: a port there is never the local end of some outgoing connection
+    (a health probe, a Redis client) by the time a server binds it, as a free port from bind(0) can be,
+    and as operator + 1 was in a CI run ("address already in use")."""
+    low = _ephemeral_low()
+    rng = random.Random()
     while True:
-        engine, public, operator = free_port(), free_port(), free_port()
-        if len({engine, public, operator, operator + 1}) < 4:
-            continue
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", operator + 1)) != 0:
-                return engine, public, operator
+        engine, public, operator = (rng.randrange(10_000, low - 1) for _ in range(3))
+        ports = {engine, public, operator, operator + 1}
+        if len(ports) == 4 and all(_bindable(p) for p in ports):
+            return engine, public, operator
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
