@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from cache.parent_death import die_with_parent
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.http.listening import check_can_listen
@@ -153,18 +154,9 @@ def start_engines(
             cmd = [*kind.command, "--port", str(port), "--engine-id", f"{region}/{name}"]
             if pd:
                 cmd += ["--role", role]
-            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
             engines.append(EngineProcess(region, name, port, process, role))
     return engines
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the demo dies, however the demo dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 async def wait_healthy(engines: list[EngineProcess], timeout_s: float = 30.0) -> None:

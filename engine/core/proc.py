@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
-import os
 import pickle
 import signal
 import socket
 import ssl
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from cache.parent_death import die_with_parent
 from engine.async_engine import AsyncEngine
 from engine.core.messages import (
     Abort,
@@ -60,7 +58,7 @@ class CoreConfig:
 def run_core(config: CoreConfig, sock: socket.socket) -> None:
     """The spawned process's entry point: load the engine, serve the API process until it goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops the core
-    _die_with_parent()  # loading a model takes minutes: the socket's EOF is read only once it is done
+    die_with_parent()  # loading a model takes minutes: the socket's EOF is read only once it is done
     if config.threads:
         import torch
 
@@ -72,20 +70,6 @@ def run_core(config: CoreConfig, sock: socket.socket) -> None:
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_main(config, sock))
-
-
-def _die_with_parent() -> None:
-    """On Linux, have the kernel send SIGTERM to this process when the API process dies (prctl)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:  # it was gone before the call
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _main(config: CoreConfig, sock: socket.socket) -> None:

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cache.parent_death import die_with_parent
 from gateway.config import KvgateConfig
 from gateway.http.listening import check_can_listen
 from gateway.http.server import run_gateway
-from gateway.state.private_redis import PrivateRedis, stop_with_parent
+from gateway.state.private_redis import PrivateRedis
 from gateway.tenancy.billing import spool_path
 from gateway.user_errors import UserError
 from region_map.config import ConfigError
@@ -27,7 +28,7 @@ log = logging.getLogger("kvgate.server")
 def _run_worker(config: KvgateConfig, parent: int) -> None:
     """A worker process: its error in one line, as the command's would be. It stops (draining, as on
     SIGTERM) when ``kvgate serve`` dies, even killed, instead of holding the port alone."""
-    stop_with_parent()
+    die_with_parent()
     if os.getppid() != parent:  # (it died before that took effect)
         sys.exit(1)
     try:

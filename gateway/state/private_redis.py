@@ -6,9 +6,7 @@ residency, the ledger and rate limits through the same code as gateways sharing 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from cache.parent_death import die_with_parent
 from gateway.user_errors import UserError
 
 START_TIMEOUT_S = 10.0
@@ -65,7 +64,7 @@ class PrivateRedis:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C reaches the workers, which drain into it before it stops
-                preexec_fn=stop_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )  # fmt: skip
         client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=0.5)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -105,12 +104,3 @@ class PrivateRedis:
             if self._socket_dir != self.directory:
                 with contextlib.suppress(OSError):
                     self._socket_dir.rmdir()
-
-
-def stop_with_parent() -> None:
-    """Have this process get SIGTERM when its parent (``kvgate serve``) dies, even by SIGKILL: Linux's
-    PR_SET_PDEATHSIG; nothing elsewhere. So that no worker or private server outlives the command."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
