@@ -136,10 +136,12 @@ def start_engines(
 
 
 async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
-    """Every request at its arrival time (the trace's own clock), streamed; TTFT and cached tokens."""
+    """Every request at its arrival time (the trace's own clock), streamed; TTFT and cached tokens, overall
+    and per request (``cached``: each request's cached tokens, in trace order; -1 for a failed one)."""
     pool = UpstreamPool("127.0.0.1", port, max_idle=512)
     bodies = [body(r) for r in trace]  # built before the clock starts
     ttft: list[float] = []
+    per_request = [-1] * len(trace)
     late: list[float] = []  # how far behind its arrival time each request was sent
     prompt = cached = errors = 0
     bar = tqdm(total=len(trace), desc="live replay", file=sys.stderr, leave=False)
@@ -164,7 +166,8 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
                 raise RuntimeError(f"HTTP {resp.status}: {data[:200]!r}")
             ttft.append(elapsed)
             prompt += usage["prompt_tokens"]
-            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            per_request[i] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            cached += per_request[i]
         except Exception as exc:
             errors += 1
             print(f"request {i}: {exc}", file=sys.stderr)
@@ -181,6 +184,7 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
         "ttft_p99_s": percentile(ttft, 0.99),
         "send_late_p99_ms": percentile(late, 0.99) * 1e3,
         "errors": errors,
+        "cached": per_request,
     }
 
 

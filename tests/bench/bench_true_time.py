@@ -31,7 +31,9 @@ this machine fall on all alike. The table gives each figure's median over runs a
 Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the first streamed byte; load:
 max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
 seconds: the work it was given, which is what makes a queue; prompts differ tenfold in length, so equal
-counts are not equal work).
+counts are not equal work). Below each table, per run and peer: the requests whose cached tokens differ from
+kvgate's for the same request (on the synthetic trace, whose only repeats are the 6 % of requests that are
+later turns, a hit-rate gap is a handful of long prompts evicted in one run and not in the other).
 """
 
 from __future__ import annotations
@@ -100,6 +102,28 @@ async def one(
             router.process.terminate()
             router.process.wait(10)
         stop_engines(engines)
+
+
+def hit_differences(workload_name: str, runs: dict[str, list[dict[str, Any]]], prompt_tokens: int) -> None:
+    """Which requests make the hit-rate gap between kvgate and each peer: per run, the requests where the
+    peer's engines reported more cached tokens than kvgate's did for the same request, and those with fewer.
+    A gap made of a few long prompts is an eviction's luck, not a routing habit."""
+    if "kvgate" not in runs:
+        return
+    print(f"\n{workload_name}: requests whose cached tokens differ from kvgate's in the same run "
+          f"(peer more | peer fewer: requests, hit-rate points)")  # fmt: skip
+    for name, peer_runs in runs.items():
+        if name == "kvgate":
+            continue
+        cells = []
+        for ours, theirs in zip(runs["kvgate"], peer_runs, strict=False):
+            both = zip(ours["cached"], theirs["cached"], strict=True)
+            pairs = [(a, b) for a, b in both if a >= 0 and b >= 0]
+            more = [b - a for a, b in pairs if b > a]
+            fewer = [a - b for a, b in pairs if a > b]
+            cells.append(f"{len(more)}, {sum(more) / prompt_tokens * 100:+.2f}pt | {len(fewer)}, "
+                         f"{-sum(fewer) / prompt_tokens * 100:+.2f}pt")  # fmt: skip
+        print(f"{name:14s} " + "; ".join(cells))
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,6 +215,8 @@ def main() -> int:
           f"{PULL_FRACTION} x the profile's prefill cost per token")  # fmt: skip
     for w, table in out["tables"].items():
         print_table(w, out["traces"][w], args, table)
+        prompt_tokens = sum(r.input_tokens for r in out["traces"][w])
+        hit_differences(w, out["runs"][w], prompt_tokens)
     if args.json:
         print(json.dumps({"tables": out["tables"], "runs": out["runs"]}, indent=1))
     return 0
