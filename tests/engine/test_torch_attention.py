@@ -1,7 +1,7 @@
 """The torch (CPU) attention path: decode rows through grouped matmuls, prefill sequences through one SDPA
 call each (causal by themselves when nothing of them was cached; a chunk with a cached prefix as two flash
-calls merged by their log-sum-exps, or one masked SDPA call without the flash op); every row equals the
-float32 reference."""
+calls merged by their log-sum-exps, or one masked SDPA call without the flash op), or in bf16/fp16 through
+chunked matmuls; every row equals the float32 reference."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from engine import attention
 from engine.attention import KVCache, SeqSlice, build_metadata, torch_attention
+from engine.chunked_attention import CHUNK, chunked_attention, use_chunked
 from engine.kernels import ops
 from engine.kernels.attention_prefill import paged_prefill_attention_torch
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -136,3 +137,33 @@ def test_a_long_prompt_chunked_over_several_steps_gives_the_one_step_tokens(
     monkeypatch.setattr(attention, "_FLASH_CPU", None)
     assert run(64) == whole
     assert len(calls) == 4 * layers  # the masked path took those chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("prefix", "new"), [(0, 300), (77, 300), (200, 5), (0, 1)])
+def test_chunked_attention_equals_the_float32_reference_across_chunks(
+    dtype: torch.dtype, prefix: int, new: int
+) -> None:
+    """``chunked_attention`` (bf16 prefill on CPU) over several chunks of queries, after a cached prefix or
+    none, with query heads sharing KV heads: every row equals causal SDPA in float32 (queries at positions
+    prefix..prefix+new-1 over keys 0..their own position)."""
+    g = torch.Generator().manual_seed(prefix + new)
+    q = randn((new, HEADS, DIM), dtype, "cpu", g)
+    k, v = (randn((prefix + new, KV_HEADS, DIM), dtype, "cpu", g) for _ in range(2))
+    ours = chunked_attention(q, k, v, DIM**-0.5)
+    mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)  # query i sees keys 0..prefix + i
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=mask, scale=DIM**-0.5, enable_gqa=True,
+    ).transpose(0, 1)  # fmt: skip
+    assert new > CHUNK or new < 8  # (the long cases cross chunk boundaries)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
+
+
+def test_bf16_prefill_on_cpu_takes_the_chunked_path_and_fp32_keeps_sdpa() -> None:
+    assert use_chunked(torch.zeros(1, dtype=torch.bfloat16)) and use_chunked(
+        torch.zeros(1, dtype=torch.float16)
+    )
+    assert not use_chunked(torch.zeros(1, dtype=torch.float32))
