@@ -25,7 +25,7 @@ from gateway.http.errors import GatewayError, RequestTimedOut
 from gateway.http.http_wire import whole_response
 from gateway.http.lean_http import LeanConnection, LeanHandler
 from gateway.http.listening import PORT_FLAG, check_can_listen, listen_error, log_listening
-from gateway.http.loop import install_best_loop, raise_open_file_limit
+from gateway.http.loop import install_best_loop, raise_open_file_limit, settle_gc
 from gateway.service import Gateway
 
 log = logging.getLogger("kvgate.server")
@@ -347,4 +347,5 @@ def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:
     s = config.gateway
     if not reuse_port:  # (a worker shares the port with its siblings: run_workers checked it first)
         check_can_listen(s.host, s.port)
-    asyncio.run(serve_until_signal(build_app(config), s.host, s.port, reuse_port=reuse_port))
+    app = build_app(config)
+    asyncio.run(serve_until_signal(app, s.host, s.port, reuse_port=reuse_port, on_ready=settle_gc))
