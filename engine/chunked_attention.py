@@ -19,6 +19,10 @@ from __future__ import annotations
 import torch
 
 CHUNK = 128  # queries per matmul: 64-256 measure alike; smaller chunks waste less of the diagonal block
+# A chunk's scores (and their softmax) are [query heads x chunk x keys]: past this many bytes the chunk
+# shrinks, down to MIN_CHUNK queries, so that a long context (128k keys x 32 heads) costs tens of MB, not GBs.
+SCORES_BYTES = 32 << 20
+MIN_CHUNK = 16
 
 _masks: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -26,6 +30,13 @@ _masks: dict[tuple[int, str], torch.Tensor] = {}
 def use_chunked(q: torch.Tensor) -> bool:
     """Whether ``chunked_attention`` beats SDPA for ``q``: half-precision queries on the CPU."""
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def chunk_size(query_heads: int, keys: int, element_bytes: int) -> int:
+    """Queries per chunk: ``CHUNK``, fewer when their scores against ``keys`` keys would pass
+    ``SCORES_BYTES``, never fewer than ``MIN_CHUNK``."""
+    fits = SCORES_BYTES // max(1, query_heads * keys * element_bytes)
+    return max(MIN_CHUNK, min(CHUNK, fits))
 
 
 def _diagonal_mask(n: int, device: torch.device) -> torch.Tensor:
@@ -54,8 +65,9 @@ def chunked_attention(
     keys_t = keys.transpose(0, 1).contiguous().transpose(1, 2)  # [Hkv, D, keys]
     values_h = values.transpose(0, 1).contiguous()  # [Hkv, keys, D]
     out = torch.empty(hkv, group, n, d, dtype=queries.dtype, device=queries.device)
-    for start in range(0, n, CHUNK):
-        end = min(n, start + CHUNK)
+    chunk = chunk_size(hq, total, queries.element_size())
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
         size, seen = end - start, prefix + end
         q = grouped[:, :, start:end].reshape(hkv, group * size, d)
         scores = torch.matmul(q, keys_t[:, :, :seen]).view(hkv, group, size, seen)

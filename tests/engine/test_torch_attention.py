@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import attention
+from engine import chunked_attention as chunked_attention_module
 from engine.attention import KVCache, SeqSlice, build_metadata, torch_attention
 from engine.chunked_attention import CHUNK, chunked_attention, use_chunked
 from engine.kernels import ops
@@ -167,3 +168,21 @@ def test_bf16_prefill_on_cpu_takes_the_chunked_path_and_fp32_keeps_sdpa() -> Non
         torch.zeros(1, dtype=torch.float16)
     )
     assert not use_chunked(torch.zeros(1, dtype=torch.float32))
+
+
+def test_chunks_shrink_on_long_contexts_and_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's scores stay under ``SCORES_BYTES`` (128k keys of 32 heads: 16-query chunks, 128 MiB at
+    most, not 1 GiB), and chunks cut that way give the same rows."""
+    assert chunked_attention_module.chunk_size(32, 2000, 2) == CHUNK
+    assert chunked_attention_module.chunk_size(32, 131_072, 2) == chunked_attention_module.MIN_CHUNK
+    assert (
+        32 * 8192 * chunked_attention_module.chunk_size(32, 8192, 2) * 2
+        <= chunked_attention_module.SCORES_BYTES
+    )
+    g = torch.Generator().manual_seed(3)
+    q = randn((100, HEADS, DIM), torch.float32, "cpu", g)
+    k, v = (randn((140, KV_HEADS, DIM), torch.float32, "cpu", g) for _ in range(2))
+    whole = chunked_attention(q, k, v, DIM**-0.5)
+    monkeypatch.setattr(chunked_attention_module, "SCORES_BYTES", HEADS * 140 * 4 * 20)  # 20-query chunks
+    assert chunked_attention_module.chunk_size(HEADS, 140, 4) == 20
+    torch.testing.assert_close(chunked_attention(q, k, v, DIM**-0.5), whole, atol=2e-6, rtol=2e-6)
