@@ -271,7 +271,7 @@ def torch_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention in torch ops (CPU): the decode rows through ``grouped_decode``; each prefill sequence in
-    bf16/fp16 through ``chunked_attention``, else through one SDPA call, causal by itself when nothing of it
+    bf16 through ``chunked_attention``, else through one SDPA call, causal by itself when nothing of it
     was cached; a chunk with a cached prefix through ``split_prefill`` on CPU, else one SDPA call over its
     gathered slots with a mask."""
     plan = meta.torch_plan
@@ -285,7 +285,7 @@ def torch_attention(
     group = q.shape[1] != k.shape[1]
     chunked = use_chunked(q)
     for p in plan.prefill:
-        if chunked:  # bf16/fp16 on the CPU: matmuls over chunks of queries, no SDPA (one call, any prefix)
+        if chunked:  # bf16 on the CPU: matmuls over chunks of queries, no SDPA (one call, any prefix)
             keys, values = k[p.rows], v[p.rows]
             if p.slots is not None:
                 keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
