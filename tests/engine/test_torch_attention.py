@@ -1,7 +1,7 @@
 """The torch (CPU) attention path: decode rows through grouped matmuls, prefill sequences through one SDPA
 call each (causal by themselves when nothing of them was cached; a chunk with a cached prefix as two flash
-calls merged by their log-sum-exps, or one masked SDPA call without the flash op), or in bf16 through
-chunked matmuls; every row equals the float32 reference."""
+calls merged by their log-sum-exps, or one masked SDPA call without the flash op); every row equals the
+float32 reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from engine import attention
-from engine import chunked_attention as chunked_attention_module
 from engine.attention import KVCache, SeqSlice, build_metadata, torch_attention
-from engine.chunked_attention import CHUNK, chunked_attention, use_chunked
 from engine.kernels import ops
 from engine.kernels.attention_prefill import paged_prefill_attention_torch
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -140,48 +138,21 @@ def test_a_long_prompt_chunked_over_several_steps_gives_the_one_step_tokens(
     assert len(calls) == 4 * layers  # the masked path took those chunks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("prefix", "new"), [(0, 300), (77, 300), (200, 5), (0, 1)])
-def test_chunked_attention_equals_the_float32_reference_across_chunks(
-    dtype: torch.dtype, prefix: int, new: int
-) -> None:
-    """``chunked_attention`` (bf16 prefill on CPU) over several chunks of queries, after a cached prefix or
-    none, with query heads sharing KV heads: every row equals causal SDPA in float32 (queries at positions
-    prefix..prefix+new-1 over keys 0..their own position)."""
-    g = torch.Generator().manual_seed(prefix + new)
-    q = randn((new, HEADS, DIM), dtype, "cpu", g)
-    k, v = (randn((prefix + new, KV_HEADS, DIM), dtype, "cpu", g) for _ in range(2))
-    ours = chunked_attention(q, k, v, DIM**-0.5)
-    mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)  # query i sees keys 0..prefix + i
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
-        attn_mask=mask, scale=DIM**-0.5, enable_gqa=True,
-    ).transpose(0, 1)  # fmt: skip
-    assert new > CHUNK or new < 8  # (the long cases cross chunk boundaries)
-    assert ours.dtype == dtype and ours.shape == q.shape
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
-
-
-def test_bf16_prefill_on_cpu_takes_the_chunked_path_and_fp32_and_fp16_keep_sdpa() -> None:
-    assert use_chunked(torch.zeros(1, dtype=torch.bfloat16))
-    assert not use_chunked(torch.zeros(1, dtype=torch.float32))
-    assert not use_chunked(torch.zeros(1, dtype=torch.float16))  # no native fp16 matmuls: SDPA is faster
-
-
-def test_chunks_shrink_on_long_contexts_and_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunk's scores stay under ``SCORES_BYTES`` (128k keys of 32 heads: 16-query chunks, 128 MiB at
-    most, not 1 GiB), and chunks cut that way give the same rows."""
-    assert chunked_attention_module.chunk_size(32, 2000, 2) == CHUNK
-    assert chunked_attention_module.chunk_size(32, 131_072, 2) == chunked_attention_module.MIN_CHUNK
-    assert (
-        32 * 8192 * chunked_attention_module.chunk_size(32, 8192, 2) * 2
-        <= chunked_attention_module.SCORES_BYTES
+@pytest.mark.parametrize("shape", [[(0, 300)], [(200, 100), (3, 1)]], ids=["fresh", "prefix"])
+def test_bf16_prefill_keeps_float32_scores_when_attention_is_peaked(shape: list[tuple[int, int]]) -> None:
+    """Trained models' attention logits reach tens (sinks, induction heads): with q and k scaled so that
+    they have a standard deviation of 9, bf16 attention must stay as close to the float32 reference as bf16
+    SDPA does, whose scores stay float32. Scores rounded to bf16 before the softmax (a faster path tried
+    once) were 8x further off (max error 0.11)."""
+    slices, cache, (q, k, v) = step(shape, torch.bfloat16, seed=11)
+    for t in (q, k, cache.k[0]):
+        t.mul_(3)
+    meta = build_metadata(slices, BLOCK)
+    k_cache, v_cache = cache.layer(0)
+    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    ours = torch_attention(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    f32 = [t.float() for t in (q, k, v, k_cache, v_cache)]
+    expected = paged_prefill_attention_torch(
+        *f32, meta.block_tables, meta.query_start, meta.prefix_lens, BLOCK, DIM**-0.5
     )
-    g = torch.Generator().manual_seed(3)
-    q = randn((100, HEADS, DIM), torch.float32, "cpu", g)
-    k, v = (randn((140, KV_HEADS, DIM), torch.float32, "cpu", g) for _ in range(2))
-    whole = chunked_attention(q, k, v, DIM**-0.5)
-    monkeypatch.setattr(chunked_attention_module, "SCORES_BYTES", HEADS * 140 * 4 * 20)  # 20-query chunks
-    assert chunked_attention_module.chunk_size(HEADS, 140, 4) == 20
-    torch.testing.assert_close(chunked_attention(q, k, v, DIM**-0.5), whole, atol=2e-6, rtol=2e-6)
+    assert float((ours.float() - expected).abs().max()) < 0.03
