@@ -1,4 +1,5 @@
-"""uvloop when it is installed, asyncio's own loop otherwise."""
+"""How a server process runs: uvloop when it is installed (asyncio's own loop otherwise), its open-file
+limit raised, and the garbage collector settled once it serves."""
 
 from __future__ import annotations
 

@@ -36,23 +36,11 @@ async def cpu_per_request(
     tree: Path, engines: list[EngineProcess], workdir: Path, duration: float, concurrency: int
 ) -> float:
     """Milliseconds of the gateway's CPU per request, a gateway from ``tree`` in front of ``engines``."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), previous) if p)
-    try:
-        gateway, port = start_gateway(engines, None, workdir)
-    finally:
-        if previous is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = previous
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    gateway, port = start_gateway(engines, None, workdir, env={**os.environ, "PYTHONPATH": path})
     pool = UpstreamPool("127.0.0.1", port)
     try:
-        for _ in range(150):  # until it listens
-            try:
-                await one(pool, body(0))
-                break
-            except Exception:
-                await asyncio.sleep(0.2)
+        await wait_healthy([EngineProcess("bench", "gateway", port, gateway)])
         for i in range(300):  # warm-up: connections, caches, the gateway's view
             await one(pool, body(i))
         before = cpu_seconds(gateway.pid)

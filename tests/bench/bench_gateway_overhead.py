@@ -73,7 +73,9 @@ def start_gateway(
     *,
     lean_http: bool = True,
     workers: int = 1,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
+    """A gateway in front of ``engines`` (its own process, ``env`` its environment: None, this one's)."""
     port = free_port()
     engine_lines = ",\n".join(
         f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines
@@ -90,7 +92,7 @@ def start_gateway(
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), port
 
 
 async def one(pool: UpstreamPool, payload: bytes, *, first_byte: bool = False) -> float:

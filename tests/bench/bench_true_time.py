@@ -32,8 +32,8 @@ Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the f
 max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
 seconds: the work it was given, which is what makes a queue; prompts differ tenfold in length, so equal
 counts are not equal work). Below each table, per run and peer: the requests whose cached tokens differ from
-kvgate's for the same request (on the synthetic trace, whose only repeats are the 6 % of requests that are
-later turns, a hit-rate gap is a handful of long prompts evicted in one run and not in the other).
+kvgate's for the same request in the same run (on the synthetic trace, whose only repeats are the 6 % of
+requests that are later turns, a hit-rate gap is a handful of long prompts, evicted on one side only).
 """
 
 from __future__ import annotations
@@ -105,18 +105,23 @@ async def one(
 
 
 def hit_differences(workload_name: str, runs: dict[str, list[dict[str, Any]]], prompt_tokens: int) -> None:
-    """Which requests make the hit-rate gap between kvgate and each peer: per run, the requests where the
-    peer's engines reported more cached tokens than kvgate's did for the same request, and those with fewer.
-    A gap made of a few long prompts is an eviction's luck, not a routing habit."""
+    """Which requests make the hit-rate gap between kvgate and each peer: per run both replayed, the
+    requests where the peer's engines reported more cached tokens than kvgate's did for the same request,
+    and those with fewer. A gap of a few long prompts in one run says little; one that leans the same way
+    run after run says more."""
     if "kvgate" not in runs:
         return
+    ours_by_run = {r["run"]: r for r in runs["kvgate"]}
     print(f"\n{workload_name}: requests whose cached tokens differ from kvgate's in the same run "
           f"(peer more | peer fewer: requests, hit-rate points)")  # fmt: skip
     for name, peer_runs in runs.items():
         if name == "kvgate":
             continue
         cells = []
-        for ours, theirs in zip(runs["kvgate"], peer_runs, strict=False):
+        for theirs in peer_runs:
+            ours = ours_by_run.get(theirs["run"])
+            if ours is None:
+                continue
             both = zip(ours["cached"], theirs["cached"], strict=True)
             pairs = [(a, b) for a, b in both if a >= 0 and b >= 0]
             more = [b - a for a, b in pairs if b > a]
@@ -177,6 +182,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     except RuntimeError as exc:
                         print(f"{name}: {exc}; skipped in this run", file=sys.stderr)
                         continue
+                    figures["run"] = run_index  # (hit_differences pairs runs by it: a run may be skipped)
                     results[w][name].append(figures)
     return {
         "tables": {
