@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -27,6 +27,7 @@ from cache.tokens import load_tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError, http_exception_to_error
+from gateway.http.http_wire import Answer, WholeAnswer
 from gateway.http.lean_http import LeanHandler, LeanRequest
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_tls import engine_tls_context
@@ -59,11 +60,12 @@ REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled c
 REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_A = TypeVar("_A", web.StreamResponse, Answer)  # aiohttp handlers answer the first, lean ones either
 
 
 async def _answer(
-    handler: Handler, request: Any, endpoint: str, metrics: GatewayMetrics
-) -> web.StreamResponse:
+    handler: Callable[[Any], Awaitable[_A]], request: Any, endpoint: str, metrics: GatewayMetrics
+) -> _A | web.Response:
     """The handler's response, or the OpenAI-shaped error for whatever it raised; counted per endpoint."""
     try:
         response = await handler(request)
@@ -91,6 +93,16 @@ def _error_middleware(metrics: GatewayMetrics) -> Middleware:
     return middleware
 
 
+def _on_aiohttp(handler: Callable[[Any], Awaitable[Answer]]) -> Handler:
+    """``handler`` for a request aiohttp serves: a relayed whole answer becomes an aiohttp Response."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = await handler(request)
+        return response.aiohttp() if isinstance(response, WholeAnswer) else response
+
+    return answer
+
+
 def lean_routes(app: web.Application) -> dict[str, LeanHandler]:
     """The endpoints ``gateway.http.lean_http`` serves itself, with the same error handling and counting as
     the app's middleware gives every other endpoint (empty when the gateway is configured without it)."""
@@ -99,8 +111,8 @@ def lean_routes(app: web.Application) -> dict[str, LeanHandler]:
         return {}
     metrics = gateway.metrics
 
-    def route(path: str, handler: Callable[[Any], Awaitable[web.StreamResponse]]) -> LeanHandler:
-        async def answer(request: LeanRequest) -> web.StreamResponse:
+    def route(path: str, handler: Callable[[Any], Awaitable[Answer]]) -> LeanHandler:
+        async def answer(request: LeanRequest) -> Answer:
             return await _answer(handler, request, path, metrics)
 
         return answer
@@ -175,8 +187,8 @@ def build_app(config: KvgateConfig) -> web.Application:
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
-    app.router.add_post(CHAT_PATH, gateway.chat_completions)
-    app.router.add_post(COMPLETIONS_PATH, gateway.completions)
+    app.router.add_post(CHAT_PATH, _on_aiohttp(gateway.chat_completions))
+    app.router.add_post(COMPLETIONS_PATH, _on_aiohttp(gateway.completions))
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/usage", usage.tenant_usage)
     app.router.add_get("/v1/admin/usage", usage.admin_usage)

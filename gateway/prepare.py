@@ -227,8 +227,9 @@ class RequestPreparer:
             )
         cache_salt = _cache_salt(tenant, parsed)
         shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
+        record_id = f"{self._record_prefix}{next(self._record_seq):x}"
         return Prepared(
-            request_id=request_id(request.headers.get("x-request-id")),
+            request_id=request_id(request.headers.get("x-request-id"), record_id),
             tenant=tenant.name,
             session_id=self._session_id(request.headers.get(SESSION_HEADER)),
             model=model,
@@ -250,7 +251,7 @@ class RequestPreparer:
             cache_salt=cache_salt,
             home_region=self.home.resolve(request.headers, request.remote),
             shared_tokens=shared_tokens,
-            record_id=f"{self._record_prefix}{next(self._record_seq):x}",
+            record_id=record_id,
             max_tokens=max_tokens,
             choices=_choices(body),
             tools=tools_field is not None,
@@ -346,8 +347,9 @@ def _choices(body: dict[str, Any]) -> int:
     return max(counts, default=1)
 
 
-def request_id(raw: str | None) -> str:
-    """The client's ``x-request-id`` when it is a sane token, else a new one."""
+def request_id(raw: str | None, record_id: str) -> str:
+    """The client's ``x-request-id`` when it is a sane token, else one made of the request's ledger record
+    id (unique across gateways and restarts, and made without the system call a fresh random id costs)."""
     if raw and len(raw) <= 128 and all("!" <= ch <= "~" for ch in raw):
         return raw
-    return "req-" + os.urandom(12).hex()
+    return "req-" + record_id

@@ -20,6 +20,7 @@ from cache.tokens import Tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_body import engine_body
 from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
+from gateway.http.http_wire import Answer
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import error_fields, relay_stream, relay_whole
 from gateway.http.upstream import UpstreamClients
@@ -87,7 +88,7 @@ class Gateway:
 
     # -- endpoints -------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: ClientRequest) -> web.StreamResponse:
+    async def chat_completions(self, request: ClientRequest) -> Answer:
         received = time.perf_counter()
         caller = await self._caller(request)
         await self.billing.admit_request(caller)
@@ -96,7 +97,7 @@ class Gateway:
             request, received, caller, await self.prepare.chat(request, body, caller.tenant)
         )
 
-    async def completions(self, request: ClientRequest) -> web.StreamResponse:
+    async def completions(self, request: ClientRequest) -> Answer:
         received = time.perf_counter()
         caller = await self._caller(request)
         await self.billing.admit_request(caller)
@@ -116,7 +117,7 @@ class Gateway:
 
     async def _admit_and_serve(
         self, request: ClientRequest, received: float, caller: Caller, p: Prepared
-    ) -> web.StreamResponse:
+    ) -> Answer:
         p.key_id = caller.key_id
         await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
         return await self._serve(request, received, p)
@@ -157,9 +158,9 @@ class Gateway:
 
     # -- serving -------------------------------------------------------------------------------------
 
-    async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> web.StreamResponse:
+    async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> Answer:
         """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
-        await self.router.find_session(p)
+        self.router.find_session(p)
         plan = self.router.plan(p)
         last_error: GatewayError | None = None
         for attempt in range(self.resilience.max_attempts + len(plan.prefilling)):
@@ -232,9 +233,7 @@ class Gateway:
         return _Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
                           prefill_failed=True)  # fmt: skip
 
-    async def _dispatch(
-        self, request: ClientRequest, received: float, p: Prepared, route: Route
-    ) -> web.StreamResponse:
+    async def _dispatch(self, request: ClientRequest, received: float, p: Prepared, route: Route) -> Answer:
         engine, decision, prefill, predicted = route.engine, route.decision, route.prefill, route.predicted
         pull = None
         if route.pulled_tokens:
@@ -259,7 +258,9 @@ class Gateway:
             self.metrics.overhead.observe(time.perf_counter() - received)
             account.dispatched()
             try:
-                additions, sglang_prefill = await self._handoff(p, engine, prefill, pull)
+                additions: dict[str, Any] | None = None
+                if pull is not None or prefill is not None:
+                    additions, sglang_prefill = await self._handoff(p, engine, prefill, pull)
                 body = engine_body(
                     p, engine, default_block_size=self.settings.block_size, additions=additions
                 )

@@ -42,12 +42,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, cast
 
 import httptools
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.http.carry_on import carry_on
 from gateway.http.edge import Identify
 from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
+from gateway.http.http_wire import Answer
 from gateway.http.lean_http_answering import LeanAnswering, LeanStream
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
 
@@ -62,7 +62,7 @@ MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
 
 # A handler of a hot endpoint: the request -> the whole answer (web.Response) or a finished LeanStream.
-LeanHandler = Callable[["LeanRequest"], Awaitable[web.StreamResponse]]
+LeanHandler = Callable[["LeanRequest"], Awaitable[Answer]]
 
 
 class LeanRequest:

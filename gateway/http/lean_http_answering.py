@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
-from gateway.http.http_wire import head, whole_response
+from gateway.http.http_wire import Answer, head, whole_response
 from gateway.http.lean_http_deadlines import LeanDeadlines
 from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
 
@@ -164,7 +164,7 @@ class LeanAnswering(LeanDeadlines):
         if raw:
             protocol.data_received(raw)
 
-    def _write_whole(self, response: web.StreamResponse, keep_alive: bool) -> None:
+    def _write_whole(self, response: Answer, keep_alive: bool) -> None:
         self.write(whole_response(response, keep_alive))
 
     def _read_timed_out(self) -> None:

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
+from gateway.http.http_wire import WholeAnswer
 from gateway.http.lean_http import LeanRequest
 from gateway.http.sse import SseUsageTap
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
@@ -59,7 +60,8 @@ async def relay_whole(
     read_timeout_s: float,
     metrics: GatewayMetrics,
     accounting: Accounting,
-) -> web.Response:
+) -> WholeAnswer | web.Response:
+    """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``."""
     try:
         data = await upstream.read(read_timeout_s)
     except UpstreamTimeout:
@@ -84,7 +86,7 @@ async def relay_whole(
         answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
     accounting.done(usage if isinstance(usage, dict) else None, None, "completed", 0)
-    return web.Response(body=data, status=200, content_type="application/json", headers=headers)
+    return WholeAnswer(data, headers)
 
 
 async def relay_stream(

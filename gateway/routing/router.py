@@ -127,7 +127,7 @@ class Router:
 
     # -- inputs ----------------------------------------------------------------------------------------
 
-    async def find_session(self, ask: RoutingAsk) -> None:
+    def find_session(self, ask: RoutingAsk) -> None:
         """Restart the TTL of the request's session binding (no I/O: a session this gateway's view does not
         hold is looked up in Redis by its claim, see ``follow_claim``)."""
         if ask.session_id is not None:

@@ -60,7 +60,9 @@ async def load(port: int, concurrency: int, seconds: float, stream: bool) -> int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--top", type=int, default=40)
@@ -84,14 +86,16 @@ def main() -> int:
         stats = pstats.Stats(str(stats_file))
         table = stats.stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
         total_calls = sum(nc for _, nc, _, _, _ in table.values())
+        profiled_us = stats.total_tt / requests * 1e6  # type: ignore[attr-defined]
         print(f"{requests} requests at c={args.concurrency}; {total_calls / requests:.0f} function calls per "
-              f"request (start-up included), {stats.total_tt / requests * 1e6:.0f} us profiled CPU per request")  # type: ignore[attr-defined]  # fmt: skip
+              f"request (start-up included), {profiled_us:.0f} us profiled CPU per request")  # fmt: skip
         column = {"ncalls": 1, "tottime": 2, "cumtime": 3}[args.sort]
         rows = sorted(table.items(), key=lambda kv: kv[1][column], reverse=True)[: args.top]
         print(f"{'calls/req':>9s} {'tot us/req':>10s} {'cum us/req':>10s}  function")
         for (file, line, name), (_, nc, tt, ct, _) in rows:
             where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
-            print(f"{nc / requests:9.2f} {tt / requests * 1e6:10.1f} {ct / requests * 1e6:10.1f}  {name} ({where})")
+            per = (nc / requests, tt / requests * 1e6, ct / requests * 1e6)
+            print(f"{per[0]:9.2f} {per[1]:10.1f} {per[2]:10.1f}  {name} ({where})")
     return 0
 
 
