@@ -90,14 +90,19 @@ class CacheAwarePolicy:
         best = min(t for t, _ in scored)
         s = self.settings
         tied = [c for t, c in scored if t <= best + max(self._tie_tolerance_s, s.tie_tolerance_frac * best)]
+        if len(tied) == 1:
+            return self.decision(request, tied[0])
         half = request.prompt_tokens / 2
-        chosen = min(
-            tied,
-            key=lambda c: (
-                c.rtt_s > 0,
-                c.cached_tokens + self.pulled_tokens(request, c) < half,
-                c.load,
-                -rendezvous(request.route_key, c.engine),
-            ),
-        )
-        return self.decision(request, chosen)
+        first: tuple[bool, bool, int] | None = None
+        finalists: list[Candidate] = []
+        for c in tied:
+            key = (c.rtt_s > 0, c.cached_tokens + self.pulled_tokens(request, c) < half, c.load)
+            if first is None or key < first:
+                first, finalists = key, [c]
+            elif key == first:
+                finalists.append(c)
+        if len(finalists) == 1:
+            return self.decision(request, finalists[0])
+        # Rendezvous hashing settles what home, cache and load leave tied (hashed only then: an xxhash each).
+        key_of = request.route_key
+        return self.decision(request, max(finalists, key=lambda c: rendezvous(key_of, c.engine)))
