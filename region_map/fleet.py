@@ -189,8 +189,9 @@ class EngineState:
 
     def apply_health(self, payload: dict[str, Any]) -> bool:
         """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
-        Returns whether the model it serves changed (the fleet's model table must then be rebuilt)."""
-        model_before = self.model
+        Returns whether the model it serves or its role changed (the fleet's model table must then be
+        rebuilt: routing keeps what it derives from a model's engine list while the list is the same)."""
+        model_before, role_before = self.model, self.role
         self.mark_alive()
         if isinstance(payload.get("model"), str):
             self.reported_model = payload["model"]
@@ -214,7 +215,7 @@ class EngineState:
                 kv_blocks_free=_int(load.get("kv_blocks_free")),
             )
             self.load_reported = True
-        return self.model != model_before
+        return self.model != model_before or self.role is not role_before
 
     def mark_alive(self) -> None:
         """It answered its health check (and, where that is checked, serves what it should)."""

@@ -124,6 +124,7 @@ class Router:
         self.limiter = RemoteShareLimiter(settings.routing.max_remote_share)
         self._wall_clock = wall_clock  # stamps session bindings: the newest binding wins across gateways
         self._seq = 0
+        self._roles_memo: tuple[list[EngineState], list[EngineState], list[EngineState]] | None = None
 
     # -- inputs ----------------------------------------------------------------------------------------
 
@@ -138,17 +139,27 @@ class Router:
         engines = self.fleet.serving(ask.model)
         if ask.tools:
             engines = [e for e in engines if e.config.tools]
-        # With dedicated prefill or decode engines, answers come from decode-capable engines and long uncached
-        # prompts are prefilled elsewhere; with only "both" engines every engine does everything.
-        disaggregated = any(e.role is not Role.BOTH for e in engines)
-        answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
-        prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
+        answering, prefilling = self._roles(engines)
         cached, confirmed = self.cached_tokens(ask, engines)
         # What a peer could give, when a pull is possible at all: what its KV events confirmed.
         pulls = bool(cached) and self.policy.pulls_kv and any(e.kv_pull for e in engines)
         return Plan(
             ask, self._with_room(answering, ask.model), prefilling, cached, confirmed if pulls else None
         )
+
+    def _roles(self, engines: list[EngineState]) -> tuple[list[EngineState], list[EngineState]]:
+        """(engines that may answer, dedicated prefill engines) among ``engines``. With dedicated prefill or
+        decode engines, answers come from decode-capable engines and long uncached prompts are prefilled
+        elsewhere; with only "both" engines every engine does everything. Roles are configuration, and a
+        model's engine list is one object until the fleet rebuilds it: the split is kept for the last list."""
+        memo = self._roles_memo
+        if memo is not None and memo[0] is engines:
+            return memo[1], memo[2]
+        disaggregated = any(e.role is not Role.BOTH for e in engines)
+        answering = [e for e in engines if e.role is not Role.PREFILL] if disaggregated else engines
+        prefilling = [e for e in engines if e.role is not Role.DECODE] if disaggregated else []
+        self._roles_memo = (engines, answering, prefilling)  # (holding the list: its id is not reused)
+        return answering, prefilling
 
     def cached_tokens(
         self, ask: RoutingAsk, engines: Sequence[EngineState]

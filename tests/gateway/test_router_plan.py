@@ -1,0 +1,55 @@
+"""gateway.routing.router's plan: which engines may answer and which prefill, as the fleet says now."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.app import GATEWAY, build_app
+from gateway.config import parse_config
+from gateway.http.lean_http import LeanRequest
+from gateway.prepare import Prepared
+from gateway.service import Gateway
+
+MODEL = "m"
+
+
+def gateway_of(count: int) -> Gateway:
+    engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{9100 + i}", "model": MODEL} for i in range(count)]
+    config = parse_config({"region": "r", "regions": [{"name": "r", "engines": engines}],
+                           "gateway": {"access_log": False}})  # fmt: skip
+    gateway = build_app(config)[GATEWAY]
+    for engine in gateway.fleet:
+        engine.healthy = True
+    return gateway
+
+
+async def prepared(gateway: Gateway) -> Prepared:
+    body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 4}
+    request = LeanRequest(None, "/v1/completions", CIMultiDictProxy(CIMultiDict()), b"{}", "127.0.0.1")  # type: ignore[arg-type]  # never answered
+    return await gateway.prepare.completion(request, body)
+
+
+async def test_a_role_an_engine_reports_later_changes_the_plan() -> None:
+    gateway = gateway_of(3)
+    p = await prepared(gateway)
+    plan = gateway.router.plan(p)
+    assert [e.id for e in plan.answering] == ["r/e0", "r/e1", "r/e2"] and plan.prefilling == []
+    # e0 turns out to be a prefill engine: its health says so, and the health poller rebuilds the table.
+    e0 = gateway.fleet.engines["r/e0"]
+    if e0.apply_health({"model": MODEL, "role": "prefill"}):
+        gateway.fleet.refresh_models()
+    plan = gateway.router.plan(p)
+    assert [e.id for e in plan.answering] == ["r/e1", "r/e2"]
+    assert [e.id for e in plan.prefilling] == ["r/e0", "r/e1", "r/e2"]  # ("both" engines prefill too)
+    # ... and reports "both" again.
+    if e0.apply_health({"model": MODEL, "role": "both"}):
+        gateway.fleet.refresh_models()
+    plan = gateway.router.plan(p)
+    assert [e.id for e in plan.answering] == ["r/e0", "r/e1", "r/e2"] and plan.prefilling == []
+
+
+def test_a_health_report_that_changes_nothing_keeps_the_table() -> None:
+    gateway = gateway_of(2)
+    e0 = gateway.fleet.engines["r/e0"]
+    assert e0.apply_health({"model": MODEL, "role": "prefill"}) is True
+    assert e0.apply_health({"model": MODEL, "role": "prefill"}) is False
