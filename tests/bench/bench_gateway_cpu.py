@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway_overhead import body, cpu_seconds, one, start_engines, start_gateway, throughput_round
@@ -32,12 +33,19 @@ from gateway.http.upstream import UpstreamPool
 HERE = Path(__file__).resolve().parents[2]
 
 
+def tree_launch(tree: Path) -> dict[str, Any]:
+    """How to start ``python -m ...`` so that it imports kvgate from ``tree``: from there as its working
+    directory (``-m`` puts the working directory first on sys.path, before PYTHONPATH and the editable
+    install), with ``tree`` on PYTHONPATH for the processes it starts in turn."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": path}}
+
+
 async def cpu_per_request(
     tree: Path, engines: list[EngineProcess], workdir: Path, duration: float, concurrency: int
 ) -> float:
     """Milliseconds of the gateway's CPU per request, a gateway from ``tree`` in front of ``engines``."""
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
-    gateway, port = start_gateway(engines, None, workdir, env={**os.environ, "PYTHONPATH": path})
+    gateway, port = start_gateway(engines, None, workdir, **tree_launch(tree))
     pool = UpstreamPool("127.0.0.1", port)
     try:
         await wait_healthy([EngineProcess("bench", "gateway", port, gateway)])

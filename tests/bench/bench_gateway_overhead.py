@@ -74,8 +74,11 @@ def start_gateway(
     lean_http: bool = True,
     workers: int = 1,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """A gateway in front of ``engines`` (its own process, ``env`` its environment: None, this one's)."""
+    """A gateway in front of ``engines`` (its own process, ``env`` its environment: None, this one's). It
+    runs ``python -m gateway.cli``, which imports kvgate from ``cwd`` (default: this process's) before any
+    PYTHONPATH entry: to run another source tree, pass that tree as ``cwd``."""
     port = free_port()
     engine_lines = ",\n".join(
         f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines
@@ -92,7 +95,7 @@ def start_gateway(
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), port
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, cwd=cwd), port
 
 
 async def one(pool: UpstreamPool, payload: bytes, *, first_byte: bool = False) -> float:
