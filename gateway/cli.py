@@ -128,6 +128,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway.compiled import check_fresh
+
+    check_fresh()  # before the request path is imported: a stale compiled module would shadow its source
     from gateway.config import load_config
     from gateway.http.server import run_gateway
     from gateway.http.workers import run_workers

@@ -18,6 +18,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 import tests.triton_interpret  # noqa: F401  (first: Triton's import mode, before the engine imports it)
 from cache.redis_keys import RedisKeys
+from gateway import compiled
+from gateway.user_errors import UserError
 from tests.harness import Cluster, ClusterFactory, start_cluster
 from tests.redis_prefixes import (
     ISSUED,
@@ -29,6 +31,19 @@ from tests.redis_prefixes import (
 )
 from tests.redis_process import RedisProcess
 from tests.third_party_engines import VllmLikeEngine
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which build of the gateway's hot path the suite runs (``python -m gateway.compiled``)."""
+    return f"kvgate hot path: {'compiled (mypyc)' if compiled.in_use() else 'pure Python'}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A compiled build older than its sources would test code that is not in the tree: refuse."""
+    try:
+        compiled.check_fresh()
+    except UserError as exc:
+        pytest.exit(str(exc), returncode=2)
 
 
 def pytest_asyncio_loop_factories(
