@@ -27,11 +27,10 @@ from gateway.user_errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / ".kvgate-compiled.json"
 
-# The request path, by the profile of a completion at c=32 (tests/bench/profile_gateway.py). Left out, as
-# mypyc cannot compile them as they are: gateway/http/upstream.py (a ``continue`` inside try/finally),
-# gateway/http/upstream_response.py (an async generator), gateway/routing/base.py (its pydantic model), and
-# cache/ledger.py (a runtime_checkable Protocol). gateway/tenancy/billing.py stays a Python class that tests
-# (and operators' hooks) may wrap: its per-request methods are a few attribute reads when auth is off.
+# The request path, by the profile of a completion at c=32 (tests/bench/profile_gateway.py). Left out:
+# cache/ledger.py (mypyc cannot compile its runtime_checkable Protocol), the pydantic models (settings), and
+# gateway/tenancy/billing.py, a Python class that tests (and operators' hooks) may wrap: its per-request
+# methods are a few attribute reads when auth is off.
 HOT_MODULES = (
     "cache/hashing.py",
     "cache/residency_memory.py",
@@ -43,9 +42,12 @@ HOT_MODULES = (
     "gateway/http/lean_http_deadlines.py",
     "gateway/http/lean_http_state.py",
     "gateway/http/relay.py",
+    "gateway/http/upstream.py",
+    "gateway/http/upstream_response.py",
     "gateway/observability/loop_metrics.py",
     "gateway/observability/metrics.py",
     "gateway/prepare.py",
+    "gateway/routing/base.py",
     "gateway/routing/cache_aware.py",
     "gateway/routing/default.py",
     "gateway/routing/disaggregation.py",

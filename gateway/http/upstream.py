@@ -241,11 +241,10 @@ class UpstreamPool:
                 conn.abort()
                 raise
             except UpstreamClosed:
-                # A pooled connection the engine had just closed: retry once on a fresh one. Nothing of
-                # the request was processed (no response byte came back).
-                if attempt == 0 and conn.reused and not response.received_any:
-                    continue
-                raise
+                # A pooled connection the engine had just closed: retry once on a fresh one (the loop goes
+                # on). Nothing of the request was processed (no response byte came back).
+                if not (attempt == 0 and conn.reused and not response.received_any):
+                    raise
             except asyncio.CancelledError:
                 conn.abort()
                 raise

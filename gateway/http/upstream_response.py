@@ -122,9 +122,9 @@ class Response:
                     timer.cancel()
         return self._take()
 
-    async def iter_batches(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        while (data := await self.next_batch(idle_timeout)) is not None:
-            yield data
+    def iter_batches(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """The body's batches as they come (``async for``), each wait at most ``idle_timeout``."""
+        return _Batches(self, idle_timeout)
 
     async def read(self, idle_timeout: float | None = None) -> bytes:
         parts = []  # a plain loop: an async generator costs more than a small answer's whole read
@@ -146,6 +146,24 @@ class Response:
         if not self.complete and self._connection is not None:
             self._connection.abort()
             self._connection = None
+
+
+class _Batches:
+    """``Response.iter_batches``: an iterator class, not an async generator, which mypyc cannot compile
+    (gateway.compiled)."""
+
+    def __init__(self, response: Response, idle_timeout: float | None) -> None:
+        self._response = response
+        self._idle_timeout = idle_timeout
+
+    def __aiter__(self) -> _Batches:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._response.next_batch(self._idle_timeout)
+        if data is None:
+            raise StopAsyncIteration
+        return data
 
 
 def expire_waiter(waiter: asyncio.Future[None]) -> None:
