@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 PICODOLLARS_PER_DOLLAR = 10**12
 PRICE_DECIMALS = 6  # finer prices would make costs fractional pico-dollars
@@ -112,7 +112,6 @@ class DayTotals:
 COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_picodollars")
 
 
-@runtime_checkable
 class UsageLedger(Protocol):
     async def record(self, rec: UsageRecord) -> bool:
         """Write ``rec`` once: False (and nothing changes) if its ``record_id`` was recorded before."""

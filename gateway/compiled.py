@@ -27,12 +27,13 @@ from gateway.user_errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / ".kvgate-compiled.json"
 
-# The request path, by the profile of a completion at c=32 (tests/bench/profile_gateway.py). Left out:
-# cache/ledger.py (mypyc cannot compile its runtime_checkable Protocol), the pydantic models (settings), and
+# The request path, by the profile of a completion at c=32 (tests/bench/profile_gateway.py; on a compiled
+# build it lists what still runs as Python). Left out: the pydantic models (settings), and
 # gateway/tenancy/billing.py, a Python class that tests (and operators' hooks) may wrap: its per-request
 # methods are a few attribute reads when auth is off.
 HOT_MODULES = (
     "cache/hashing.py",
+    "cache/ledger.py",
     "cache/residency_memory.py",
     "cache/tokens.py",
     "gateway/http/engine_body.py",
@@ -58,6 +59,7 @@ HOT_MODULES = (
     "gateway/state/shared_state.py",
     "gateway/tenancy/accounting.py",
     "gateway/tenancy/ledger_writer.py",
+    "region_map/breaker.py",
     "region_map/fleet.py",
 )
 

@@ -88,6 +88,7 @@ class EngineState:
     down_quiet_s: float = 1.0
     # chain_key's last answer and what it depended on: it is asked for every engine on every request.
     _chain_memo: tuple[tuple[int, int, int | None], ChainKey] | None = field(default=None, repr=False)
+    _url_memo: tuple[EngineConfig, str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def available(self) -> bool:
@@ -96,7 +97,11 @@ class EngineState:
 
     @property
     def url(self) -> str:
-        return self.config.base_url
+        """``config.base_url``, made once per configuration (str() of a pydantic URL, for every request)."""
+        memo = self._url_memo
+        if memo is None or memo[0] is not self.config:
+            memo = self._url_memo = (self.config, self.config.base_url)
+        return memo[1]
 
     @property
     def model(self) -> str | None:
