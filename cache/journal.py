@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -155,7 +156,8 @@ class UsageJournal:
         self._append(record_id, [_PROGRESS, record_id, completion_tokens])
 
     def finished(self, record: UsageRecord) -> None:
-        self._append(record.record_id, [_FINAL, record.record_id, vars(record)])
+        # asdict, not vars(): a record compiled by mypyc (gateway.compiled) has no __dict__.
+        self._append(record.record_id, [_FINAL, record.record_id, asdict(record)])
 
     def voided(self, record_id: str) -> None:
         """Nothing of the request is billable; it is settled at once."""
