@@ -25,7 +25,7 @@ from pathlib import Path
 from gateway.user_errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = ROOT / ".kvgate-compiled.json"
+MANIFEST_NAME = ".kvgate-compiled.json"  # beside the packages, in the root of the tree built
 
 # The request path, by the profile of a completion at c=32 (tests/bench/profile_gateway.py; on a compiled
 # build it lists what still runs as Python). Left out: the pydantic models (settings), and
@@ -81,7 +81,7 @@ def stale_modules(root: Path | None = None) -> list[str]:
     compiled = [s for s in HOT_MODULES if extensions_of(s, root)]
     if not compiled:
         return []
-    manifest_path = root / MANIFEST.name
+    manifest_path = root / MANIFEST_NAME
     try:
         built = json.loads(manifest_path.read_text())["sources"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -108,7 +108,7 @@ def clean(root: Path | None = None) -> int:
     root = root or ROOT
     removed = [p for s in HOT_MODULES for p in extensions_of(s, root)]
     removed += [p for suffix in EXTENSION_SUFFIXES for p in root.glob(f"*__mypyc{suffix}")]
-    for path in [*removed, root / MANIFEST.name]:
+    for path in [*removed, root / MANIFEST_NAME]:
         path.unlink(missing_ok=True)
     return len(removed)
 
@@ -125,7 +125,7 @@ def build(root: Path | None = None) -> None:
         clean(root)
         raise UserError(f"mypyc failed (the sources stay in use):\n{tail}")
     sources = {s: digest(root / s) for s in HOT_MODULES}
-    (root / MANIFEST.name).write_text(json.dumps({"sources": sources}, indent=1) + "\n")
+    (root / MANIFEST_NAME).write_text(json.dumps({"sources": sources}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-from bench_gateway_cpu import tree_launch
+from bench_gateway_overhead import tree_launch
 
 
 def test_a_gateway_launched_for_another_tree_runs_that_trees_code(tmp_path: Path) -> None:

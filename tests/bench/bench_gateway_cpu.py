@@ -15,30 +15,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway_overhead import body, cpu_seconds, one, start_engines, start_gateway, throughput_round
+from bench_gateway_overhead import (
+    body,
+    cpu_seconds,
+    one,
+    start_engines,
+    start_gateway,
+    throughput_round,
+    tree_launch,
+)
 
 from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop
 from gateway.http.upstream import UpstreamPool
 
 HERE = Path(__file__).resolve().parents[2]
-
-
-def tree_launch(tree: Path) -> dict[str, Any]:
-    """How to start ``python -m ...`` so that it imports kvgate from ``tree``: from there as its working
-    directory (``-m`` puts the working directory first on sys.path, before PYTHONPATH and the editable
-    install), with ``tree`` on PYTHONPATH for the processes it starts in turn."""
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
-    return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": path}}
 
 
 async def cpu_per_request(

@@ -28,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 from tqdm import tqdm
@@ -75,10 +76,11 @@ def start_gateway(
     workers: int = 1,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    python_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], int]:
     """A gateway in front of ``engines`` (its own process, ``env`` its environment: None, this one's). It
-    runs ``python -m gateway.cli``, which imports kvgate from ``cwd`` (default: this process's) before any
-    PYTHONPATH entry: to run another source tree, pass that tree as ``cwd``."""
+    runs ``python [python_args] -m gateway.cli``, which imports kvgate from ``cwd`` (default: this
+    process's) before any PYTHONPATH entry: to run another source tree, pass ``tree_launch(tree)``."""
     port = free_port()
     engine_lines = ",\n".join(
         f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines
@@ -92,10 +94,19 @@ def start_gateway(
         f"[gateway]\nport = {port}\nlean_http = {str(lean_http).lower()}\n{redis_line}\n"
         f'spool_path = "{workdir / f"spool-{port}"}"\n'  # (and the workers' private Redis beside it)
     )
-    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config)]
+    cmd = [sys.executable, *python_args, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config",
+           str(config)]  # fmt: skip
     if workers > 1:
         cmd += ["--workers", str(workers)]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, cwd=cwd), port
+
+
+def tree_launch(tree: Path) -> dict[str, Any]:
+    """How to start ``python -m ...`` so that it imports kvgate from ``tree``: from there as its working
+    directory (``gateway`` is a namespace package, and ``-m`` puts the working directory first on sys.path,
+    before PYTHONPATH and the editable install), with ``tree`` on PYTHONPATH for the processes it starts."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": path}}
 
 
 async def one(pool: UpstreamPool, payload: bytes, *, first_byte: bool = False) -> float:

@@ -55,7 +55,7 @@ import orjson
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway_overhead import MODEL, one, pct, start_floor, throughput_round
+from bench_gateway_overhead import MODEL, one, pct, start_floor, throughput_round, tree_launch
 from trace_workload import LENGTHS, TRACE, by_length, engine_counts, overhead_mean_ms, paired_with, replay
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
@@ -154,8 +154,8 @@ def start_kvgate(
     )
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config", str(config),
            "--workers", os.environ.get("KVGATE_BENCH_WORKERS", "1")]  # fmt: skip
-    env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=checkout, env=env)
+    launch = {} if checkout is None else tree_launch(checkout)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, **launch)
     return Router(name, port, process)
 
 

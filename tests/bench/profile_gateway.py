@@ -16,35 +16,17 @@ import argparse
 import asyncio
 import pstats
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gateway_overhead as overhead
-from bench_gateway_overhead import MODEL, start_engines, throughput_round
+from bench_gateway_overhead import start_engines, start_gateway, throughput_round
 
-from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
+from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop
 from gateway.http.upstream import UpstreamPool
-
-
-def start_profiled_gateway(
-    engines: list[EngineProcess], workdir: Path, stats: Path
-) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    engine_lines = ",\n".join(
-        f'  {{ name = "{e.name}", url = "{e.url}", model = "{MODEL}" }}' for e in engines
-    )
-    config = workdir / "profile.toml"
-    config.write_text(
-        f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{engine_lines}\n]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{workdir / "spool"}"\n'
-    )
-    cmd = [sys.executable, "-m", "cProfile", "-o", str(stats), "-m", "gateway.cli", "--log-level", "warning",
-           "serve", "--config", str(config)]  # fmt: skip
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
 
 
 async def load(port: int, concurrency: int, seconds: float, stream: bool) -> int:
@@ -75,7 +57,9 @@ def main() -> int:
         workdir = Path(tmp)
         stats_file = args.out or workdir / "gateway.pstats"
         engines = start_engines(4)
-        gateway, port = start_profiled_gateway(engines, workdir, stats_file)
+        gateway, port = start_gateway(
+            engines, None, workdir, python_args=["-m", "cProfile", "-o", str(stats_file)]
+        )
         try:
             asyncio.run(wait_healthy([EngineProcess("bench", "gateway", port, gateway), *engines]))
             requests = asyncio.run(load(port, args.concurrency, args.seconds, args.stream))

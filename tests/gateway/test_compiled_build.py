@@ -27,7 +27,7 @@ def tree(tmp_path: Path, *, built: bool, manifest: bool = True) -> Path:
         (tmp_path / f"abc__mypyc{EXTENSION_SUFFIXES[0]}").write_bytes(b"\x7fELF")
         if manifest:
             sources = {s: compiled.digest(tmp_path / s) for s in compiled.HOT_MODULES}
-            (tmp_path / compiled.MANIFEST.name).write_text(json.dumps({"sources": sources}))
+            (tmp_path / compiled.MANIFEST_NAME).write_text(json.dumps({"sources": sources}))
     return tmp_path
 
 
@@ -59,7 +59,7 @@ def test_extension_modules_without_a_manifest_are_stale(tmp_path: Path) -> None:
 def test_clean_removes_the_build_and_the_sources_stay(tmp_path: Path) -> None:
     root = tree(tmp_path, built=True)
     assert compiled.clean(root) == 2
-    assert not compiled.in_use(root) and not (root / compiled.MANIFEST.name).exists()
+    assert not compiled.in_use(root) and not (root / compiled.MANIFEST_NAME).exists()
     assert not list(root.glob("*__mypyc*")) and (root / SOURCE).read_text() == f"# {SOURCE}\n"
 
 
