@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.chunked_attention import chunked_attention, use_chunked
 from engine.kernels import ops
 from engine.kv_cache import KVCache as KVCache  # (re-exported: its home before it had a module)
 
@@ -269,9 +270,10 @@ def torch_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Attention in torch ops (CPU): the decode rows through ``grouped_decode``, each prefill sequence through
-    one SDPA call, causal by itself when nothing of it was cached; a chunk with a cached prefix through
-    ``split_prefill`` on CPU, else one SDPA call over its gathered slots with a mask."""
+    """Attention in torch ops (CPU): the decode rows through ``grouped_decode``; each long prefill
+    sequence in bf16 through ``chunked_attention``, else through one SDPA call, causal by itself when nothing
+    of it was cached; a chunk with a cached prefix through ``split_prefill`` on CPU, else one SDPA call over
+    its gathered slots with a mask."""
     plan = meta.torch_plan
     d = plan.decode
     if d is not None and d.rows is None:
@@ -282,6 +284,14 @@ def torch_attention(
         out.index_copy_(0, d.rows, decoded)
     group = q.shape[1] != k.shape[1]
     for p in plan.prefill:
+        if use_chunked(q, p.rows.stop - p.rows.start):  # long bf16 on the CPU: matmuls, one call, any prefix
+            keys, values = k[p.rows], v[p.rows]
+            if p.slots is not None:
+                keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
+                if p.split:  # (the slots are the prefix's only)
+                    keys, values = torch.cat((keys, k[p.rows])), torch.cat((values, v[p.rows]))
+            out[p.rows] = chunked_attention(q[p.rows], keys, values, scale)
+            continue
         queries = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.split:
             assert p.slots is not None

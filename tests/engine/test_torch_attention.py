@@ -1,7 +1,8 @@
 """The torch (CPU) attention path: decode rows through grouped matmuls, prefill sequences through one SDPA
 call each (causal by themselves when nothing of them was cached; a chunk with a cached prefix as two flash
-calls merged by their log-sum-exps, or one masked SDPA call without the flash op); every row equals the
-float32 reference."""
+calls merged by their log-sum-exps, or one masked SDPA call without the flash op), or in bf16 through
+chunked matmuls whose scores are shifted by their row maxima inside the matmul; every row equals the float32
+reference."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from engine import attention
 from engine.attention import AttentionMetadata, KVCache, SeqSlice, build_metadata, torch_attention
+from engine.chunked_attention import CHUNK, MIN_QUERIES, chunked_attention, use_chunked
 from engine.kernels import ops
 from engine.kernels.attention_prefill import paged_prefill_attention_torch
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -146,14 +148,69 @@ def test_a_long_prompt_chunked_over_several_steps_gives_the_one_step_tokens(
     assert len(calls) == 4 * layers  # the masked path took those chunks
 
 
-@pytest.mark.parametrize("shape", [[(0, 300)], [(200, 100), (3, 1)]], ids=["fresh", "prefix"])
+@pytest.mark.parametrize(
+    "shape",
+    [[(0, 300)], [(200, 100), (3, 1)], [(0, MIN_QUERIES + 50)], [(100, MIN_QUERIES), (3, 1)]],
+    ids=["fresh", "prefix", "fresh-chunked", "prefix-chunked"],
+)
 def test_bf16_prefill_keeps_float32_scores_when_attention_is_peaked(shape: list[tuple[int, int]]) -> None:
     """Trained models' attention logits reach tens (sinks, induction heads): with q and k of standard
     deviation 3 (logits of deviation 9), bf16 attention must stay as close to the float32 reference as bf16
-    SDPA does, whose scores stay float32. Scores rounded to bf16 before the softmax (a faster path tried
-    once) were 0.24 and 0.09 off here."""
+    SDPA does, whose scores stay float32: through SDPA, and through the chunked matmuls for long sequences.
+    Scores rounded to bf16 before the softmax (a chunked path tried once, without the shift by the row
+    maxima) were 0.24 and 0.09 off here."""
     slices, cache, (q, k, v) = step(shape, torch.bfloat16, seed=11)
     for t in (q, k, cache.k[0]):
         t.mul_(3)
     ours, expected = attend(cache, q, k, v, build_metadata(slices, BLOCK))
     assert float((ours.float() - expected).abs().max()) < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("prefix", "new"), [(0, 300), (77, 300), (200, 5), (0, 1)])
+@pytest.mark.parametrize("std", [1.0, 3.0], ids=["plain", "peaked"])
+def test_chunked_attention_equals_the_float32_reference_across_chunks(
+    dtype: torch.dtype, prefix: int, new: int, std: float
+) -> None:
+    """``chunked_attention`` (bf16 prefill on CPU) over several chunks of queries, after a cached prefix or
+    none, with query heads sharing KV heads, on plain and on peaked logits (deviation 9): every row equals
+    causal SDPA in float32 (queries at positions prefix..prefix+new-1 over keys 0..their own position)."""
+    g = torch.Generator().manual_seed(prefix + new)
+    q = randn((new, HEADS, DIM), torch.float32, "cpu", g).mul_(std).to(dtype)
+    k = randn((prefix + new, KV_HEADS, DIM), torch.float32, "cpu", g).mul_(std).to(dtype)
+    v = randn((prefix + new, KV_HEADS, DIM), dtype, "cpu", g)
+    ours = chunked_attention(q, k, v, DIM**-0.5)
+    mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix)  # query i sees keys 0..prefix + i
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=mask, scale=DIM**-0.5, enable_gqa=True,
+    ).transpose(0, 1)  # fmt: skip
+    assert new > CHUNK or new < 8  # (the long cases cross chunk boundaries)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
+
+
+def test_the_shift_by_the_row_maxima_keeps_large_logits_precise() -> None:
+    """Logits in the hundreds (a softmax that is nearly one-hot, but not quite): rounding such a score to
+    bf16 moves it by up to 0.5, and the weights with it; shifted inside the matmul, the scores near each
+    row's maximum keep float32 precision. One query, two keys whose logits are 256 and 255.25 (255.25 is no
+    bf16 number: rounded, it is 255, and the second key's weight e^-1 instead of e^-0.75 of the first's)."""
+    d = 16
+    q, k = torch.zeros(1, 1, d), torch.zeros(2, 1, d)
+    q[0, 0, 0], q[0, 0, 1] = 16.0, 1.0
+    k[0, 0, 0], k[1, 0, 0], k[1, 0, 1] = 16.0, 16.0, -0.75  # logits 16 * 16 = 256 and 256 - 0.75
+    v = torch.zeros(2, 1, d)
+    v[0, 0, 0], v[1, 0, 0] = 1.0, -1.0
+    # The query comes last (prefix of one key), so it sees both.
+    ours = chunked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 1.0)
+    weights = torch.softmax(torch.tensor([256.0, 255.25]), 0)
+    expected = float(weights[0] - weights[1])
+    assert abs(float(ours[0, 0, 0]) - expected) < 0.01
+
+
+def test_long_bf16_prefill_on_cpu_takes_the_chunked_path_and_the_others_keep_sdpa() -> None:
+    assert use_chunked(torch.zeros(1, dtype=torch.bfloat16), MIN_QUERIES)
+    assert not use_chunked(torch.zeros(1, dtype=torch.bfloat16), MIN_QUERIES - 1)
+    assert not use_chunked(torch.zeros(1, dtype=torch.float32), MIN_QUERIES)
+    assert not use_chunked(torch.zeros(1, dtype=torch.float16), MIN_QUERIES)
