@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"gateway.compiled: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a tree it may not write (an installed package, a read-only mount)
+        print(f"gateway.compiled: cannot {action} the tree at {ROOT}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -63,6 +63,19 @@ def test_clean_removes_the_build_and_the_sources_stay(tmp_path: Path) -> None:
     assert not list(root.glob("*__mypyc*")) and (root / SOURCE).read_text() == f"# {SOURCE}\n"
 
 
+def test_a_tree_it_cannot_write_gets_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Where its manifest cannot be removed: here a directory in its place, since the tests may run as
+    root, for whom file modes forbid nothing.)"""
+    root = tree(tmp_path, built=True, manifest=False)
+    (root / compiled.MANIFEST_NAME).mkdir()
+    monkeypatch.setattr(compiled, "ROOT", root)
+    assert compiled.main(["clean"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gateway.compiled: cannot clean the tree at ") and err.count("\n") == 1
+
+
 def test_every_hot_module_exists_and_is_this_trees() -> None:
     missing = [s for s in compiled.HOT_MODULES if not (compiled.ROOT / s).is_file()]
     assert missing == []
