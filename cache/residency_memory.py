@@ -15,6 +15,11 @@ from cache.residency import EngineHoldings, batch_ops
 
 _SLOT_S = 0.25
 _NONE: frozenset[int] = frozenset()
+# A walk remembers, per engine, the prefix depths at multiples of this many blocks that it found held exactly,
+# so that the next prompt resending that prefix (every turn of a conversation, every request under one
+# system prompt) starts its walk there: a few dict probes instead of a membership test per block.
+CHECKPOINT_BLOCKS = 16
+MAX_VERIFIED = 8192  # remembered depths per engine (all forgotten at once past it)
 
 
 class MemoryResidencyIndex:
@@ -24,20 +29,34 @@ class MemoryResidencyIndex:
     blocks at a time, and a set takes them in one C-level ``update`` / ``difference_update`` (a dict from
     block to holders cost four times as much per event, tests/bench/bench_residency.py). A lookup follows
     each engine holding the prompt's first block down the prompt with a C-level membership scan (~30 ns a
-    block), so it costs the sum of the matches' lengths, never the number of prefixes cached. Approximate
+    block), from the deepest checkpoint of the prompt a past walk verified on that engine (remembered until
+    its next removal), so it costs at most the sum of the matches' lengths, never the number of prefixes
+    cached; a prefix every request resends costs a few dict probes. Approximate
     entries (a gateway's own records, with a TTL) live apart and are consulted only where a scan stops.
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, *, max_soon_blocks: int = 1 << 20
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_soon_blocks: int = 1 << 20,
+        checkpoint_blocks: int = CHECKPOINT_BLOCKS,
     ) -> None:
+        if checkpoint_blocks < 1:
+            raise ValueError("checkpoint_blocks must be positive")
         self._clock = clock
+        self.checkpoint_blocks = checkpoint_blocks
         # Blocks "held soon" at most: about 70 MB at the default (the sets and the packed marks).
         self.max_soon_blocks = max_soon_blocks
         self._exact: dict[str, set[int]] = {}  # engine -> the blocks its KV events say it holds
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._approx_of: dict[str, set[int]] = {}  # engine -> its approximate blocks (never also exact)
         self._seq: dict[str, int] = {}
+        # engine -> {hashes[d - 1]: d}: prefixes of d blocks (d a multiple of CHECKPOINT_BLOCKS) it held
+        # exactly when a walk last checked them. Exact entries only grow between removals, so these stay
+        # true until the engine's next removal or clear, which forgets them all. A chained hash names its
+        # whole prefix (the ResidencyIndex contract), so one probe vouches for d blocks.
+        self._verified: dict[str, dict[int, int]] = {}
         # Approximate entries grouped by the time slot (_SLOT_S) in which they expire, so a sweep costs
         # O(expired), not O(index). A refreshed entry also sits in its older slot; the sweep skips it there.
         self._buckets: dict[int, dict[str, set[int]]] = {}
@@ -70,23 +89,30 @@ class MemoryResidencyIndex:
         starters += [e for e, soon in self._soon.items() if first in soon and e not in starters]
         matched: dict[str, int] = {}
         confirmed: dict[str, int] = {}
-        # The longest exact match so far, as a set: an engine that holds all of it (many engines share a
-        # long system prompt or document) is checked with one C-level subset test instead of a scan, and
-        # one that does not usually fails that test at its first element.
-        known: set[int] = set()  # hashes[:known_depth], all held exactly by some engine
-        known_depth = 0
+        step = self.checkpoint_blocks
         for engine in starters:
             held = self._exact.get(engine, _NONE)
-            start = known_depth if known_depth and known <= held else 0
+            verified = self._verified.get(engine)
+            start = _verified_depth(verified, hashes, step) if verified else 0
             soon = self._soon.get(engine, _NONE)
             depth, exact = self._depth(engine, held, soon, hashes, start, now)
-            if exact > known_depth:
-                known.update(islice(hashes, known_depth, exact))
-                known_depth = exact
+            if exact >= start + step:
+                self._remember(engine, verified, hashes, start, exact)
             matched[engine] = depth
             if exact:
                 confirmed[engine] = exact
         return matched, confirmed
+
+    def _remember(
+        self, engine: str, verified: dict[int, int] | None, hashes: Sequence[int], start: int, exact: int
+    ) -> None:
+        """Record that ``engine`` holds ``hashes[:exact]`` exactly, at the checkpoints past ``start``."""
+        if verified is None or len(verified) >= MAX_VERIFIED:
+            verified = self._verified[engine] = {}
+            start = 0
+        step = self.checkpoint_blocks
+        for d in range(start + step, exact + 1, step):
+            verified[hashes[d - 1]] = d
 
     def _depth(
         self,
@@ -204,12 +230,16 @@ class MemoryResidencyIndex:
         hashes = hashes if isinstance(hashes, (set, frozenset, list, tuple)) else list(hashes)
         exact = self._exact.get(engine)
         if exact is not None:
+            held = len(exact)
             exact.difference_update(hashes)
+            if len(exact) != held:
+                self._verified.pop(engine, None)  # a remembered prefix may have lost a block
         self._forget_approx(engine, hashes)
         self.forget_soon_now(engine, hashes)
 
     def clear_now(self, engine: str) -> None:
         self._exact.pop(engine, None)
+        self._verified.pop(engine, None)
         self._soon.pop(engine, None)
         self._forget_approx(engine, list(self._approx_of.get(engine, ())))
 
@@ -323,3 +353,15 @@ class MemoryResidencyIndex:
 
     async def sweep(self) -> int:
         return self.sweep_now()
+
+
+def _verified_depth(verified: dict[int, int], hashes: Sequence[int], step: int) -> int:
+    """The deepest checkpoint of ``hashes`` (every ``step`` blocks) that ``verified`` vouches for (0: none),
+    probed from the first up: a walk records every checkpoint up to the depth it found, so the first miss
+    ends the climb."""
+    depth = 0
+    for d in range(step, len(hashes) + 1, step):
+        if verified.get(hashes[d - 1]) != d:
+            break
+        depth = d
+    return depth
