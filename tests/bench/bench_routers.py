@@ -12,7 +12,8 @@ with a line saying so. Every router runs in its own process in front of 4 simula
 
 1. Overhead: added latency at concurrency 1 (p50, p99; every request goes down every path, direct, kvgate,
    each peer, in a new random order each time) and throughput at concurrency 32 (rounds interleaved, in
-   random order), against direct.
+   random order), against direct; with each router's CPU per request at c=32, and the engines' (they share
+   this machine's cores, so what they spend per request through a router counts in its throughput).
 2. The Mooncake conversation trace (``tests/data``), time-compressed: every hash id becomes the same 512-token
    text wherever it occurs, so prompts share prefixes exactly as in the trace; every router gets the same
    requests with the same ``x-session-affinity`` (the conversation key of region_map.simulation.trace). Hit
@@ -55,7 +56,7 @@ import orjson
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway_overhead import MODEL, one, pct, start_floor, throughput_round, tree_launch
+from bench_gateway_overhead import MODEL, cpu_seconds, one, pct, start_floor, throughput_round, tree_launch
 from trace_workload import LENGTHS, TRACE, by_length, engine_counts, overhead_mean_ms, paired_with, replay
 
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
@@ -227,14 +228,26 @@ def chat_body(i: int) -> bytes:
 
 
 async def overhead(
-    ports: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float
+    ports: dict[str, int],
+    pids: dict[str, int],
+    engine_pids: list[int],
+    rounds: int,
+    n: int,
+    concurrency: int,
+    duration_s: float,
 ) -> dict[str, Any]:
+    """Added latency at c=1 and throughput at ``concurrency``; and, from /proc over the throughput rounds,
+    each router's CPU per request (``pids``: its process, with its threads and children) and the engines'
+    (``engine_pids``): on this machine the engines share the cores with the router, so what a router costs
+    them per request (a request they answer at a lower rate costs them more) weighs in its throughput."""
     pools = {name: UpstreamPool("127.0.0.1", port, max_idle=concurrency) for name, port in ports.items()}
     for pool in pools.values():
         for i in range(100):
             await one(pool, chat_body(i))
     latency: dict[str, list[float]] = {name: [] for name in pools}
     rps: dict[str, list[float]] = {name: [] for name in pools}
+    cpu: dict[str, list[float]] = {name: [] for name in pools}  # seconds per request, per round
+    engine_cpu: dict[str, list[float]] = {name: [] for name in pools}
     order = list(pools)
     shuffle = random.Random(0).shuffle
     for _ in tqdm(range(rounds), desc="overhead rounds", file=sys.stderr):
@@ -246,7 +259,13 @@ async def overhead(
                 latency[name].append(await one(pools[name], chat_body(i)))
         shuffle(order)
         for name in order:
-            rps[name].append(await throughput_round(pools[name], concurrency, duration_s, chat_body))
+            router_cpu, engines_cpu = _cpu(pids.get(name)), sum(map(_cpu, engine_pids))
+            started = time.perf_counter()
+            rate = await throughput_round(pools[name], concurrency, duration_s, chat_body)
+            requests = rate * (time.perf_counter() - started)
+            rps[name].append(rate)
+            cpu[name].append((_cpu(pids.get(name)) - router_cpu) / requests)
+            engine_cpu[name].append((sum(map(_cpu, engine_pids)) - engines_cpu) / requests)
     for pool in pools.values():
         pool.close()
     d50, d99, drps = (
@@ -256,9 +275,16 @@ async def overhead(
     )
     return {
         name: {"added_p50_ms": (statistics.median(v) - d50) * 1e3, "added_p99_ms": (pct(v, 0.99) - d99) * 1e3,
-               "req_s": statistics.median(rps[name]), "throughput_ratio": statistics.median(rps[name]) / drps}
+               "req_s": statistics.median(rps[name]), "throughput_ratio": statistics.median(rps[name]) / drps,
+               "router_cpu_ms": statistics.median(cpu[name]) * 1e3,
+               "engines_cpu_ms": statistics.median(engine_cpu[name]) * 1e3}
         for name, v in latency.items()
     }  # fmt: skip
+
+
+def _cpu(pid: int | None) -> float:
+    """CPU seconds of ``pid`` and its descendants; 0 for none (direct has no router)."""
+    return 0.0 if pid is None else cpu_seconds(pid)
 
 
 class _Skip(Exception):
@@ -313,7 +339,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{name}: did not become ready, skipped", file=sys.stderr)
             ports = {"direct": engines[0].port} | {r.name: r.port for r in routers if ready[r.name]}
             if "overhead" in args.parts:
-                results["overhead"] = await overhead(ports, args.rounds, args.requests, 32, args.duration)
+                pids = {r.name: r.process.pid for r in routers if ready[r.name]}
+                engine_pids = [e.process.pid for e in engines]
+                results["overhead"] = await overhead(
+                    ports, pids, engine_pids, args.rounds, args.requests, 32, args.duration
+                )
             if "lengths" in args.parts:
                 results["lengths"] = await by_length(ports, args.length_requests, words=args.words)
         except _Skip:
@@ -407,10 +437,16 @@ def main() -> int:
     print(
         "\n1. overhead: 4 zero-cost simulated engines; c=1 latency interleaved per request, c=32 throughput"
     )
-    print(f"{'router':14s} {'added p50':>10s} {'added p99':>10s} {'req/s c=32':>11s} {'ratio':>6s}")
+    print(
+        f"{'router':14s} {'added p50':>10s} {'added p99':>10s} {'req/s c=32':>11s} {'ratio':>6s}"
+        f" {'router CPU/req':>15s} {'engines CPU/req':>16s}"
+    )
     for name, r in results["overhead"].items():
         added = f"{r['added_p50_ms']:+9.3f}ms {r['added_p99_ms']:+9.3f}ms"
-        print(f"{name:14s} {added} {r['req_s']:11.0f} {r['throughput_ratio']:6.2f}")
+        cpu = f"{r['router_cpu_ms']:13.3f}ms {r['engines_cpu_ms']:14.3f}ms"
+        print(f"{name:14s} {added} {r['req_s']:11.0f} {r['throughput_ratio']:6.2f} {cpu}")
+    print("(CPU per request at c=32 from /proc: the router's process with its threads and children, and the")
+    print(" four engines', which share this machine's cores with it)")
     print(f"\n2. Mooncake trace: first {args.trace_requests} requests, {args.speedup:g}x faster, 4 engines")
     columns = ("hit rate", "TTFT p50", "TTFT p90", "load max/mean", "errors")
     print(f"{'router':14s} " + " ".join(f"{c:>9s}" for c in columns))
