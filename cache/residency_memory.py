@@ -19,7 +19,7 @@ _NONE: frozenset[int] = frozenset()
 # so that the next prompt resending that prefix (every turn of a conversation, every request under one
 # system prompt) starts its walk there: a few dict probes instead of a membership test per block.
 CHECKPOINT_BLOCKS = 16
-MAX_VERIFIED = 8192  # remembered depths per engine (all forgotten at once past it)
+MAX_VERIFIED = 2048  # remembered depths per engine (all forgotten at once past it): ~200 kB at most
 
 
 class MemoryResidencyIndex:
