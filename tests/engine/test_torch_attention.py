@@ -153,12 +153,18 @@ def test_a_long_prompt_chunked_over_several_steps_gives_the_one_step_tokens(
     [[(0, 300)], [(200, 100), (3, 1)], [(0, MIN_QUERIES + 50)], [(100, MIN_QUERIES), (3, 1)]],
     ids=["fresh", "prefix", "fresh-chunked", "prefix-chunked"],
 )
-def test_bf16_prefill_keeps_float32_scores_when_attention_is_peaked(shape: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("flash", [True, False], ids=["split", "masked"])
+def test_bf16_prefill_keeps_float32_scores_when_attention_is_peaked(
+    shape: list[tuple[int, int]], flash: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Trained models' attention logits reach tens (sinks, induction heads): with q and k of standard
     deviation 3 (logits of deviation 9), bf16 attention must stay as close to the float32 reference as bf16
     SDPA does, whose scores stay float32: through SDPA, and through the chunked matmuls for long sequences.
     Scores rounded to bf16 before the softmax (a chunked path tried once, without the shift by the row
-    maxima) were 0.24 and 0.09 off here."""
+    maxima) were 0.24 and 0.09 off here. A cached prefix is planned apart from the chunk when torch's CPU
+    flash op is there ("split"), else over all the sequence's slots ("masked")."""
+    if not flash:
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
     slices, cache, (q, k, v) = step(shape, torch.bfloat16, seed=11)
     for t in (q, k, cache.k[0]):
         t.mul_(3)
