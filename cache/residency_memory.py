@@ -52,7 +52,7 @@ class MemoryResidencyIndex:
         self._approx: dict[int, dict[str, float]] = {}  # hash -> {engine: expiry}
         self._approx_of: dict[str, set[int]] = {}  # engine -> its approximate blocks (never also exact)
         self._seq: dict[str, int] = {}
-        # engine -> {hashes[d - 1]: d}: prefixes of d blocks (d a multiple of CHECKPOINT_BLOCKS) it held
+        # engine -> {hashes[d - 1]: d}: prefixes of d blocks (d a multiple of checkpoint_blocks) it held
         # exactly when a walk last checked them. Exact entries only grow between removals, so these stay
         # true until the engine's next removal or clear, which forgets them all. A chained hash names its
         # whole prefix (the ResidencyIndex contract), so one probe vouches for d blocks.

@@ -284,29 +284,36 @@ def torch_attention(
         out.index_copy_(0, d.rows, decoded)
     group = q.shape[1] != k.shape[1]
     for p in plan.prefill:
-        if use_chunked(q, p.rows.stop - p.rows.start):  # long bf16 on the CPU: matmuls, one call, any prefix
-            keys, values = k[p.rows], v[p.rows]
-            if p.slots is not None:
-                keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
-                if p.split:  # (the slots are the prefix's only)
-                    keys, values = torch.cat((keys, k[p.rows])), torch.cat((values, v[p.rows]))
-            out[p.rows] = chunked_attention(q[p.rows], keys, values, scale)
-            continue
-        queries = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if p.split:
+        chunked = use_chunked(q, p.rows.stop - p.rows.start)  # long bf16 on the CPU: one call, any prefix
+        if p.split and not chunked:
             assert p.slots is not None
+            queries = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             out[p.rows] = split_prefill(queries, k[p.rows], v[p.rows], k_cache, v_cache, p.slots, scale)
             continue
-        if p.slots is None:
-            keys, values = k[p.rows], v[p.rows]
-        else:
-            keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
+        keys, values = _sequence_kv(p, k, v, k_cache, v_cache)
+        if chunked:
+            out[p.rows] = chunked_attention(q[p.rows], keys, values, scale)
+            continue
+        queries = q[p.rows].transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(
             queries, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group,
         )  # fmt: skip
         out[p.rows] = attended[0].transpose(0, 1)
     return out
+
+
+def _sequence_kv(
+    p: TorchPrefill, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # [keys, Hkv, D] each
+    """Every key and value ``p``'s queries attend, in order: its own rows' when nothing of it was cached,
+    else its slots' (followed by its own rows' when the plan split the cached prefix off)."""
+    if p.slots is None:
+        return k[p.rows], v[p.rows]
+    keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
+    if p.split:  # (the slots are the prefix's only)
+        keys, values = torch.cat((keys, k[p.rows])), torch.cat((values, v[p.rows]))
+    return keys, values
 
 
 def split_prefill(
