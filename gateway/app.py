@@ -1,4 +1,6 @@
-"""The aiohttp application: routes, the error middleware, and every long-lived resource in one lifespan."""
+"""The gateway's application: its routes (served by ``gateway.http.lean_http``), the OpenAI-shaped errors
+every handler's failures become, and every long-lived resource in one lifespan (an aiohttp application,
+whose runner and cleanup context hold them)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import Any, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -27,14 +28,14 @@ from cache.tokens import load_tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError, http_exception_to_error
-from gateway.http.http_wire import Answer, WholeAnswer
-from gateway.http.lean_http import LeanHandler, LeanRequest
+from gateway.http.http_wire import Answer
+from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_routes import LeanHandler, Route, Routes
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_tls import engine_tls_context
-from gateway.observability.dashboard import DashboardSampler
-from gateway.observability.dashboard import add_routes as add_dashboard_routes
+from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
-from gateway.observability.operator import access_middleware, public_health, start_operator_site
+from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.state.kv_events import KvEventConsumer
@@ -55,12 +56,12 @@ log = logging.getLogger("kvgate.app")
 GATEWAY = web.AppKey("gateway", Gateway)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
-OPERATOR_APP = web.AppKey("operator", web.Application)  # served on gateway.operator_port, when set
+ROUTES = web.AppKey("routes", Routes)  # the public port's
+OPERATOR_ROUTES = web.AppKey("operator_routes", Routes)  # served on gateway.operator_port, when set
 REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
 REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_A = TypeVar("_A", web.StreamResponse, Answer)  # aiohttp handlers answer the first, lean ones either
+_A = TypeVar("_A", web.StreamResponse, Answer)
 
 
 async def _answer(
@@ -84,43 +85,21 @@ async def _answer(
     return response
 
 
-def _error_middleware(metrics: GatewayMetrics) -> Middleware:
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        info = request.match_info.route.resource
-        return await _answer(handler, request, info.canonical if info is not None else "unmatched", metrics)
-
-    return middleware
-
-
-def _on_aiohttp(handler: Callable[[Any], Awaitable[Answer]]) -> Handler:
-    """``handler`` for a request aiohttp serves: a relayed whole answer becomes an aiohttp Response."""
-
-    async def answer(request: web.Request) -> web.StreamResponse:
-        response = await handler(request)
-        return response.aiohttp() if isinstance(response, WholeAnswer) else response
+def _counted(endpoint: str, handler: LeanHandler, metrics: GatewayMetrics) -> LeanHandler:
+    async def answer(request: LeanRequest) -> Answer:
+        return await _answer(handler, request, endpoint, metrics)
 
     return answer
 
 
-def lean_routes(app: web.Application) -> dict[str, LeanHandler]:
-    """The endpoints ``gateway.http.lean_http`` serves itself, with the same error handling and counting as
-    the app's middleware gives every other endpoint (empty when the gateway is configured without it)."""
-    gateway = app[GATEWAY]
-    if not gateway.settings.lean_http:
-        return {}
-    metrics = gateway.metrics
+def _routes(metrics: GatewayMetrics, table: list[tuple[str, LeanHandler]]) -> list[Route]:
+    """GET routes (HEAD too), each handler's errors answered and counted as every endpoint's are."""
+    return [Route(path, {"GET": _counted(path, handler, metrics)}) for path, handler in table]
 
-    def route(path: str, handler: Callable[[Any], Awaitable[Answer]]) -> LeanHandler:
-        async def answer(request: LeanRequest) -> Answer:
-            return await _answer(handler, request, path, metrics)
 
-        return answer
-
-    return {
-        CHAT_PATH: route(CHAT_PATH, gateway.chat_completions),
-        COMPLETIONS_PATH: route(COMPLETIONS_PATH, gateway.completions),
-    }
+def public_routes(app: web.Application) -> Routes:
+    """What the public port serves (``gateway.http.server`` serves it with ``gateway.http.lean_http``)."""
+    return app[ROUTES]
 
 
 def build_app(config: KvgateConfig) -> web.Application:
@@ -180,32 +159,33 @@ def build_app(config: KvgateConfig) -> web.Application:
             "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
         },
     )
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[_error_middleware(metrics), access_middleware(billing)],
-    )
+    if not settings.lean_http:
+        log.warning(
+            "gateway.lean_http = false is no longer an option: gateway.http.lean_http serves every request"
+        )
+    app = web.Application()
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
-    app.router.add_post(CHAT_PATH, _on_aiohttp(gateway.chat_completions))
-    app.router.add_post(COMPLETIONS_PATH, _on_aiohttp(gateway.completions))
-    app.router.add_get("/v1/models", gateway.models)
-    app.router.add_get("/v1/usage", usage.tenant_usage)
-    app.router.add_get("/v1/admin/usage", usage.admin_usage)
-    app.router.add_get("/health", public_health(gateway))
+    completions = [(CHAT_PATH, gateway.chat_completions), (COMPLETIONS_PATH, gateway.completions)]
+    public = [
+        ("/v1/models", guarded(billing, "/v1/models", gateway.models)),
+        ("/v1/usage", usage.tenant_usage),
+        ("/v1/admin/usage", usage.admin_usage),
+        ("/health", public_health(gateway)),
+    ]
+    operator = [("/metrics", _metrics_handler(gateway.metrics)), *dashboard_routes(dashboard)]
     if settings.operator_port is None:
-        _add_operator_routes(app, gateway, dashboard)
-    else:  # (the Prometheus convention: the operator's endpoints on a port of their own)
-        operator = web.Application(middlewares=[_error_middleware(metrics)])
-        operator.router.add_get("/health", gateway.health)
-        _add_operator_routes(operator, gateway, dashboard)
-        app[OPERATOR_APP] = operator
+        public += [(path, guarded(billing, path, handler)) for path, handler in operator]
+    else:  # (the Prometheus convention: the operator's endpoints on a port of their own, without keys)
+        app[OPERATOR_ROUTES] = Routes(_routes(metrics, [("/health", gateway.health), *operator]))
+    # The completion endpoints' keys are checked once their headers are in, before their bodies are read.
+    hot = [
+        Route(path, {"POST": _counted(path, handler, metrics)}, key_first=True)
+        for path, handler in completions
+    ]
+    app[ROUTES] = Routes([*hot, *_routes(metrics, public)])
     return app
-
-
-def _add_operator_routes(app: web.Application, gateway: Gateway, dashboard: DashboardSampler) -> None:
-    app.router.add_get("/metrics", _metrics_handler(gateway.metrics))
-    add_dashboard_routes(app, dashboard)
 
 
 def redis_client(url: str, max_connections: int) -> aioredis.Redis:
@@ -271,8 +251,8 @@ async def _check_redis(state: SharedState, url: str) -> str:
     return f"on ({without_credentials(url)})"
 
 
-def _metrics_handler(metrics: GatewayMetrics) -> Handler:
-    async def handler(request: web.Request) -> web.Response:
+def _metrics_handler(metrics: GatewayMetrics) -> LeanHandler:
+    async def handler(request: LeanRequest) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
@@ -295,13 +275,17 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     )
     consumers: list[asyncio.Task[None]] = []
     billing = gateway.billing
-    operator: web.AppRunner | None = None
+    operator: OperatorSite | None = None
     try:
-        if OPERATOR_APP in app:
+        if OPERATOR_ROUTES in app:
             operator = await start_operator_site(
-                app[OPERATOR_APP], settings.operator_host, settings.operator_port or 0
+                app[OPERATOR_ROUTES],
+                settings.operator_host,
+                settings.operator_port or 0,
+                settings=settings,
+                answered=gateway.metrics.answered,
             )
-            gateway.operator_url = "http://{}:{}".format(*operator.addresses[0][:2])
+            gateway.operator_url = operator.url
         # Replays first what an earlier run left: its spool, and the requests its journal still owed.
         redis_said = "off"
         if state.redis is not None:
@@ -345,7 +329,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                 await task
         await poller.stop()
         if operator is not None:
-            await operator.cleanup()
+            await operator.close(gateway.resilience.drain_timeout_s)
         await app[DASHBOARD].stop()
         await billing.writer.stop()  # every record is in the ledger or the spool
         await state.stop()

@@ -268,7 +268,7 @@ class GatewaySettings(BaseModel):
     access_log: bool = Field(default=True, description="one JSON line per finished request (kvgate.access)")
     lean_http: bool = Field(
         default=True,
-        description="serve the completion endpoints with gateway.http.lean_http; false: all aiohttp",
+        description="ignored, kept so that older configurations load: gateway.http.lean_http serves it all",
     )
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     edge: EdgeSettings = Field(default_factory=EdgeSettings)

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -21,13 +21,14 @@ from gateway.config import KvgateConfig
 from gateway.http.engine_body import engine_body
 from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import Answer
+from gateway.http.lean_http import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import error_fields, relay_stream, relay_whole
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import ClientRequest, Prepared, RequestPreparer
+from gateway.prepare import Prepared, RequestPreparer
 from gateway.routing import RoutingPolicy
 from gateway.routing.router import Route, Router
 from gateway.state.shared_state import SharedState
@@ -88,7 +89,7 @@ class Gateway:
 
     # -- endpoints -------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: ClientRequest) -> Answer:
+    async def chat_completions(self, request: LeanRequest) -> Answer:
         received = time.perf_counter()
         caller = await self._caller(request)
         await self.billing.admit_request(caller)
@@ -97,7 +98,7 @@ class Gateway:
             request, received, caller, await self.prepare.chat(request, body, caller.tenant)
         )
 
-    async def completions(self, request: ClientRequest) -> Answer:
+    async def completions(self, request: LeanRequest) -> Answer:
         received = time.perf_counter()
         caller = await self._caller(request)
         await self.billing.admit_request(caller)
@@ -105,31 +106,30 @@ class Gateway:
         p = await self.prepare.completion(request, body, caller.tenant)
         return await self._admit_and_serve(request, received, caller, p)
 
-    async def _caller(self, request: ClientRequest) -> Caller:
+    async def _caller(self, request: LeanRequest) -> Caller:
         """Who sent the request, known before its body is read: gateway.http.lean_http checks the key once the
         headers are in and hands the verdict on (``caller``: the Caller, or its look-up still under way
-        when the body came whole first); aiohttp's requests are identified here (aiohttp reads no body
-        before the handler does)."""
-        known = getattr(request, "caller", None)
+        when the body came whole first); identified here when nobody did (authentication was off then)."""
+        known = request.caller
         if known is None:
             return await self.billing.identify(request.headers.get("Authorization"))
-        return known if isinstance(known, Caller) else cast(Caller, await known)
+        return known if isinstance(known, Caller) else await known
 
     async def _admit_and_serve(
-        self, request: ClientRequest, received: float, caller: Caller, p: Prepared
+        self, request: LeanRequest, received: float, caller: Caller, p: Prepared
     ) -> Answer:
         p.key_id = caller.key_id
         await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
         return await self._serve(request, received, p)
 
-    async def models(self, request: ClientRequest) -> web.Response:
+    async def models(self, request: LeanRequest) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": self.started, "owned_by": "kvgate"}
             for m in self.fleet.models()
         ]
         return _json({"object": "list", "data": data})
 
-    async def health(self, request: ClientRequest) -> web.Response:
+    async def health(self, request: LeanRequest) -> web.Response:
         return self.health_response(details=True)
 
     def redis_status(self) -> str:
@@ -158,7 +158,7 @@ class Gateway:
 
     # -- serving -------------------------------------------------------------------------------------
 
-    async def _serve(self, request: ClientRequest, received: float, p: Prepared) -> Answer:
+    async def _serve(self, request: LeanRequest, received: float, p: Prepared) -> Answer:
         """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
         self.router.find_session(p)
         plan = self.router.plan(p)
@@ -233,7 +233,7 @@ class Gateway:
         return _Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
                           prefill_failed=True)  # fmt: skip
 
-    async def _dispatch(self, request: ClientRequest, received: float, p: Prepared, route: Route) -> Answer:
+    async def _dispatch(self, request: LeanRequest, received: float, p: Prepared, route: Route) -> Answer:
         engine, decision, prefill, predicted = route.engine, route.decision, route.prefill, route.predicted
         pull = None
         if route.pulled_tokens:

@@ -1,7 +1,6 @@
-"""The public port's edge (``[gateway.edge]``), shared by every client connection whoever serves it
-(``gateway.http.lean_http``, or aiohttp through ``gateway.http.server``): the read deadlines, the budget of
-request bodies being read, the connection caps with their refusal on accept, and the key check before a
-body."""
+"""The public port's edge (``[gateway.edge]``), shared by every client connection
+(``gateway.http.lean_http``): the read deadlines, the budget of request bodies being read, the connection
+caps with their refusal on accept, and the key check before a body."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The bytes of a whole HTTP/1.1 answer as the gateway writes it on a transport itself
-(``gateway.http.lean_http``, and the refusals and timeouts of ``gateway.http.edge``): status line, headers,
-framing, a Date formatted once a second; and ``WholeAnswer``, the relayed whole answer that never becomes an
-aiohttp Response on such a connection."""
+(``gateway.http.lean_http``, and the refusals of ``gateway.http.edge``): status line, headers, framing, a
+Date formatted once a second; and ``WholeAnswer``, the relayed whole answer that never becomes an aiohttp
+Response."""
 
 from __future__ import annotations
 
@@ -11,19 +11,27 @@ from email.utils import formatdate
 from aiohttp import web
 
 
-def whole_response(response: web.StreamResponse | WholeAnswer, keep_alive: bool) -> bytes:
+def whole_response(
+    response: web.StreamResponse | WholeAnswer, keep_alive: bool, *, announce_keep_alive: bool = False
+) -> bytes:
     """A whole answer's bytes as this server writes it: with a Content-Length, and ``Connection: close``
-    unless the connection is kept alive."""
+    unless the connection is kept alive (then, with ``announce_keep_alive``, as an HTTP/1.0 client must be
+    told, ``Connection: keep-alive``)."""
     if isinstance(response, WholeAnswer):
-        return response.wire(keep_alive)
+        return response.wire(keep_alive, announce_keep_alive=announce_keep_alive)
     body = response.body if isinstance(response, web.Response) else None
     data = bytes(body) if isinstance(body, bytes | bytearray) else b""
     framing = [b"Content-Length: %d\r\n" % len(data)]
     if "Content-Type" not in response.headers:
         framing.append(b"Content-Type: application/octet-stream\r\n")
-    if not keep_alive:
-        framing.append(b"Connection: close\r\n")
+    framing.append(_connection_line(keep_alive, announce_keep_alive))
     return head(response, *framing) + data
+
+
+def _connection_line(keep_alive: bool, announce: bool) -> bytes:
+    if not keep_alive:
+        return b"Connection: close\r\n"
+    return b"Connection: keep-alive\r\n" if announce else b""
 
 
 _SKIPPED = frozenset({"content-length", "transfer-encoding", "connection", "date"})  # this server's to set
@@ -50,9 +58,9 @@ def date_line() -> bytes:
 
 class WholeAnswer:
     """A whole ``application/json`` answer relayed from an engine, kept as its bytes and a header dict: this
-    server writes it as it is (``wire``), and only a connection aiohttp serves gets a ``web.Response`` made
-    of it. Building that Response (a CIMultiDict, the content type parsed back) and framing it again cost
-    about 4 us per request, as much as parsing and re-serializing the engine's answer."""
+    server writes it as it is (``wire``). Making a ``web.Response`` of it (a CIMultiDict, the content type
+    parsed back) and framing that cost about 4 us per request, as much as parsing and re-serializing the
+    engine's answer."""
 
     __slots__ = ("body", "headers", "status")
 
@@ -61,7 +69,7 @@ class WholeAnswer:
         self.headers = headers  # the gateway's own (x-request-id, x-kvgate-*): none of the framing ones
         self.status = status
 
-    def wire(self, keep_alive: bool) -> bytes:
+    def wire(self, keep_alive: bool, *, announce_keep_alive: bool = False) -> bytes:
         """The answer's bytes, framed as ``whole_response`` frames any other."""
         reason = _REASONS.get(self.status) or web.Response(status=self.status).reason
         fields = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
@@ -69,20 +77,15 @@ class WholeAnswer:
             b"HTTP/1.1 %d %s\r\n" % (self.status, reason.encode("latin-1")),
             fields.encode("latin-1"),
             b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(self.body),
-            b"" if keep_alive else b"Connection: close\r\n",
+            _connection_line(keep_alive, announce_keep_alive),
             date_line(),
             b"\r\n",
             self.body,
         ))  # fmt: skip
 
-    def aiohttp(self) -> web.Response:
-        """The same answer for a connection aiohttp serves."""
-        return web.Response(
-            body=self.body, status=self.status, content_type="application/json", headers=self.headers
-        )
-
 
 _REASONS = {200: "OK"}
 
-# What a handler of the gateway answers: a stream (or an aiohttp answer), or a relayed whole answer.
+# What a handler of the gateway answers: a stream or an aiohttp Response (its status, headers and body are
+# written here), or a relayed whole answer.
 Answer = web.StreamResponse | WholeAnswer

@@ -1,20 +1,19 @@
-"""A lean HTTP/1.1 server for the two hot endpoints; every other request goes to aiohttp.
+"""The gateway's HTTP/1.1 server: every request on the public port (and on the operator's port) is parsed
+here with httptools and answered straight on the transport.
 
-aiohttp's request and response machinery is a tenth to a sixth of the CPU the gateway spends on a chat
-completion (``tests/bench/bench_gateway_overhead.py`` runs a gateway without this server beside one with it).
-So POSTs to ``/v1/chat/completions`` and ``/v1/completions`` over HTTP/1.1 are parsed here with httptools and
-answered straight on the transport: whole answers with a Content-Length, streams with chunked encoding,
-keep-alive, pipelining, ``Expect: 100-continue`` and the body size limit.
+aiohttp's request and response machinery cost a quarter more CPU per chat completion than this server
+(``tests/bench/bench_gateway_overhead.py`` measured both while aiohttp still served beside it), so the
+gateway serves itself: whole answers with a Content-Length, streams with chunked encoding (to HTTP/1.0
+clients: unframed, then the connection closes), keep-alive (HTTP/1.0's ``Connection: keep-alive`` too),
+pipelining, HEAD, ``Expect: 100-continue``, the body size limit, and for what no route answers the 404 or the
+405 with ``Allow`` (``gateway.http.lean_routes``). A request the parser cannot read gets an OpenAI-shaped 400
+(headers too large: 431; a request target too long: 414) after the requests before it are answered, and
+the connection closes. An Upgrade is not taken: the request is answered as it is, then the connection
+closes, since its next bytes would be another protocol's.
 
-Anything else on a connection (another path or method, HTTP/1.0, an Upgrade, oversized or malformed headers)
-is handed, with every byte read of it so far, to aiohttp's own connection handler, which keeps that
-connection from then on: other endpoints, and the errors aiohttp gives for bad requests, behave exactly as
-without this server. A hand-off needs the request's first byte to be the first byte of a read; a request
-pipelined right behind another in the same read is refused with a 400 and the connection closed instead
-(clients do not pipeline, and may retry on a closed connection).
-
-The handlers are the application's own (``gateway.service``): they read a ``LeanRequest`` as they would an
-aiohttp request, and stream through a ``LeanStream``, a ``web.StreamResponse`` that writes here.
+The handlers are the application's own (``gateway.service``, ``gateway.app``): they read a ``LeanRequest``
+(method, path, query, headers, body) and stream through a ``LeanStream``, a ``web.StreamResponse`` that
+writes here.
 
 The edge (``gateway.http.edge``, an ``Edge`` every connection shares): a request's line and headers must
 arrive within ``header_timeout_s`` of its first byte and its body at ``body_min_rate`` after
@@ -23,88 +22,125 @@ after ``idle_timeout_s``. One timer per connection does all of it, lazily: it fi
 it was armed for and re-arms itself for the deadline of whatever the connection is doing by then, so a busy
 keep-alive connection costs no timer operation per request. The edge's ``ConnectionLimits`` admits each
 connection here (or refuses it past a cap with a 503 on accept), and bodies being read count against its
-body budget. With authentication on, a request's key is checked once its headers are here, before its body
-is read: a refused request never has its body buffered (it is read and dropped, as a body over the size
-limit is), and the caller found is handed to the handler (``LeanRequest.caller``). ``gateway.http.server``
-applies the same deadlines and caps to the connections aiohttp serves.
+body budget. With authentication on, the key of a request to a completion endpoint is checked once its
+headers are here, before its body is read: a refused request never has its body buffered (it is read and
+dropped, as a body over the size limit is), and the caller found is handed to the handler
+(``LeanRequest.caller``).
 
 A connection is built in layers, a module each: what it keeps and how it writes
-(``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), answering, refusals
-and the hand-off, with ``LeanStream`` (``gateway.http.lean_http_answering``); here, reading requests with
-httptools and checking their keys (``LeanConnection``), and the request the handlers get (``LeanRequest``).
+(``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), answering and
+refusals, with ``LeanStream`` (``gateway.http.lean_http_answering``); here, reading requests with httptools
+and checking their keys (``LeanConnection``), and the request the handlers get (``LeanRequest``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
+from urllib.parse import parse_qsl
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from gateway.http.carry_on import carry_on
 from gateway.http.edge import Identify
-from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
-from gateway.http.http_wire import Answer
+from gateway.http.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
 from gateway.http.lean_http_answering import LeanAnswering, LeanStream
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
+from gateway.http.lean_routes import UNMATCHED, LeanHandler
 
 if TYPE_CHECKING:
     from gateway.tenancy.billing import Caller
 
+__all__ = ["LeanConnection", "LeanHandler", "LeanRequest"]
+
 log = logging.getLogger("kvgate.lean_http")
 
-MAX_HEADER_BYTES = 8190  # per header line, as aiohttp; larger requests go to aiohttp, which answers 431
-MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together
+MAX_TARGET_BYTES = 8190  # the request target, as aiohttp's limit on a request line: past it, 414
+MAX_HEADER_BYTES = 8190  # per header line, as aiohttp: past it, 431
+MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together: past it, 431
 MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
-
-# A handler of a hot endpoint: the request -> the whole answer (web.Response) or a finished LeanStream.
-LeanHandler = Callable[["LeanRequest"], Awaitable[Answer]]
+EMPTY_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
 
 
 class LeanRequest:
-    """What the gateway's handlers read of a request: headers, the peer's address and the body; and, with
-    authentication on, its ``caller``, identified before the body was read (the look-up still under way
-    when the body was complete first)."""
+    """What the gateway's handlers read of a request: method, path (percent-decoded), query, headers, the
+    peer's address and the body; ``match_info``, the path's parameter (``gateway.http.lean_routes``); and,
+    with authentication on, its ``caller``, identified before the body was read (the look-up still under
+    way when the body was complete first)."""
 
-    __slots__ = ("_body", "_connection", "caller", "headers", "method", "path", "remote")
+    __slots__ = (
+        "_body",
+        "_connection",
+        "_query",
+        "_target",
+        "caller",
+        "headers",
+        "match_info",
+        "method",
+        "path",
+        "remote",
+        "version",
+    )
 
     def __init__(
         self,
         connection: LeanConnection,
+        method: str,
         path: str,
         headers: CIMultiDictProxy[str],
         body: bytes,
         remote: str | None,
         caller: Caller | asyncio.Task[Caller] | None = None,
+        *,
+        target: bytes = b"",
+        match_info: Mapping[str, str] | None = None,
+        version: str = "1.1",
     ) -> None:
         self._connection = connection
-        self.method = "POST"
+        self.method = method
         self.path = path
         self.headers = headers
         self._body = body
         self.remote = remote
         self.caller = caller
+        self._target = target
+        self._query: MultiDictProxy[str] | None = None
+        self.match_info: Mapping[str, str] = match_info if match_info is not None else {}
+        self.version = version
 
     @property
     def content_length(self) -> int:
         return len(self._body)
 
+    @property
+    def query(self) -> MultiDictProxy[str]:
+        """The query's parameters (``+`` and escapes decoded, blank values kept), parsed on first use."""
+        if self._query is None:
+            raw = self._target.partition(b"?")[2].partition(b"#")[0]
+            if raw:
+                pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8")
+                self._query = MultiDictProxy(MultiDict(pairs))
+            else:
+                self._query = EMPTY_QUERY
+        return self._query
+
     async def read(self) -> bytes:
         return self._body
 
     def stream_response(self, headers: Mapping[str, str]) -> LeanStream:
-        """A 200 stream to this request's client (``prepare``, ``write``, ``write_eof`` as aiohttp's)."""
-        return LeanStream(self._connection, headers)
+        """A 200 stream to this request's client (``prepare``, ``write``, ``write_eof`` as aiohttp's):
+        chunked, or to an HTTP/1.0 client unframed, ending with the connection."""
+        return LeanStream(self._connection, headers, chunked=self.version != "1.0")
 
 
 class LeanConnection(LeanAnswering):
     """One client connection. Requests are answered one at a time in arrival order; bytes that arrive
     meanwhile are parsed (so a client that leaves is noticed at once) and pipelined requests wait in a queue.
-    Once parsing stops (a request for aiohttp, or one refused), the requests before it are answered first."""
+    Once parsing stops (a request refused, or an Upgrade), the requests before it are answered first."""
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
@@ -139,24 +175,35 @@ class LeanConnection(LeanAnswering):
 
     def data_received(self, data: bytes) -> None:
         if self._stopped:
-            if self._handing_off and self._raw is not None:
-                self._raw.append(data)  # aiohttp reads it after the hand-off
-                self._raw_bytes += len(data)
-                self._pause_if_backlogged()
+            self._dropped += len(data)  # a refusal's lingering read, or a refused connection's
+            if self._dropped > LINGER_MAX_BYTES:
+                self._close()
             return
-        if self._raw is not None:
-            self._raw.append(data)
-            self._raw_bytes += len(data)
-        self._chunk, self._chunk_fresh = data, True
+        if self._upgrade_body_left:
+            self._read_upgrade_body(data)
+            return
+        if self._reading == HEAD:
+            self._head_fed += len(data)  # (the request began in an earlier read: all of this is its head)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:  # StopParsing, an upgrade, or a malformed request
+        except httptools.HttpParserUpgrade as upgrade:
+            # The Upgrade is not taken (RFC 9110 7.8: a server may ignore it): HTTP/1.1 goes on, with a
+            # parser of its own, once the request's body (which httptools leaves unread) is read here.
+            self._parser = httptools.HttpRequestParser(self)
+            self._read_upgrade_body(data[upgrade.args[0] :])
+            return
+        except httptools.HttpParserError as exc:  # StopParsing, or a malformed request
+            self._unparsed = not self._discarding  # (else: the end of a refused body, read and dropped)
             self._stop(exc)
             return
-        finally:
-            self._chunk = b""  # not kept: a connection that then idles or stalls would hold up to a read
-        if self._raw is not None and self._raw_bytes > MAX_HEAD_BYTES:
-            self._stop(None)  # a head without end: aiohttp refuses it its own way
+        if self._reading == HEAD and self._head_fed > MAX_HEAD_BYTES:
+            # A head without end (httptools buffers a header until it is whole): refused, not buffered on.
+            self._unparsed = True
+            self._refusal = (
+                UNMATCHED,
+                bad_http(431, f"request headers too large (at most {MAX_HEAD_BYTES} bytes)"),
+            )
+            self._stop(None)
 
     def eof_received(self) -> bool:
         return False  # close the transport
@@ -167,15 +214,14 @@ class LeanConnection(LeanAnswering):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
+        self._head_fed = 0
         self._release_body()
         self._body = []
         self._body_bytes = 0
-        self._handler = None
+        self._keep_alive = None
+        self._found = None
+        self._request_path = ""
         self._caller = None
-        if self._chunk_fresh:
-            self._raw, self._raw_bytes = [self._chunk], len(self._chunk)
-        else:
-            self._raw = None
         self._reading = HEAD
         self._began = self._loop.time()
         self._arm(self._began + self._edge.header_s)  # (mostly a no-op: an earlier timer re-arms itself)
@@ -183,39 +229,48 @@ class LeanConnection(LeanAnswering):
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_bytes += len(url)
+        if len(self._url) > MAX_TARGET_BYTES:
+            self._refusal = (
+                UNMATCHED,
+                bad_http(414, f"request target too long (at most {MAX_TARGET_BYTES} bytes)"),
+            )
+            raise StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
         too_many = len(self._headers) >= MAX_HEADERS
         if too_many or len(name) + len(value) + 2 > MAX_HEADER_BYTES or self._head_bytes > MAX_HEAD_BYTES:
-            raise StopParsing  # aiohttp answers 431
+            # Said without echoing the header back: it may be a credential.
+            message = (
+                f"request headers too large (at most {MAX_HEADER_BYTES} bytes a line, {MAX_HEADERS} lines)"
+            )
+            self._refusal = (UNMATCHED, bad_http(431, message))
+            raise StopParsing
         # As aiohttp decodes them: a value that is not UTF-8 keeps its bytes as surrogates.
         self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
-        path = self._path()
-        handler = self._routes.get(path)
-        expect = self._header("expect")
-        if (
-            handler is None
-            or parser.get_method() != b"POST"
-            or parser.get_http_version() != "1.1"
-            or parser.should_upgrade()
-            or (expect is not None and expect.lower() != "100-continue")
-        ):
-            raise StopParsing  # aiohttp's request
-        self._handler = handler
-        self._raw = None  # ours from here on
+        self._request_path = path = self._path()
+        self._method = method = parser.get_method().decode("latin-1")
+        self._version = parser.get_http_version()
+        self._found = found = self._routes.find(method, path)
         self._reading = BODY
+        if parser.should_upgrade():
+            self._upgrade_requested()
         self._body_began = self._loop.time()
+        expect = self._header("expect")
+        if expect is not None and expect.lower() != "100-continue":
+            self._refuse_body(bad_http(417, f"unsupported Expect: {expect[:40]!r} (only 100-continue is)"))
+            return
         length = self._header("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
             self._refuse_body(
                 PayloadTooLarge(f"request body of {length} bytes exceeds the {self._max_body}-byte limit")
             )
             return
-        if self._edge.identify is not None and not self._identify(self._edge.identify, expect is not None):
+        identify = self._edge.identify
+        if found.key_first and identify is not None and not self._identify(identify, expect is not None):
             return  # refused, or the key's verdict is on its way (and the 100 Continue with it)
         if expect is not None and not self._queue and self._task is None:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -246,13 +301,18 @@ class LeanConnection(LeanAnswering):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._chunk_fresh = False
+        if self._upgrade_body_left:
+            return  # an Upgrade's body, which httptools does not read: _read_upgrade_body reads it
         self._reading = IDLE
         self._served = True
         if self._discarding:
             raise StopParsing  # the refused body is all read: nothing more is parsed on this connection
-        handler = self._handler
-        if handler is None:
+        self._complete()
+
+    def _complete(self) -> None:
+        """The request is whole: into the queue, answered in turn."""
+        found = self._found
+        if found is None:
             return
         self._release_body()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -261,13 +321,67 @@ class LeanConnection(LeanAnswering):
         if self._verdict_parsing and self._verdict is not None:
             caller = self._verdict  # the body came whole before the key's verdict: the handler awaits it
             self._verdict_parsing = self._continue_pending = False
-        request = LeanRequest(self, self._path(), headers, body, self._remote, caller)
-        self._queue.append((handler, request, self._parser.should_keep_alive()))
+        request = LeanRequest(
+            self,
+            self._method,
+            self._request_path,
+            headers,
+            body,
+            self._remote,
+            caller,
+            target=self._url,
+            match_info=found.match_info,
+            version=self._version,
+        )
+        keep_alive = self._parser.should_keep_alive() if self._keep_alive is None else self._keep_alive
+        self._queue.append((found, request, keep_alive))
         self._queued_bytes += len(body)
         if self._task is None:
             self._task = self._loop.create_task(self._answer_queue())
         else:
             self._pause_if_backlogged()
+
+    # -- an Upgrade, not taken -------------------------------------------------------------------------
+
+    def _upgrade_requested(self) -> None:
+        """A request with ``Connection: upgrade`` (h2c, websocket): httptools stops after its headers and
+        leaves its body unread, so a Content-Length body is read by ``_read_upgrade_body``; a chunked one is
+        refused. The connection stays HTTP/1.1, kept alive as its other headers say."""
+        if self._header("transfer-encoding") is not None:
+            message = "an Upgrade request with a chunked body is not supported; send it without Upgrade"
+            self._refusal = (UNMATCHED, bad_http(400, message))
+            raise StopParsing
+        length = self._header("content-length") or "0"
+        if not length.isdigit():
+            self._refusal = (UNMATCHED, bad_http(400, f"invalid Content-Length: {length[:40]!r}"))
+            raise StopParsing
+        self._upgrade_body_left = int(length) if int(length) <= self._max_body else 0  # (413: refused)
+        tokens = {t.strip().lower() for t in (self._header("connection") or "").split(",")}
+        self._keep_alive = "keep-alive" in tokens if self._version == "1.0" else "close" not in tokens
+
+    def _read_upgrade_body(self, data: bytes) -> None:
+        """Read (up to) the rest of an Upgrade request's body from ``data``, then parse on what follows."""
+        left = self._upgrade_body_left
+        if left:
+            piece, data = data[:left], data[left:]
+            self._upgrade_body_left -= len(piece)
+            try:
+                if piece:
+                    self.on_body(piece)
+            except StopParsing:
+                self._upgrade_body_left = 0
+                self._stop(None)
+                return
+            if self._upgrade_body_left:
+                return  # more of it to come
+            self._reading = IDLE
+            self._served = True
+            if self._discarding:
+                self._stop(None)  # the refused body is all read
+                return
+            self._complete()
+        if data:
+            self.data_received(data)
 
     # -- the key, before the body ----------------------------------------------------------------------
 
@@ -314,3 +428,10 @@ class LeanConnection(LeanAnswering):
             else:
                 log.error("identifying a request failed", exc_info=error)  # its handler identifies again
         self._release_reading()
+
+
+def bad_http(status: int, message: str) -> GatewayError:
+    """An OpenAI-shaped error for a request this server cannot take as HTTP (code ``bad_http_request``)."""
+    error = InvalidRequest(message, code="bad_http_request")
+    error.status = status
+    return error

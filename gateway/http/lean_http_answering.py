@@ -1,12 +1,12 @@
 """Answering on a lean connection: its queue of requests in arrival order, whole answers and streams
-(``LeanStream``) written on the transport, refusals, the hand-off to aiohttp, and shutdown."""
+(``LeanStream``) written on the transport, refusals, and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -14,19 +14,28 @@ from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
 from gateway.http.http_wire import Answer, head, whole_response
 from gateway.http.lean_http_deadlines import LeanDeadlines
 from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
+from gateway.http.lean_routes import UNMATCHED, Found
+
+if TYPE_CHECKING:
+    from gateway.http.lean_http import LeanRequest
 
 log = logging.getLogger("kvgate.lean_http")
 
 LINGER_S = 10.0  # how long a refused body is read and dropped, at most
+UNREAD_LINGER_S = 2.0  # after a request that could not be parsed: its sender gets the answer, not a reset
 
 
 class LeanStream(web.StreamResponse):
-    """A streamed answer written on the lean connection, in chunked encoding. Only ``prepare``, ``write``
-    and ``write_eof`` are meant to be used, which is all the gateway's relay does."""
+    """A streamed answer written on the lean connection, in chunked encoding; or, to an HTTP/1.0 client,
+    unframed, the connection's end marking the stream's. Only ``prepare``, ``write`` and ``write_eof`` are
+    meant to be used, which is all the gateway's relay does."""
 
-    def __init__(self, connection: LeanConnectionState, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self, connection: LeanConnectionState, headers: Mapping[str, str], *, chunked: bool = True
+    ) -> None:
         super().__init__(status=200, headers=headers)
         self._connection = connection
+        self.chunked_encoding = chunked
         self.started = False
         self.finished = False
 
@@ -34,12 +43,16 @@ class LeanStream(web.StreamResponse):
         if self.started:
             return
         self.started = True
-        self._connection.write(head(self, b"Transfer-Encoding: chunked\r\n"))
+        framing = b"Transfer-Encoding: chunked\r\n" if self.chunked_encoding else b"Connection: close\r\n"
+        self._connection.write(head(self, framing))
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        await self._connection.write_and_drain(b"%x\r\n%s\r\n" % (len(data), bytes(data)))
+        if self.chunked_encoding:
+            await self._connection.write_and_drain(b"%x\r\n%s\r\n" % (len(data), bytes(data)))
+        else:
+            await self._connection.write_and_drain(bytes(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.finished:
@@ -47,26 +60,27 @@ class LeanStream(web.StreamResponse):
         if data:
             await self.write(data)
         self.finished = True
-        await self._connection.write_and_drain(b"0\r\n\r\n")
+        if self.chunked_encoding:
+            await self._connection.write_and_drain(b"0\r\n\r\n")
 
 
 class LeanAnswering(LeanDeadlines):
     """Answers the requests read, one at a time in arrival order, then does what stopped parsing asked
-    for: hand the connection to aiohttp, or answer a refusal and close."""
+    for: answer a refusal and close, or (after an Upgrade) just close."""
 
     async def _answer_queue(self) -> None:
         try:
             while self._queue and self.transport is not None:
-                handler, request, keep_alive = self._queue.popleft()
+                found, request, keep_alive = self._queue.popleft()
                 self._queued_bytes -= request.content_length
-                response = await handler(request)
+                response = await self._answer(found, request)
                 if isinstance(response, LeanStream):
-                    if not response.finished:
-                        self._close()  # a stream that did not end cleanly: the client cannot reuse it
+                    if not response.finished or not response.chunked_encoding:
+                        self._close()  # unframed, or it did not end cleanly: the connection's end is its
                         return
                 else:
                     keep_alive = keep_alive and not (self._closing and not self._queue)
-                    self._write_whole(response, keep_alive)
+                    self._write_whole(response, keep_alive, request)
                 if not keep_alive:
                     self._close()
                     return
@@ -81,6 +95,15 @@ class LeanAnswering(LeanDeadlines):
             self._task = None
         self._when_idle()
 
+    async def _answer(self, found: Found, request: LeanRequest) -> Answer:
+        """The route's answer; or, for a path or method no route takes, its 404 or 405, counted here (the
+        routes' handlers count their own)."""
+        if found.handler is not None:
+            return await found.handler(request)
+        error = found.error or GatewayError("no handler")
+        self._answered(found.endpoint, error.status)
+        return error.response()
+
     def _when_idle(self) -> None:
         """The queue is answered: resume reading, and do what stopped parsing asked for."""
         transport = self.transport
@@ -88,11 +111,9 @@ class LeanAnswering(LeanDeadlines):
             return
         self._backlogged = False
         self._release_reading()
-        if self._handing_off:
-            self._hand_off(transport)
-        elif self._refusal is not None:
+        if self._refusal is not None:
             self._send_refusal()
-        elif self._closing:
+        elif self._closing or self._stopped:
             self._close()
         else:
             self._idle_since = self._loop.time()
@@ -102,7 +123,8 @@ class LeanAnswering(LeanDeadlines):
         """Refuse the request whose headers are read (body too large, key refused), but read its body on
         (dropping it) before closing: a client still sending when the connection closes gets a reset, not
         the answer."""
-        self._refusal = (self._path(), error)
+        found = self._found
+        self._refusal = (found.endpoint if found is not None else UNMATCHED, error)
         self._discarding = 1
         self._release_body()
         self._body = []
@@ -111,7 +133,9 @@ class LeanAnswering(LeanDeadlines):
 
     def _send_refusal(self) -> None:
         """Answer the refusal (once) and close, or, while its body is still being dropped, close after that
-        or after ``LINGER_S`` at the latest."""
+        or after ``LINGER_S`` at the latest. After a request that could not be parsed, the rest of what the
+        client sends is read and dropped for ``UNREAD_LINGER_S`` (its end of the connection is shut at
+        once), so that the answer reaches it before the connection closes."""
         if self._refusal is None or self.transport is None:
             return
         if not self._refusal_sent:
@@ -120,59 +144,53 @@ class LeanAnswering(LeanDeadlines):
             self._answered(endpoint, error.status)
             self._write_whole(error.response(), keep_alive=False)
         if self._discarding and not self._stopped:
-            self._reading = LINGER
-            self._linger_until = self._loop.time() + LINGER_S
-            self._arm(self._linger_until)
+            self._linger(LINGER_S)
+        elif self._unparsed and self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._linger(UNREAD_LINGER_S)
         else:
             self._close()
 
+    def _linger(self, seconds: float) -> None:
+        self._reading = LINGER
+        self._linger_until = self._loop.time() + seconds
+        self._arm(self._linger_until)
+
     def _stop(self, exc: BaseException | None) -> None:
-        """Parsing ends on this connection: a request for aiohttp (handed over with its bytes when they are
-        all here) or one refused; either way once the requests before it are answered."""
+        """Parsing ends on this connection: a request refused (as it said, or as malformed), once the
+        requests before it are answered."""
         self._stopped = True
         if self._refusal_sent:
             self._close()  # the refused body has been read
             return
-        self._reading = IDLE  # nothing more is read; what is left is answered once the queue is
+        self._reading = IDLE  # nothing more is parsed; what is left is answered once the queue is
         if self._refusal is None:
-            if self._raw is not None:
-                self._handing_off = True  # (aiohttp times the request's body from the hand-off)
-            else:
-                reason = (
-                    "a request pipelined behind another cannot be handed over; send it on its own connection"
-                )
-                if (
-                    exc is not None
-                    and not isinstance(exc.__context__, StopParsing)
-                    and self._handler is not None
-                ):
-                    reason = str(exc) or type(exc).__name__
-                error = InvalidRequest(f"malformed HTTP request: {reason}", code="bad_http_request")
-                self._refusal = (self._path() if self._handler is not None else "unmatched", error)
+            reason = (
+                "unreadable request" if exc is None or isinstance(exc.__context__, StopParsing) else str(exc)
+            )
+            error = InvalidRequest(
+                f"malformed HTTP request: {reason or type(exc).__name__}", code="bad_http_request"
+            )
+            found = self._found
+            self._refusal = (found.endpoint if found is not None else UNMATCHED, error)
         if self._task is None:
             self._when_idle()
 
-    def _hand_off(self, transport: asyncio.Transport) -> None:
-        raw = b"".join(self._raw or ())
-        self._registry.discard(self)
-        self.transport = None
-        self._disarm()
-        client, self._client = self._client, None  # its slot goes with it: aiohttp's handler releases it
-        protocol = self._hand_off_factory(client or "")
-        transport.set_protocol(protocol)
-        protocol.connection_made(transport)
-        if raw:
-            protocol.data_received(raw)
-
-    def _write_whole(self, response: Answer, keep_alive: bool) -> None:
-        self.write(whole_response(response, keep_alive))
+    def _write_whole(self, response: Answer, keep_alive: bool, request: LeanRequest | None = None) -> None:
+        if request is None or (request.version == "1.1" and request.method != "HEAD"):
+            self.write(whole_response(response, keep_alive))
+            return
+        # An HTTP/1.0 client keeps the connection only when told so; a HEAD gets the head alone.
+        data = whole_response(response, keep_alive, announce_keep_alive=request.version == "1.0")
+        if request.method == "HEAD":
+            data = data[: data.index(b"\r\n\r\n") + 4]
+        self.write(data)
 
     def _read_timed_out(self) -> None:
         """The request being read is late: answer 408 once the requests before it are, then close."""
         phase = "header" if self._reading == HEAD else "body"
         self._edge.timed_out(phase)
         self._reading = IDLE
-        self._raw = None  # answered here, never handed to aiohttp
         if self._refusal is None:
             if phase == "header":
                 message = f"the request's headers did not arrive within {self._edge.header_s:g} s"
@@ -181,10 +199,8 @@ class LeanAnswering(LeanDeadlines):
                     f"the request body arrived too slowly (under {self._edge.body_rate:.0f} bytes/s after "
                     f"its first {self._edge.body_s:g} s)"
                 )
-            self._refusal = (
-                self._path() if self._handler is not None else "unmatched",
-                RequestTimedOut(message),
-            )
+            found = self._found if phase == "body" else None
+            self._refusal = (found.endpoint if found is not None else UNMATCHED, RequestTimedOut(message))
         self._discarding = 0  # (a refusal already due is answered, and then the connection closes)
         self._stop(None)
 

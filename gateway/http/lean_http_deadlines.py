@@ -16,7 +16,7 @@ class LeanDeadlines(LeanConnectionState):
     # -- holding reading -------------------------------------------------------------------------------
 
     def _pause_if_backlogged(self) -> None:
-        held = self._queued_bytes + (self._raw_bytes if self._raw else 0)
+        held = self._queued_bytes
         if held > BACKLOG_PAUSE_BYTES:
             self._backlogged = True
             self._hold_reading()

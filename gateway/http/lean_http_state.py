@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 import httptools
 
 from gateway.http.edge import Edge
 from gateway.http.errors import GatewayError
+from gateway.http.lean_routes import Found, Routes
 
 if TYPE_CHECKING:
-    from gateway.http.lean_http import LeanConnection, LeanHandler, LeanRequest
+    from gateway.http.lean_http import LeanConnection, LeanRequest
     from gateway.tenancy.billing import Caller
 
 # What a connection is reading, for its deadline (gateway.http.lean_http_deadlines).
@@ -33,17 +35,15 @@ class LeanConnectionState(asyncio.Protocol):
 
     def __init__(
         self,
-        routes: Mapping[str, LeanHandler],
+        routes: Routes,
         *,
         max_body_bytes: int,
-        hand_off: Callable[[str], asyncio.Protocol],
         registry: set[LeanConnection],
         answered: Callable[[str, int], None],
         edge: Edge,
     ) -> None:
         self._routes = routes
         self._max_body = max_body_bytes
-        self._hand_off_factory = hand_off  # given the connection's client key: its slot moves to aiohttp
         self._registry = registry
         self._answered = answered
         self._edge = edge
@@ -51,30 +51,31 @@ class LeanConnectionState(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self._remote: str | None = None
-        self._client: str | None = None  # the slot ConnectionLimits gave it (None: refused, or handed on)
+        self._client: str | None = None  # the slot ConnectionLimits gave it (None: refused)
         # The request being parsed.
         self._url = b""
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
+        self._head_fed = 0  # bytes read while its head was being read (httptools buffers a header whole)
         self._body: list[bytes] = []
         self._held = 0  # of _body's bytes, counted in the edge's body budget
         self._body_bytes = 0
-        self._handler: LeanHandler | None = None
+        self._method = "GET"
+        self._version = "1.1"
+        self._keep_alive: bool | None = None  # None: as the parser says
+        self._upgrade_body_left = 0  # bytes of an Upgrade request's body still to read (httptools won't)
+        self._found: Found | None = None  # its route, once its headers are in
+        self._request_path = ""
         self._caller: Caller | None = None  # identified before its body was read
-        # Every chunk read since the request being parsed began, while it may still go to aiohttp (None
-        # once it is ours, or when it began in the middle of a read and cannot be handed over).
-        self._raw: list[bytes] | None = None
-        self._raw_bytes = 0
-        self._chunk = b""
-        self._chunk_fresh = False  # no request has ended yet in the chunk being parsed
-        # Parsing stopped: hand the connection to aiohttp, or answer a refusal, once the queue is answered.
+        # Parsing stopped: answer a refusal (or, after an Upgrade, nothing more) once the queue is answered.
         self._stopped = False
-        self._handing_off = False
+        self._dropped = 0  # bytes read and dropped since parsing stopped
+        self._unparsed = False  # parsing stopped inside a request: the rest of what comes is not read
         self._refusal: tuple[str, GatewayError] | None = None
         self._refusal_sent = False
         self._discarding = 0  # > 0: the body of a refused request is read and dropped, this many bytes so far
         # Answering.
-        self._queue: collections.deque[tuple[LeanHandler, LeanRequest, bool]] = collections.deque()
+        self._queue: collections.deque[tuple[Found, LeanRequest, bool]] = collections.deque()
         self._queued_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False  # close once the queue is answered
@@ -128,7 +129,16 @@ class LeanConnectionState(asyncio.Protocol):
         self._held = 0
 
     def _path(self) -> str:
-        return self._url.partition(b"?")[0].decode("latin-1")
+        """The request target's path, percent-decoded as aiohttp's ``request.path`` is (absolute-form, a
+        proxy's ``http://host/path``, included)."""
+        url = self._url
+        if url[:1] != b"/":
+            try:
+                url = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:
+                return url.decode("latin-1")  # no route has it: a 404
+        path = url.partition(b"?")[0].partition(b"#")[0].decode("latin-1")
+        return unquote(path, errors="surrogateescape") if "%" in path else path
 
     def _header(self, name: str) -> str | None:
         return next((v for k, v in self._headers if k.lower() == name), None)

@@ -23,7 +23,6 @@ from gateway.http.sse import SseUsageTap
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import ClientRequest
 
 # completed: the whole answer reached the client; aborted: the client left after tokens streamed;
 # failed: the engine broke off a stream that had started.
@@ -90,7 +89,7 @@ async def relay_whole(
 
 
 async def relay_stream(
-    request: ClientRequest,
+    request: LeanRequest,
     upstream: Response,
     *,
     engine_id: str,
@@ -106,12 +105,7 @@ async def relay_stream(
     has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
     most; a stream that breaks off ends with an error event and is billed for what was sent."""
-    # On gateway.http.lean_http's connections the stream is written there; else it is aiohttp's.
-    response = (
-        request.stream_response(headers)
-        if isinstance(request, LeanRequest)
-        else web.StreamResponse(status=200, headers=headers)
-    )
+    response = request.stream_response(headers)  # written on the client's connection (gateway.http.lean_http)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)

@@ -21,6 +21,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.http.errors import NotFound
+from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_routes import LeanHandler
 from region_map.fleet import Fleet
 from region_map.simulation.simulator import percentile
 
@@ -121,23 +124,22 @@ def _asset(name: str) -> bytes:
     return (ASSETS_DIR / name).read_bytes()
 
 
-def add_routes(app: web.Application, sampler: DashboardSampler) -> None:
+def dashboard_routes(sampler: DashboardSampler) -> list[tuple[str, LeanHandler]]:
+    """The dashboard's page, its data and its assets, as GET routes."""
     page = _asset("index.html")
     assets = {name: (_asset(name), content_type) for name, content_type in ASSETS.items()}
 
-    async def index(request: web.Request) -> web.Response:
+    async def index(request: LeanRequest) -> web.Response:
         return web.Response(body=page, content_type="text/html", charset="utf-8")
 
-    async def data(request: web.Request) -> web.Response:
+    async def data(request: LeanRequest) -> web.Response:
         return web.Response(body=orjson.dumps(sampler.data()), content_type="application/json")
 
-    async def asset(request: web.Request) -> web.Response:
+    async def asset(request: LeanRequest) -> web.Response:
         found = assets.get(request.match_info["name"])
         if found is None:
-            raise web.HTTPNotFound()
+            raise NotFound(f"no dashboard asset {request.match_info['name'][:80]!r}", code="not_found")
         body, content_type = found
         return web.Response(body=body, content_type=content_type, headers={"Cache-Control": "max-age=300"})
 
-    app.router.add_get("/dashboard", index)
-    app.router.add_get("/dashboard/data", data)
-    app.router.add_get("/dashboard/assets/{name}", asset)
+    return [("/dashboard", index), ("/dashboard/data", data), ("/dashboard/assets/{name}", asset)]

@@ -156,7 +156,7 @@ class GatewayMetrics:
         r.register(
             _CallbackGauge(
                 "kvgate_client_connections",
-                "Client connections open on the public port (lean_http's and aiohttp's).",
+                "Client connections open on the public port.",
                 lambda: float(self.open_connections()),
             )
         )

@@ -12,47 +12,46 @@ without keys, and the public port no longer serves ``/metrics`` and ``/dashboard
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
+from gateway.config import GatewaySettings
+from gateway.http.edge import ConnectionLimits, Edge
 from gateway.http.errors import PermissionDenied
+from gateway.http.lean_http import LeanConnection, LeanRequest
+from gateway.http.lean_routes import LeanHandler, Routes
 from gateway.service import Gateway
 from gateway.tenancy.billing import Billing
 from region_map.config import ConfigError
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 ADMIN_ONLY = ("/metrics", "/dashboard")  # and everything under /dashboard/
 
 
-def access_middleware(billing: Billing) -> Middleware:
-    """Keys for the operator endpoints of the public port (nothing changes with authentication off)."""
+def guarded(billing: Billing, path: str, handler: LeanHandler) -> LeanHandler:
+    """``handler`` behind the keys its endpoint of the public port needs (nothing changes with
+    authentication off): any valid key for ``/v1/models``, an admin key for ``/metrics`` and
+    ``/dashboard``."""
+    if not billing.auth.enabled:
+        return handler
+    admin_only = path in ADMIN_ONLY or path.startswith("/dashboard/")
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not billing.auth.enabled:
-            return await handler(request)
-        path = request.path
-        authorization = request.headers.get("Authorization")
-        if path == "/v1/models":
-            await billing.identify(authorization)
-        elif (path in ADMIN_ONLY or path.startswith("/dashboard/")) and not (
-            await billing.identify(authorization)
-        ).admin:
-            raise PermissionDenied(f"{path} is for operators: it needs an admin key")
-        return await handler(request)
+    async def checked(request: LeanRequest) -> web.StreamResponse:
+        caller = await billing.identify(request.headers.get("Authorization"))
+        if admin_only and not caller.admin:
+            raise PermissionDenied(f"{request.path} is for operators: it needs an admin key")
+        return await handler(request)  # type: ignore[return-value]  # (these endpoints answer whole)
 
-    return middleware
+    return checked if admin_only or path == "/v1/models" else handler
 
 
-def public_health(gateway: Gateway) -> Handler:
+def public_health(gateway: Gateway) -> LeanHandler:
     """``/health`` on the public port: whole for admin keys (and with authentication off); the bare status
     for a load balancer's probe, which carries no key (a key that is there must be valid)."""
     billing = gateway.billing
 
-    async def health(request: web.Request) -> web.Response:
+    async def health(request: LeanRequest) -> web.Response:
         authorization = request.headers.get("Authorization")
         details = not billing.auth.enabled or (
             authorization is not None and (await billing.identify(authorization)).admin
@@ -62,14 +61,41 @@ def public_health(gateway: Gateway) -> Handler:
     return health
 
 
-async def start_operator_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve ``app`` (the operator endpoints, no keys) on ``host:port``; the caller cleans the runner up."""
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
+class OperatorSite:
+    """The operator's port, served by ``gateway.http.lean_http`` as the public port is (its own caps, the
+    public port's read deadlines), without keys."""
+
+    def __init__(self, server: asyncio.Server, connections: set[LeanConnection]) -> None:
+        self.server = server
+        self.connections = connections
+
+    @property
+    def url(self) -> str:
+        return "http://{}:{}".format(*self.server.sockets[0].getsockname()[:2])
+
+    async def close(self, grace_s: float) -> None:
+        """Stop accepting; let answers in progress finish for ``grace_s``; close every connection."""
+        self.server.close()
+        await asyncio.gather(*(c.shutdown(grace_s) for c in list(self.connections)))
+        await self.server.wait_closed()
+
+
+async def start_operator_site(
+    routes: Routes, host: str, port: int, *, settings: GatewaySettings, answered: Callable[[str, int], None]
+) -> OperatorSite:
+    """Serve ``routes`` (the operator endpoints, no keys) on ``host:port``; the caller closes the site."""
+    cap = settings.edge.max_connections
+    edge = Edge(settings.edge, ConnectionLimits(max_total=cap, max_per_client=cap))
+    connections: set[LeanConnection] = set()
+
+    def connection() -> LeanConnection:
+        return LeanConnection(
+            routes, max_body_bytes=settings.max_body_bytes, registry=connections, answered=answered, edge=edge
+        )
+
     try:
-        await web.TCPSite(runner, host, port).start()
+        server = await asyncio.get_running_loop().create_server(connection, host, port)
     except OSError as exc:
-        await runner.cleanup()
         reason = exc.strerror or exc
         raise ConfigError(f"gateway.operator_port: cannot listen on {host}:{port}: {reason}") from None
-    return runner
+    return OperatorSite(server, connections)

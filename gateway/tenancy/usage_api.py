@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
 from gateway.http.errors import InvalidRequest, PermissionDenied, Unavailable
+from gateway.http.lean_http import LeanRequest
 from gateway.tenancy.billing import Billing
 
 MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name
@@ -26,7 +27,7 @@ class UsageApi:
     def __init__(self, billing: Billing) -> None:
         self.billing = billing
 
-    async def tenant_usage(self, request: web.Request) -> web.Response:
+    async def tenant_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
         start, end = day_range(request.query)
         tenant = caller.tenant.name
@@ -34,7 +35,7 @@ class UsageApi:
         body = {"object": "usage", "tenant": tenant, "start": start, "end": end, **_days_and_total(days)}
         return _json(body)
 
-    async def admin_usage(self, request: web.Request) -> web.Response:
+    async def admin_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
         if not caller.admin:
             raise PermissionDenied("this key may only read its own tenant's usage (GET /v1/usage)")

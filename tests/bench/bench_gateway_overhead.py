@@ -11,9 +11,9 @@ bound in the gateway's view, which must not wait on Redis. ``--workers 1,2`` run
 count of gateway processes (``kvgate serve --workers N``; CPU then counts the workers, and without Redis
 their private redis-server). A bare relay (relay_floor.py: the same server stack and upstream client, no
 parsing, hashing or routing) runs beside it as the floor any Python proxy on this machine pays, so the
-gateway's own cost reads as "gateway - floor". A second gateway with
-``lean_http = false`` (aiohttp serving the completion endpoints too) runs beside the first, so the lean HTTP
-server's gain reads as a same-run ratio; so does each process's CPU per request (from /proc, Linux only).
+gateway's own cost reads as "gateway - floor"; each process's CPU per request is read from /proc (Linux
+only). ``--baseline-checkout DIR`` runs a second gateway from another source tree (``git worktree add DIR
+COMMIT``) as ``gateway@base`` beside the first: before and after a change, as same-run ratios.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def start_gateway(
     redis_url: str | None,
     workdir: Path,
     *,
-    lean_http: bool = True,
     workers: int = 1,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
@@ -91,7 +90,7 @@ def start_gateway(
     config = workdir / f"bench-{port}.toml"
     config.write_text(
         f'region = "bench"\n[[regions]]\nname = "bench"\nengines = [\n{engine_lines}\n]\n'
-        f"[gateway]\nport = {port}\nlean_http = {str(lean_http).lower()}\n{redis_line}\n"
+        f"[gateway]\nport = {port}\n{redis_line}\n"
         f'spool_path = "{workdir / f"spool-{port}"}"\n'  # (and the workers' private Redis beside it)
     )
     cmd = [sys.executable, *python_args, "-m", "gateway.cli", "--log-level", "warning", "serve", "--config",
@@ -160,7 +159,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-PATHS = ("direct", "floor", "floor (httptools)", "gateway", "gateway (aiohttp)")
+PATHS = ("direct", "floor", "floor (httptools)", "gateway")
+BASE = "gateway@base"  # --baseline-checkout's
 
 
 def start_floor(engine_port: int, *, httptools: bool = False) -> tuple[subprocess.Popen[bytes], int]:
@@ -225,7 +225,7 @@ def report(results: dict, label: str, concurrency: int) -> dict:
     s50 = {k: statistics.median(v) * 1e3 for k, v in ttfb.items()}
     rps = {k: statistics.median(v) for k, v in tput.items()}
     cpu = results["cpu_ms"]
-    d, a = "direct", "gateway (aiohttp)"
+    d = "direct"
     summary = {
         "setup": label,
         "added_p50_ms": round(p50["gateway"] - p50[d], 3),
@@ -235,8 +235,6 @@ def report(results: dict, label: str, concurrency: int) -> dict:
         "floor_added_p50_ms": round(p50["floor"] - p50[d], 3),
         "floor_throughput_ratio": round(rps["floor"] / rps[d], 3),
         "gateway_minus_floor_p50_ms": round(p50["gateway"] - p50["floor"], 3),
-        "aiohttp_added_p50_ms": round(p50[a] - p50[d], 3),
-        "aiohttp_throughput_ratio": round(rps[a] / rps[d], 3),
         "cpu_ms_per_request": cpu,
     }
     print(f"\n== {label}   (added = path - direct, same run, interleaved)")
@@ -244,7 +242,7 @@ def report(results: dict, label: str, concurrency: int) -> dict:
         f"  {'':17s} {'p50 ms':>8s} {'added':>8s} {'p99 ms':>8s} {'added':>8s} {'TTFB ms':>8s} {'added':>8s} "
         f"{'req/s c=' + str(concurrency):>12s} {'ratio':>6s}"
     )
-    for k in PATHS:
+    for k in [path for path in (*PATHS, BASE) if path in p50]:
         print(
             f"  {k:17s} {p50[k]:8.3f} {p50[k] - p50[d]:+8.3f} {p99[k]:8.3f} {p99[k] - p99[d]:+8.3f} "
             f"{s50[k]:8.3f} {s50[k] - s50[d]:+8.3f} {rps[k]:12.0f} {rps[k] / rps[d]:6.2f}"
@@ -252,12 +250,18 @@ def report(results: dict, label: str, concurrency: int) -> dict:
     print(f"  gateway - floor (the gateway's own work), p50: {p50['gateway'] - p50['floor']:+.3f} ms")
     print("  CPU per request (ms):  " + "  ".join(f"{k} c=1 {cpu['c1'][k]:.3f} c={concurrency} "
                                                   f"{cpu['c32'][k]:.3f}" for k in cpu["c1"]))  # fmt: skip
-    lean, old = p50["gateway"] - p50[d], p50[a] - p50[d]
-    print(
-        f"  lean HTTP / aiohttp: added p50 {lean / old:.2f}, throughput {rps['gateway'] / rps[a]:.2f}, "
-        f"CPU per request c=1 {cpu['c1']['gateway'] / cpu['c1'][a]:.2f}, "
-        f"c={concurrency} {cpu['c32']['gateway'] / cpu['c32'][a]:.2f}"
-    )
+    if BASE in p50:
+        new, old = p50["gateway"] - p50[d], p50[BASE] - p50[d]
+        summary["base"] = {
+            "added_p50_ms": round(old, 3),
+            "throughput_ratio": round(rps[BASE] / rps[d], 3),
+        }
+        print(
+            f"  gateway / gateway@base: added p50 {new / old:.2f}, "
+            f"throughput {rps['gateway'] / rps[BASE]:.2f}, "
+            f"CPU per request c=1 {cpu['c1']['gateway'] / cpu['c1'][BASE]:.2f}, "
+            f"c={concurrency} {cpu['c32']['gateway'] / cpu['c32'][BASE]:.2f}"
+        )
     return summary
 
 
@@ -284,6 +288,9 @@ def main() -> int:
     parser.add_argument(
         "--sessions", type=int, default=0, help="send x-session-affinity, this many sessions in turn"
     )
+    parser.add_argument(
+        "--baseline-checkout", type=Path, default=None, help="also run a gateway from this source tree"
+    )
     args = parser.parse_args()
     SYSTEM[0] = ("You are a helpful assistant. " * (args.system_chars // 28 + 1))[: args.system_chars]
     install_best_loop()
@@ -301,30 +308,29 @@ def main() -> int:
         for label, redis_url, workers in setups:
             with tempfile.TemporaryDirectory() as tmp:
                 gateway, port = start_gateway(engines, redis_url, Path(tmp), workers=workers)
-                old, old_port = start_gateway(engines, redis_url, Path(tmp), lean_http=False, workers=workers)
                 floor, floor_port = start_floor(engines[0].port)
                 bare, bare_port = start_floor(engines[0].port, httptools=True)
+                processes = {"gateway": (gateway, port), "floor": (floor, floor_port),
+                             "floor (httptools)": (bare, bare_port)}  # fmt: skip
+                if args.baseline_checkout is not None:
+                    tree = args.baseline_checkout.resolve()
+                    processes[BASE] = start_gateway(
+                        engines, redis_url, Path(tmp), workers=workers, **tree_launch(tree)
+                    )
                 try:
                     asyncio.run(
                         wait_healthy(
-                            [
-                                EngineProcess("gw", "gw", port, gateway),
-                                EngineProcess("gw", "aiohttp", old_port, old),
-                                EngineProcess("fl", "fl", floor_port, floor),
-                                EngineProcess("fl", "bare", bare_port, bare),
-                            ]
+                            [EngineProcess("gw", name, p, proc) for name, (proc, p) in processes.items()]
                         )
                     )
-                    ports = {"direct": engines[0].port, "floor": floor_port, "floor (httptools)": bare_port,
-                             "gateway": port, "gateway (aiohttp)": old_port}  # fmt: skip
-                    pids = {"floor": floor.pid, "floor (httptools)": bare.pid, "gateway": gateway.pid,
-                            "gateway (aiohttp)": old.pid}  # fmt: skip
+                    ports = {"direct": engines[0].port, **{name: p for name, (_, p) in processes.items()}}
+                    pids = {name: proc.pid for name, (proc, _) in processes.items()}
                     results = asyncio.run(
                         measure(ports, pids, args.rounds, args.requests, args.concurrency, args.duration)
                     )
                     summaries.append(report(results, label, args.concurrency))
                 finally:
-                    for process in (gateway, old, floor, bare):
+                    for process, _ in processes.values():
                         process.terminate()
                         process.wait(10)
     finally:

@@ -1,6 +1,6 @@
 """The public port's edge (``[gateway.edge]``): read deadlines for slow clients, connection caps, and the
-key checked before a body is read; on lean_http's connections, on connections it hands to aiohttp, and with
-``lean_http = false``. Raw sockets against a real gateway, with deadlines of a second or so.
+key checked before a body is read; on a connection's first request and on one kept alive after a GET.
+Raw sockets against a real gateway, with deadlines of a second or so.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.raw_http import Replies, Reply
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CHAT_BODY = json.dumps(CHAT).encode()
 DEADLINES = {"header_timeout_s": 1.0, "body_timeout_s": 1.0}
-MODES = ["lean", "handed_off", "aiohttp"]  # who reads the slow request: lean_http, or aiohttp (two ways)
+MODES = ["fresh", "after_get"]  # the slow request is the connection's first, or follows a GET answered on it
 DRIP_S = 0.2
 EIGHT_MIB = 8 << 20
 
@@ -109,18 +109,18 @@ def limits(cluster: Cluster) -> ConnectionLimits:
     return edge.limits
 
 
-async def gateway(make_cluster: ClusterFactory, mode: str = "lean", **settings: Any) -> Cluster:
-    return await make_cluster({"eu-west": 1}, lean_http=mode != "aiohttp", **settings)
+async def gateway(make_cluster: ClusterFactory, mode: str = "fresh", **settings: Any) -> Cluster:
+    return await make_cluster({"eu-west": 1}, **settings)
 
 
 async def client_for(cluster: Cluster, mode: str) -> Client:
-    """A connection in ``mode``: on a handed-off one aiohttp reads every request after a first GET."""
+    """A connection in ``mode``: ``after_get``, it has served a GET and is kept alive."""
     client = await Client.connect(cluster)
-    if mode == "handed_off":
+    if mode == "after_get":
         await client.send(get("/health"))
         replies = await client.replies_until(1)
         assert replies[0].status == 200
-        assert not server(cluster).lean_connections  # aiohttp's from here on
+        assert len(server(cluster).lean_connections) == 1
     return client
 
 
@@ -167,13 +167,12 @@ async def test_a_partial_request_line_gets_408_at_its_deadline(
     assert timeouts(cluster, "header") == 1
 
 
-@pytest.mark.parametrize("mode", ["lean", "aiohttp"])
 async def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline(
-    make_cluster: ClusterFactory, mode: str
+    make_cluster: ClusterFactory,
 ) -> None:
     """A connection holds a file descriptor: one that never sends its first request frees it at the header
     deadline (as nginx's client_header_timeout), not at the keep-alive idle timeout."""
-    cluster = await gateway(make_cluster, mode, edge={**DEADLINES, "idle_timeout_s": 60})
+    cluster = await gateway(make_cluster, edge={**DEADLINES, "idle_timeout_s": 60})
     client = await Client.connect(cluster)
     assert await served_meanwhile(cluster, client.until_closed(within_s=8)) == []  # closed, nothing said
     assert limits(cluster).open == 0
@@ -239,15 +238,14 @@ async def test_the_body_allowance_grows_with_the_bytes_received(
     assert timeouts(cluster, "body") == 1
 
 
-@pytest.mark.parametrize("mode", ["lean", "aiohttp"])
 async def test_an_answer_longer_than_the_deadlines_is_not_cut_and_idle_connections_close(
-    make_cluster: ClusterFactory, mode: str
+    make_cluster: ClusterFactory,
 ) -> None:
     """Deadlines bound reading a request, not answering it or waiting for the next: requests spaced wider
     than the 0.5 s deadlines on one keep-alive connection, and a stream of about 2 s, all end whole and the
     connection stays usable; once idle past idle_timeout_s it is closed."""
     edge = {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "idle_timeout_s": 1.5}
-    cluster = await gateway(make_cluster, mode, edge=edge)
+    cluster = await gateway(make_cluster, edge=edge)
     client = await Client.connect(cluster)
     for i in range(3):
         await client.send(CHAT_REQUEST)
@@ -300,7 +298,6 @@ async def assert_served(cluster: Cluster, request: bytes = CHAT_REQUEST) -> None
         client.close()
 
 
-@pytest.mark.parametrize("mode", ["lean", "aiohttp"])
 @pytest.mark.parametrize(
     ("cap", "reason"),
     [
@@ -309,9 +306,9 @@ async def assert_served(cluster: Cluster, request: bytes = CHAT_REQUEST) -> None
     ],
 )
 async def test_connections_past_a_cap_get_503_on_accept(
-    make_cluster: ClusterFactory, mode: str, cap: dict[str, Any], reason: str
+    make_cluster: ClusterFactory, cap: dict[str, Any], reason: str
 ) -> None:
-    cluster = await gateway(make_cluster, mode, edge=cap)
+    cluster = await gateway(make_cluster, edge=cap)
     held = await open_held(cluster, 3)
     await assert_refused(cluster)
     await assert_refused(cluster)
@@ -329,19 +326,19 @@ async def test_connections_past_a_cap_get_503_on_accept(
     await assert_served(cluster, get("/health"))
 
 
-async def test_the_per_client_cap_follows_a_connection_handed_to_aiohttp(
-    make_cluster: ClusterFactory,
-) -> None:
-    """A lean connection handed to aiohttp keeps its one slot: counted once, released once."""
+async def test_a_connection_holds_one_slot_whatever_it_serves(make_cluster: ClusterFactory) -> None:
+    """A connection that served a GET, then completions, then a 404, is counted once and released once."""
     cluster = await gateway(make_cluster, edge={"max_connections_per_client": 2, "per_client_exempt": []})
-    handed = await client_for(cluster, "handed_off")
-    lean = await Client.connect(cluster)
-    await lean.send(CHAT_REQUEST)
-    assert (await lean.replies_until(1))[0].status == 200
+    mixed = await client_for(cluster, "after_get")
+    await mixed.send(CHAT_REQUEST + get("/nowhere"))
+    assert [r.status for r in await mixed.replies_until(3)] == [200, 200, 404]
+    other = await Client.connect(cluster)
+    await other.send(CHAT_REQUEST)
+    assert (await other.replies_until(1))[0].status == 200
     await assert_refused(cluster)
     assert limits(cluster).open == 2
-    handed.close()
-    lean.close()
+    mixed.close()
+    other.close()
     await cluster.wait_for(lambda: limits(cluster).open == 0)
     assert limits(cluster).clients() == 0
 
@@ -464,7 +461,7 @@ async def test_requests_refused_before_their_bodies_hold_no_memory(make_cluster:
                 await client.send(half)
         await asyncio.sleep(0.2)
         # Neither the body nor the last read of it (nor the refusal's traceback, whose frames would hold it).
-        held = [c for c in server(cluster).lean_connections if c._body or c._body_bytes or c._chunk]
+        held = [c for c in server(cluster).lean_connections if c._body or c._body_bytes]
         assert not held
         refusals = [c._refusal for c in server(cluster).lean_connections]
         assert len(refusals) == 40 and all(r and r[1].__traceback__ is None for r in refusals)

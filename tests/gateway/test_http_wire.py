@@ -1,10 +1,12 @@
-"""gateway.http.http_wire: a relayed whole answer framed by hand says what aiohttp's Response framed by
-``whole_response`` says (status, headers, body), on a kept-alive connection and on a closing one."""
+"""gateway.http.http_wire: a relayed whole answer framed by hand says what the same answer as an aiohttp
+Response framed by ``whole_response`` says (status, headers, body), on a kept-alive connection, on a closing
+one, and to an HTTP/1.0 client told that its connection is kept."""
 
 from __future__ import annotations
 
 import httptools
 import pytest
+from aiohttp import web
 
 from gateway.http.http_wire import WholeAnswer, whole_response
 
@@ -32,12 +34,15 @@ class Parsed:
         self.keep_alive = self.parser.should_keep_alive()  # (known while the message completes)
 
 
-@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize(("keep_alive", "announce"), [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("status", [200, 404])
-def test_a_whole_answer_is_framed_as_its_aiohttp_response_would_be(keep_alive: bool, status: int) -> None:
+def test_a_whole_answer_is_framed_as_its_aiohttp_response_would_be(
+    keep_alive: bool, announce: bool, status: int
+) -> None:
     answer = WholeAnswer(BODY, dict(HEADERS), status)
-    ours = Parsed(answer.wire(keep_alive))
-    theirs = Parsed(whole_response(answer.aiohttp(), keep_alive))
+    response = web.Response(body=BODY, status=status, content_type="application/json", headers=HEADERS)
+    ours = Parsed(answer.wire(keep_alive, announce_keep_alive=announce))
+    theirs = Parsed(whole_response(response, keep_alive, announce_keep_alive=announce))
     assert ours.done and theirs.done
     assert (ours.status, ours.keep_alive, ours.body) == (theirs.status, theirs.keep_alive, theirs.body)
     assert (ours.status, ours.keep_alive, ours.body) == (status, keep_alive, BODY)
@@ -46,6 +51,9 @@ def test_a_whole_answer_is_framed_as_its_aiohttp_response_would_be(keep_alive: b
         k: v for k, v in theirs.headers.items() if k != "date"
     }
     assert ours.headers["content-type"] == "application/json"
+    assert ours.headers.get("connection") == (
+        "close" if not keep_alive else "keep-alive" if announce else None
+    )
     assert int(ours.headers["content-length"]) == len(BODY)
 
 

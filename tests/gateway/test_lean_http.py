@@ -1,12 +1,15 @@
-"""gateway.http.lean_http at the socket: what it serves itself, what it hands to aiohttp, and how it fails.
+"""gateway.http.lean_http at the socket: the gateway's one HTTP server, every endpoint and every way a
+request can come (keep-alive, pipelining, HTTP/1.0, HEAD, Upgrade, absolute and escaped targets), and how
+it fails (404, 405, 414, 417, 431, malformed requests).
 
-The rest of the suite reaches the completion endpoints through it too (the harness runs the gateway's own
-runner); these tests speak raw HTTP/1.1 to reach the cases clients rarely produce.
+The rest of the suite reaches every endpoint through it too (the harness runs the gateway's own runner);
+these tests speak raw HTTP to reach the cases clients rarely produce.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -59,8 +62,8 @@ def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def get(path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode()
+def get(path: str, *headers: str, method: str = "GET", version: str = "1.1") -> bytes:
+    return ("\r\n".join([f"{method} {path} HTTP/{version}", "Host: test", *headers]) + "\r\n\r\n").encode()
 
 
 CHAT_REQUEST = post("/v1/chat/completions", json.dumps(CHAT).encode())
@@ -86,7 +89,7 @@ def lean_connections(cluster: Cluster) -> int:
     return len(runner.server.lean_connections)  # type: ignore[union-attr]
 
 
-async def test_keep_alive_then_a_hand_off_to_aiohttp_then_more_completions(
+async def test_keep_alive_across_completions_and_every_other_endpoint(
     cluster: Cluster, client: Client
 ) -> None:
     await client.send(CHAT_REQUEST)
@@ -98,14 +101,21 @@ async def test_keep_alive_then_a_hand_off_to_aiohttp_then_more_completions(
     assert all(r.json()["object"] == "chat.completion" for r in replies)
     assert replies[0].headers["content-length"] == str(len(replies[0].body))
     assert "x-kvgate-engine" in replies[0].headers and "date" in replies[0].headers
-    assert lean_connections(cluster) == 1
-    await client.send(get("/health"))  # aiohttp's from here on
-    replies = await client.replies_until(4)
-    assert replies[3].status == 200 and replies[3].json()["engines_total"] == 2
-    assert lean_connections(cluster) == 0
+    for path, check in [
+        ("/health", lambda r: r.json()["engines_total"] == 2),
+        ("/v1/models", lambda r: r.json()["object"] == "list"),
+        ("/metrics", lambda r: b"kvgate_requests_total" in r.body),
+        ("/dashboard", lambda r: r.headers["content-type"].startswith("text/html")),
+        ("/v1/usage", lambda r: r.json()["object"] == "usage"),
+    ]:
+        await client.send(get(path))
+        replies = await client.replies_until(len(client.replies.done) + 1)
+        assert replies[-1].status == 200 and check(replies[-1]), (path, replies[-1].body[:200])
+        assert replies[-1].headers["content-length"] == str(len(replies[-1].body))
     await client.send(CHAT_REQUEST)
-    replies = await client.replies_until(5)
-    assert replies[4].status == 200 and replies[4].json()["object"] == "chat.completion"
+    replies = await client.replies_until(9)
+    assert replies[8].status == 200 and replies[8].json()["object"] == "chat.completion"
+    assert lean_connections(cluster) == 1 and not client.closed  # one connection throughout
 
 
 async def test_pipelined_completions_are_answered_in_order(client: Client) -> None:
@@ -120,17 +130,27 @@ async def test_pipelined_completions_are_answered_in_order(client: Client) -> No
     assert len(set(ids)) == 4
 
 
-async def test_a_request_pipelined_behind_a_completion_in_one_read_is_refused_not_lost(
+async def test_requests_of_every_kind_pipelined_in_one_read_are_all_answered_in_order(
     client: Client,
 ) -> None:
-    """It began in the middle of a read, so its bytes cannot go to aiohttp: a 400 that says why, and the
-    connection closes after the completion before it has been answered."""
-    await client.send(CHAT_REQUEST + get("/health"))
-    replies = await client.replies_until(2)
-    assert replies[0].status == 200 and replies[0].json()["object"] == "chat.completion"
-    assert replies[1].status == 400
-    assert "pipelined" in replies[1].json()["error"]["message"]
-    assert replies[1].headers.get("connection") == "close"
+    await client.send(CHAT_REQUEST + get("/health") + get("/nowhere") + CHAT_REQUEST + get("/v1/models"))
+    replies = await client.replies_until(5)
+    assert [r.status for r in replies] == [200, 200, 404, 200, 200]
+    assert replies[0].json()["object"] == replies[3].json()["object"] == "chat.completion"
+    assert replies[1].json()["engines_total"] == 2 and replies[4].json()["object"] == "list"
+    assert replies[2].json()["error"]["code"] == "not_found"
+    assert not client.closed
+
+
+async def test_a_malformed_request_behind_good_ones_gets_its_400_after_them_then_the_connection_closes(
+    client: Client,
+) -> None:
+    await client.send(CHAT_REQUEST + get("/health") + b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n")
+    replies = await client.replies_until(3)
+    assert [r.status for r in replies] == [200, 200, 400]
+    error = replies[2].json()["error"]
+    assert error["code"] == "bad_http_request" and error["message"].startswith("malformed HTTP request")
+    assert replies[2].headers.get("connection") == "close"
     assert await client.is_closed_by_server()
 
 
@@ -184,26 +204,148 @@ async def test_a_body_over_the_limit_sent_in_full_still_gets_its_413(client: Cli
     assert await client.is_closed_by_server()
 
 
-async def test_http_1_0_and_other_methods_go_to_aiohttp(cluster: Cluster, client: Client) -> None:
-    await client.send(post("/v1/chat/completions", json.dumps(CHAT).encode(), version="1.0"))
-    replies = await client.replies_until(1)
-    assert replies[0].status == 200 and replies[0].json()["object"] == "chat.completion"
+async def connect(cluster: Cluster) -> Client:
     host, port = cluster.url.removeprefix("http://").split(":")
-    other = Client(*await asyncio.open_connection(host, int(port)))
-    try:
-        await other.send(get("/v1/chat/completions"))
-        replies = await other.replies_until(1)
-        assert replies[0].status == 405
-        assert "error" in replies[0].json()
+    return Client(*await asyncio.open_connection(host, int(port)))
+
+
+async def test_http_1_0_closes_unless_kept_alive_and_gets_its_stream_unframed(cluster: Cluster) -> None:
+    body = json.dumps(CHAT).encode()
+    client = await connect(cluster)
+    try:  # HTTP/1.0 without keep-alive: the answer, then the connection closes
+        await client.send(post("/v1/chat/completions", body, version="1.0"))
+        replies = await client.replies_until(1)
+        assert replies[0].status == 200 and replies[0].json()["object"] == "chat.completion"
+        assert replies[0].headers.get("connection") == "close"
+        assert await client.is_closed_by_server()
     finally:
-        other.close()
+        client.close()
+    client = await connect(cluster)
+    try:  # Connection: keep-alive: it is said back, and the connection serves the next request
+        await client.send(post("/v1/chat/completions", body, "Connection: keep-alive", version="1.0"))
+        await client.send(get("/health", "Connection: keep-alive", version="1.0"))
+        replies = await client.replies_until(2)
+        assert [r.status for r in replies] == [200, 200]
+        assert [r.headers.get("connection") for r in replies] == ["keep-alive", "keep-alive"]
+        assert not client.closed
+    finally:
+        client.close()
+    client = await connect(cluster)
+    try:  # a stream to HTTP/1.0: no chunked encoding (a 1.0 client cannot read it); the close ends it
+        stream = {**CHAT, "stream": True, "max_tokens": 3}
+        await client.send(post("/v1/chat/completions", json.dumps(stream).encode(), version="1.0"))
+        raw = b""
+        async with asyncio.timeout(10):
+            while data := await client.reader.read(65536):
+                raw += data
+        head, _, streamed = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+        assert b"connection: close" in head.lower()
+        assert streamed.startswith(b"data: {") and streamed.endswith(b"data: [DONE]\n\n")
+    finally:
+        client.close()
 
 
-async def test_garbage_on_a_new_connection_gets_aiohttps_json_400(client: Client) -> None:
-    await client.send(b"NOT HTTP AT ALL\r\n\r\n")
+async def test_unknown_paths_get_404_and_wrong_methods_405_with_allow(client: Client) -> None:
+    await client.send(get("/v1/chat/completions"))
+    await client.send(post("/v1/models", b"{}"))
+    await client.send(get("/v1/nothing-here"))
+    await client.send(get("/health", method="DELETE"))
+    replies = await client.replies_until(4)
+    assert [r.status for r in replies] == [405, 405, 404, 405]
+    assert replies[0].headers["allow"] == "POST"
+    assert replies[1].headers["allow"] == replies[3].headers["allow"] == "GET, HEAD"
+    assert replies[0].json()["error"]["code"] == "method_not_allowed"
+    assert replies[2].json()["error"] == {
+        "message": "no such endpoint", "type": "invalid_request_error", "param": None, "code": "not_found"
+    }  # fmt: skip
+    assert not client.closed  # (errors of the request, not of the connection)
+
+
+async def test_head_gets_the_get_answers_head_alone(client: Client) -> None:
+    await client.send(get("/health"))
+    whole = (await client.replies_until(1))[0]
+    raw = b""
+    await client.send(get("/health", method="HEAD") + get("/v1/models"))
+    async with asyncio.timeout(10):
+        while raw.count(b"\r\n\r\n") < 2 or not raw.endswith(b"}"):
+            raw += await client.reader.read(65536)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert f"content-length: {len(whole.body)}".encode() in head.lower()  # the GET's length, no body
+    assert rest.startswith(b"HTTP/1.1 200")  # the next answer follows the head at once
+
+
+async def test_escaped_and_absolute_targets_reach_their_routes(client: Client) -> None:
+    await client.send(get("/v1/mod%65ls") + get("http://gateway.example/health?x=1") + get("/health#frag"))
+    replies = await client.replies_until(3)
+    assert [r.status for r in replies] == [200, 200, 200]
+    assert replies[0].json()["object"] == "list" and replies[1].json()["engines_total"] == 2
+
+
+async def test_an_upgrade_is_not_taken_the_request_is_answered_and_http_1_1_goes_on(client: Client) -> None:
+    """curl --http2 on http:// asks for h2c with its POST; websocket clients ask on a GET. httptools stops at
+    an Upgrade's headers and leaves its body unread: the body is read all the same (split over reads here),
+    the request answered as HTTP/1.1, and the connection serves the next request."""
+    body = json.dumps(CHAT).encode()
+    h2c = post("/v1/chat/completions", body, "Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c",
+               "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA")  # fmt: skip
+    await client.send(h2c[:-10])
+    await asyncio.sleep(0.05)
+    await client.send(h2c[-10:] + get("/health", "Connection: Upgrade", "Upgrade: websocket") + CHAT_REQUEST)
+    replies = await client.replies_until(3)
+    assert [r.status for r in replies] == [200, 200, 200]
+    assert replies[0].json()["object"] == replies[2].json()["object"] == "chat.completion"
+    assert replies[1].json()["engines_total"] == 2
+    assert not client.closed
+
+
+async def test_an_upgrade_with_a_chunked_body_is_refused(client: Client) -> None:
+    await client.send(post("/v1/completions", b"2\r\n{}\r\n0\r\n\r\n", "Connection: Upgrade", "Upgrade: h2c",
+                           "Transfer-Encoding: chunked"))  # fmt: skip
     replies = await client.replies_until(1)
-    assert replies[0].status == 400
-    assert replies[0].json()["error"]["code"] == "bad_http_request"
+    assert replies[0].status == 400 and "Upgrade" in replies[0].json()["error"]["message"]
+    assert await client.is_closed_by_server()
+
+
+BOTH_FRAMINGS = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (get("/" + "a" * 9000), 414),
+        (get("/health", *(f"x-h{i}: v" for i in range(200))), 431),
+        (get("/health", "x-big: " + "v" * 9000), 431),
+        (post("/v1/chat/completions", b"{}", "Expect: something-else"), 417),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+        (BOTH_FRAMINGS, 400),  # (a request smuggling vector)
+    ],
+    ids=["long-target", "many-headers", "long-header", "expect", "garbage", "length-and-chunked"],
+)
+async def test_requests_that_cannot_be_taken_get_a_json_error_and_the_connection_closes(
+    client: Client, request_bytes: bytes, status: int
+) -> None:
+    await client.send(request_bytes)
+    replies = await client.replies_until(1)
+    assert replies[0].status == status
+    error = replies[0].json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "bad_http_request"
+    assert "vvvv" not in error["message"]  # a header is never echoed: it may be a credential
+    assert await client.is_closed_by_server()
+
+
+async def test_a_head_that_never_ends_is_refused_not_buffered(client: Client) -> None:
+    """httptools keeps a header until it ends: a client sending one forever is cut off once 64 KiB of it
+    have come after the read it began in (a read is at most 256 KiB)."""
+    await client.send(b"GET /health HTTP/1.1\r\nx-endless: ")
+    with contextlib.suppress(ConnectionError):
+        for _ in range(64):  # 512 KiB
+            await client.send(b"v" * 8192)
+            await asyncio.sleep(0)
+    replies = await client.replies_until(1)
+    assert replies[0].status == 431
+    assert await client.is_closed_by_server()
 
 
 async def test_a_streamed_answer_is_chunked_and_the_connection_stays_usable(client: Client) -> None:
@@ -253,33 +395,29 @@ async def test_shutdown_lets_an_answer_in_progress_finish(cluster: Cluster) -> N
     assert await client.is_closed_by_server()
 
 
-async def test_lean_http_off_serves_everything_with_aiohttp() -> None:
+async def test_lean_http_false_in_an_old_config_still_starts_and_is_served_the_one_way() -> None:
     cluster = await start_cluster(regions={"eu-west": 1}, lean_http=False)
     try:
         status, body, _ = await cluster.post("/v1/chat/completions", CHAT)
         assert status == 200 and body["object"] == "chat.completion"
-        assert lean_connections(cluster) == 0
-        assert not cluster._runners[-1].server.lean  # type: ignore[union-attr]
+        assert lean_connections(cluster) == 1  # (the harness's client keeps its connection)
     finally:
         await cluster.close()
 
 
-async def test_a_request_for_aiohttp_split_over_many_reads_is_handed_over_whole(
-    cluster: Cluster, client: Client
-) -> None:
+async def test_a_get_split_over_many_reads(cluster: Cluster, client: Client) -> None:
     raw = get("/health")
     for i in range(0, len(raw), 3):
         await client.send(raw[i : i + 3])
         await asyncio.sleep(0.001)
     replies = await client.replies_until(1)
     assert replies[0].status == 200 and replies[0].json()["engines_total"] == 2
-    assert lean_connections(cluster) == 0
 
 
-async def test_a_request_for_aiohttp_sent_while_a_completion_runs_waits_for_it(client: Client) -> None:
+async def test_a_get_sent_while_a_completion_runs_waits_for_it(client: Client) -> None:
     slow = {**CHAT, "max_tokens": 40}  # 20 ms of decoding
     await client.send(post("/v1/chat/completions", json.dumps(slow).encode()))
-    await asyncio.sleep(0.005)  # its own read: it can be handed over, once the completion is answered
+    await asyncio.sleep(0.005)
     await client.send(get("/v1/models"))
     replies = await client.replies_until(2)
     assert replies[0].status == 200 and replies[0].json()["usage"]["completion_tokens"] == 40
