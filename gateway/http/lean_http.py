@@ -8,8 +8,8 @@ clients: unframed, then the connection closes), keep-alive (HTTP/1.0's ``Connect
 pipelining, HEAD, ``Expect: 100-continue``, the body size limit, and for what no route answers the 404 or the
 405 with ``Allow`` (``gateway.http.lean_routes``). A request the parser cannot read gets an OpenAI-shaped 400
 (headers too large: 431; a request target too long: 414) after the requests before it are answered, and
-the connection closes. An Upgrade is not taken: the request is answered as it is, then the connection
-closes, since its next bytes would be another protocol's.
+the connection closes. An Upgrade (h2c, websocket) is not taken, as RFC 9110 lets a server choose: the
+request is answered as HTTP/1.1 and the connection goes on.
 
 The handlers are the application's own (``gateway.service``, ``gateway.app``): they read a ``LeanRequest``
 (method, path, query, headers, body) and stream through a ``LeanStream``, a ``web.StreamResponse`` that
