@@ -26,7 +26,7 @@ Identify = Callable[[str | None], Coroutine[Any, Any, "Caller"]]
 class Edge:
     """What every client connection of the public port shares: the ``[gateway.edge]`` deadlines, the
     connection caps, the key check before a body is read (None: authentication is off), and the count of
-    requests that did not arrive in time (by phase: header or body)."""
+    requests that did not arrive in time (by phase: header or body) or whose answers went unread (write)."""
 
     __slots__ = (
         "body_budget",

@@ -48,6 +48,7 @@ from gateway.http.carry_on import carry_on
 from gateway.http.edge import Identify
 from gateway.http.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
 from gateway.http.lean_http_answering import LeanAnswering, LeanStream
+from gateway.http.lean_http_deadlines import MAX_PIPELINED
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
 from gateway.http.lean_routes import UNMATCHED, LeanHandler
 
@@ -63,6 +64,7 @@ MAX_HEADER_BYTES = 8190  # per header line, as aiohttp: past it, 431
 MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together: past it, 431
 MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
+PARSE_SLICE_BYTES = 16 << 10  # a large read is parsed this much at a time
 EMPTY_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
 
 
@@ -182,6 +184,16 @@ class LeanConnection(LeanAnswering):
         if self._upgrade_body_left:
             self._read_upgrade_body(data)
             return
+        if self._parked or len(self._queue) >= MAX_PIPELINED:
+            # Pipelined far ahead of the answers: the rest waits unparsed (reading is held meanwhile), so
+            # that requests without bodies, free to send, cannot pile up in memory by the thousand.
+            self._parked.append(data)
+            self._backlogged = True
+            self._hold_reading()
+            return
+        if len(data) > PARSE_SLICE_BYTES:
+            self._parse_in_slices(data)
+            return
         if self._reading == HEAD:
             self._head_fed += len(data)  # (the request began in an earlier read: all of this is its head)
         try:
@@ -207,6 +219,26 @@ class LeanConnection(LeanAnswering):
 
     def eof_received(self) -> bool:
         return False  # close the transport
+
+    def _parse_in_slices(self, data: bytes) -> None:
+        """Parse a large read a slice at a time, parking the rest as soon as the queue is full (one read
+        may hold thousands of small requests)."""
+        for start in range(0, len(data), PARSE_SLICE_BYTES):
+            if self.transport is None or self._stopped:
+                return
+            piece = data[start : start + PARSE_SLICE_BYTES]
+            if self._parked or len(self._queue) >= MAX_PIPELINED:
+                self._parked.append(data[start:])
+                self._backlogged = True
+                self._hold_reading()
+                return
+            self.data_received(piece)
+
+    def _parse_parked(self) -> None:
+        """The queue has been answered: parse what waited (which may fill it, and wait, again)."""
+        data = b"".join(self._parked)
+        self._parked.clear()
+        self.data_received(data)
 
     # -- httptools callbacks ---------------------------------------------------------------------------
 

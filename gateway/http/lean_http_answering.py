@@ -81,6 +81,8 @@ class LeanAnswering(LeanDeadlines):
                 else:
                     keep_alive = keep_alive and not (self._closing and not self._queue)
                     self._write_whole(response, keep_alive, request)
+                    if self._drain is not None:  # the client reads none: the next answer waits
+                        await self.drained()
                 if not keep_alive:
                     self._close()
                     return
@@ -111,6 +113,10 @@ class LeanAnswering(LeanDeadlines):
             return
         self._backlogged = False
         self._release_reading()
+        if self._parked:
+            self._parse_parked()  # its requests start a new round of answers, which comes back here
+            if self._task is not None or self._parked or self._stopped or self.transport is None:
+                return
         if self._refusal is not None:
             self._send_refusal()
         elif self._closing or self._stopped:
@@ -118,6 +124,10 @@ class LeanAnswering(LeanDeadlines):
         else:
             self._idle_since = self._loop.time()
             self._arm(self._deadline())
+
+    def _parse_parked(self) -> None:
+        """Parse what was read while the queue was full (``LeanConnection`` does)."""
+        raise NotImplementedError
 
     def _refuse_body(self, error: GatewayError) -> None:
         """Refuse the request whose headers are read (body too large, key refused), but read its body on

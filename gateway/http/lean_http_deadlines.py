@@ -6,6 +6,7 @@ from __future__ import annotations
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, LINGER, NEVER, LeanConnectionState
 
 BACKLOG_PAUSE_BYTES = 1 << 20  # pipelined bytes held while a request is answered, before reading pauses
+MAX_PIPELINED = 64  # requests queued on a connection before the rest of what it sent waits, unparsed
 
 
 class LeanDeadlines(LeanConnectionState):
@@ -16,8 +17,7 @@ class LeanDeadlines(LeanConnectionState):
     # -- holding reading -------------------------------------------------------------------------------
 
     def _pause_if_backlogged(self) -> None:
-        held = self._queued_bytes
-        if held > BACKLOG_PAUSE_BYTES:
+        if self._queued_bytes > BACKLOG_PAUSE_BYTES or len(self._queue) >= MAX_PIPELINED:
             self._backlogged = True
             self._hold_reading()
 

@@ -77,6 +77,8 @@ class LeanConnectionState(asyncio.Protocol):
         # Answering.
         self._queue: collections.deque[tuple[Found, LeanRequest, bool]] = collections.deque()
         self._queued_bytes = 0
+        # What was read while the queue was full, parsed once it has been answered (gateway.http.lean_http).
+        self._parked: list[bytes] = []
         self._task: asyncio.Task[None] | None = None
         self._closing = False  # close once the queue is answered
         self._drain: asyncio.Future[None] | None = None
@@ -114,8 +116,23 @@ class LeanConnectionState(asyncio.Protocol):
 
     async def write_and_drain(self, data: bytes) -> None:
         self.write(data)
-        if self._drain is not None:
-            await asyncio.shield(self._drain)
+        await self.drained()
+
+    async def drained(self) -> None:
+        """Return once the transport takes writes again. A client that reads nothing of its answers for
+        ``idle_timeout_s`` is gone as far as this server is concerned (nginx's send_timeout): closed, and
+        ConnectionResetError raised, so that its handler stops and accounts for what it sent."""
+        drain = self._drain
+        if drain is None:
+            return
+        try:
+            async with asyncio.timeout(self._edge.idle_s):
+                await asyncio.shield(drain)
+        except TimeoutError:
+            self._edge.timed_out("write")
+            if self.transport is not None:
+                self.transport.abort()  # (its buffered answers are not worth sending any more)
+            raise ConnectionResetError("the client read nothing of its answers for idle_timeout_s") from None
 
     def _close(self) -> None:
         if self.transport is not None:

@@ -118,7 +118,9 @@ def edge_for(gateway: Gateway) -> Edge:
         settings,
         limits,
         identify=gateway.billing.identify if gateway.settings.auth.enabled else None,
-        timed_out=lambda phase: metrics.read_timeouts.labels(phase).inc(),
+        timed_out=lambda phase: (
+            metrics.write_timeouts.labels() if phase == "write" else metrics.read_timeouts.labels(phase)
+        ).inc(),
     )
 
 

@@ -147,6 +147,13 @@ class GatewayMetrics:
             ["phase"],
             registry=r,
         )
+        self.write_timeouts = LoopCounter(
+            "kvgate_client_write_timeouts",
+            "Client connections closed because the client read nothing of its answers for idle_timeout_s.",
+            (),
+            registry=r,
+        )
+        self.write_timeouts.labels()  # (shown from the start, at 0)
         self.open_connections: Callable[[], int] = lambda: (
             0
         )  # the server's count (gateway.http.server sets it)

@@ -493,3 +493,18 @@ async def test_bodies_being_read_share_one_budget_even_with_good_keys(make_clust
     assert (await client.replies_until(1))[0].status == 200
     assert edge.buffered == 0  # (a whole body is the request's, out of the budget)
     client.close()
+
+
+async def test_a_client_that_reads_none_of_its_answers_is_cut_off_after_idle_timeout(
+    make_cluster: ClusterFactory,
+) -> None:
+    """Answers wait for the client to read them (a pipelined burst must not buffer them all in the gateway's
+    memory); a client that reads nothing for idle_timeout_s is closed, counted, and others are served."""
+    cluster = await gateway(make_cluster, edge={"idle_timeout_s": 1.0})
+    client = await Client.connect(cluster)
+    client.writer.transport.set_write_buffer_limits(high=64 << 20)
+    client.writer.write(get("/metrics") * 3000)  # hundreds of MB of answers, none of them read
+    await cluster.wait_for(lambda: cluster.gateway.metrics.write_timeouts.labels().value == 1, within_s=10)
+    await cluster.wait_for(lambda: limits(cluster).open == 0, within_s=5)
+    await assert_served(cluster)
+    client.close()

@@ -422,3 +422,22 @@ async def test_a_get_sent_while_a_completion_runs_waits_for_it(client: Client) -
     replies = await client.replies_until(2)
     assert replies[0].status == 200 and replies[0].json()["usage"]["completion_tokens"] == 40
     assert replies[1].status == 200 and replies[1].json()["object"] == "list"
+
+
+async def test_a_burst_of_pipelined_requests_is_parsed_as_fast_as_it_is_answered(
+    cluster: Cluster, client: Client
+) -> None:
+    """Requests without bodies cost nothing to send: 5,000 GET /metrics pipelined in one burst (150 kB)
+    must become neither their answers (hundreds of MB) buffered for a client that does not read them nor
+    5,000 queued requests. Answers wait for the client to read, requests are parsed only as the queue
+    drains, and every one is answered, in order."""
+    count = 5_000
+    send = asyncio.ensure_future(client.send(get("/metrics") * count))
+    await asyncio.sleep(1.0)  # the client reads nothing meanwhile: the answers back up
+    (connection,) = cluster._runners[-1].server.lean_connections  # type: ignore[union-attr]
+    assert connection.transport.get_write_buffer_size() < 1 << 20  # answers wait for the client to read
+    assert len(connection._queue) <= 1000  # and requests are parsed ahead of them by a slice of the burst
+    replies = await client.replies_until(count, within_s=120)
+    await send
+    assert len(replies) == count and {r.status for r in replies} == {200}
+    assert not client.closed
