@@ -66,7 +66,7 @@ def gateway_for(tokenizer: Path) -> Gateway:
 
 def lean_request(raw: bytes, path: str) -> LeanRequest:
     headers = CIMultiDictProxy(CIMultiDict([("Content-Type", "application/json")]))
-    return LeanRequest(None, path, headers, raw, "127.0.0.1")  # type: ignore[arg-type]  # never answered
+    return LeanRequest(None, "POST", path, headers, raw, "127.0.0.1")  # type: ignore[arg-type]  # never answered
 
 
 def upstream_body(gateway: Gateway, p: Prepared, engine: EngineState) -> bytes:
