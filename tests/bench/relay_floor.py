@@ -1,7 +1,7 @@
 """The floor for a Python proxy on this stack: aiohttp server + kvgate's upstream client, forwarding bytes
 with no parsing, hashing or routing. The overhead benchmark runs it beside the gateway as a baseline.
 With ``--httptools`` the server is a bare asyncio protocol parsing with httptools and writing answers on the
-transport (what gateway.http.lean_http does for the completion endpoints): the floor below aiohttp.
+transport (what gateway.http.lean_http does for every request): the floor below aiohttp.
 
     python tests/bench/relay_floor.py PORT ENGINE_PORT [--httptools]
 """
