@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -27,7 +26,7 @@ from cache.spool import Spool
 from cache.tokens import load_tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_probe import check_tokenizers_forever
-from gateway.http.errors import GatewayError, http_exception_to_error
+from gateway.http.errors import GatewayError
 from gateway.http.http_wire import Answer
 from gateway.http.lean_http import LeanRequest
 from gateway.http.lean_routes import LeanHandler, Route, Routes
@@ -61,21 +60,15 @@ OPERATOR_ROUTES = web.AppKey("operator_routes", Routes)  # served on gateway.ope
 REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
 REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
-_A = TypeVar("_A", web.StreamResponse, Answer)
-
 
 async def _answer(
-    handler: Callable[[Any], Awaitable[_A]], request: Any, endpoint: str, metrics: GatewayMetrics
-) -> _A | web.Response:
+    handler: LeanHandler, request: LeanRequest, endpoint: str, metrics: GatewayMetrics
+) -> Answer:
     """The handler's response, or the OpenAI-shaped error for whatever it raised; counted per endpoint."""
     try:
         response = await handler(request)
     except GatewayError as exc:
         response = exc.response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        response = http_exception_to_error(exc).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import orjson
-from aiohttp import web
 
 from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
@@ -119,10 +118,7 @@ class RequestPreparer:
             raise PayloadTooLarge(
                 f"request body of {request.content_length} bytes exceeds the {limit}-byte limit"
             )
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit") from None
+        raw = await request.read()  # (gateway.http.lean_http refuses a body past the limit as it comes)
         if not raw:
             raise InvalidRequest("request body is empty; send a JSON object")
         try:

@@ -130,18 +130,3 @@ class UpstreamTimedOut(GatewayError):
     status = 504
     type = "server_error"
     code = "upstream_timeout"
-
-
-def http_exception_to_error(exc: web.HTTPException) -> GatewayError:
-    """aiohttp's own HTTP exceptions (no route, wrong method, body too large) in OpenAI shape."""
-    if exc.status == 413:
-        return PayloadTooLarge(f"request body too large: {exc.text or ''}".strip(": "))
-    if exc.status == 405:
-        allowed = exc.headers.get("Allow", "")
-        return MethodNotAllowed(f"method not allowed; use {allowed}", headers={"Allow": allowed})
-    if exc.status == 404:
-        return NotFound("no such endpoint", code="not_found")
-    err = GatewayError(exc.reason)
-    err.status = exc.status
-    err.type = "invalid_request_error" if exc.status < 500 else "server_error"
-    return err

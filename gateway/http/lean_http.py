@@ -185,11 +185,7 @@ class LeanConnection(LeanAnswering):
             self._read_upgrade_body(data)
             return
         if self._parked or len(self._queue) >= MAX_PIPELINED:
-            # Pipelined far ahead of the answers: the rest waits unparsed (reading is held meanwhile), so
-            # that requests without bodies, free to send, cannot pile up in memory by the thousand.
-            self._parked.append(data)
-            self._backlogged = True
-            self._hold_reading()
+            self._park(data)
             return
         if len(data) > PARSE_SLICE_BYTES:
             self._parse_in_slices(data)
@@ -226,13 +222,17 @@ class LeanConnection(LeanAnswering):
         for start in range(0, len(data), PARSE_SLICE_BYTES):
             if self.transport is None or self._stopped:
                 return
-            piece = data[start : start + PARSE_SLICE_BYTES]
             if self._parked or len(self._queue) >= MAX_PIPELINED:
-                self._parked.append(data[start:])
-                self._backlogged = True
-                self._hold_reading()
+                self._park(data[start:])
                 return
-            self.data_received(piece)
+            self.data_received(data[start : start + PARSE_SLICE_BYTES])
+
+    def _park(self, data: bytes) -> None:
+        """Pipelined far ahead of the answers: ``data`` waits unparsed, with reading held, so that requests
+        without bodies, free to send, cannot pile up in memory by the thousand."""
+        self._parked.append(data)
+        self._backlogged = True
+        self._hold_reading()
 
     def _parse_parked(self) -> None:
         """The queue has been answered: parse what waited (which may fill it, and wait, again)."""

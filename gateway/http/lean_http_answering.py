@@ -14,7 +14,7 @@ from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
 from gateway.http.http_wire import Answer, head, whole_response
 from gateway.http.lean_http_deadlines import LeanDeadlines
 from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
-from gateway.http.lean_routes import UNMATCHED, Found
+from gateway.http.lean_routes import Found
 
 if TYPE_CHECKING:
     from gateway.http.lean_http import LeanRequest
@@ -133,8 +133,7 @@ class LeanAnswering(LeanDeadlines):
         """Refuse the request whose headers are read (body too large, key refused), but read its body on
         (dropping it) before closing: a client still sending when the connection closes gets a reset, not
         the answer."""
-        found = self._found
-        self._refusal = (found.endpoint if found is not None else UNMATCHED, error)
+        self._refusal = (self._endpoint(), error)
         self._discarding = 1
         self._release_body()
         self._body = []
@@ -181,8 +180,7 @@ class LeanAnswering(LeanDeadlines):
             error = InvalidRequest(
                 f"malformed HTTP request: {reason or type(exc).__name__}", code="bad_http_request"
             )
-            found = self._found
-            self._refusal = (found.endpoint if found is not None else UNMATCHED, error)
+            self._refusal = (self._endpoint(), error)
         if self._task is None:
             self._when_idle()
 
@@ -209,8 +207,7 @@ class LeanAnswering(LeanDeadlines):
                     f"the request body arrived too slowly (under {self._edge.body_rate:.0f} bytes/s after "
                     f"its first {self._edge.body_s:g} s)"
                 )
-            found = self._found if phase == "body" else None
-            self._refusal = (found.endpoint if found is not None else UNMATCHED, RequestTimedOut(message))
+            self._refusal = (self._endpoint(), RequestTimedOut(message))
         self._discarding = 0  # (a refusal already due is answered, and then the connection closes)
         self._stop(None)
 

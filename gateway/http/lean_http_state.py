@@ -14,7 +14,7 @@ import httptools
 
 from gateway.http.edge import Edge
 from gateway.http.errors import GatewayError
-from gateway.http.lean_routes import Found, Routes
+from gateway.http.lean_routes import UNMATCHED, Found, Routes
 
 if TYPE_CHECKING:
     from gateway.http.lean_http import LeanConnection, LeanRequest
@@ -144,6 +144,11 @@ class LeanConnectionState(asyncio.Protocol):
         """The body being read is whole (now a request's) or dropped: out of the edge's body budget."""
         self._edge.buffered -= self._held
         self._held = 0
+
+    def _endpoint(self) -> str:
+        """The metrics label of the request being read: its route's, once its headers are in."""
+        found = self._found
+        return found.endpoint if found is not None else UNMATCHED
 
     def _path(self) -> str:
         """The request target's path, percent-decoded as aiohttp's ``request.path`` is (absolute-form, a
