@@ -28,7 +28,7 @@ from gateway.config import KvgateConfig
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError
 from gateway.http.http_wire import Answer
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import LeanHandler, Route, Routes
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_tls import engine_tls_context

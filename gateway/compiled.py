@@ -42,6 +42,7 @@ HOT_MODULES = (
     "gateway/http/lean_http_answering.py",
     "gateway/http/lean_http_deadlines.py",
     "gateway/http/lean_http_state.py",
+    "gateway/http/lean_request.py",
     "gateway/http/lean_routes.py",
     "gateway/http/relay.py",
     "gateway/http/upstream.py",

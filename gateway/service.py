@@ -21,7 +21,7 @@ from gateway.config import KvgateConfig
 from gateway.http.engine_body import engine_body
 from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import Answer
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import error_fields, relay_stream, relay_whole
 from gateway.http.upstream import UpstreamClients

@@ -30,32 +30,30 @@ dropped, as a body over the size limit is), and the caller found is handed to th
 A connection is built in layers, a module each: what it keeps and how it writes
 (``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), answering and
 refusals, with ``LeanStream`` (``gateway.http.lean_http_answering``); here, reading requests with httptools
-and checking their keys (``LeanConnection``), and the request the handlers get (``LeanRequest``).
+and checking their keys (``LeanConnection``). The request the handlers get is ``gateway.http.lean_request``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
-from urllib.parse import parse_qsl
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.http.carry_on import carry_on
 from gateway.http.edge import Identify
 from gateway.http.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
-from gateway.http.lean_http_answering import LeanAnswering, LeanStream
+from gateway.http.lean_http_answering import LeanAnswering
 from gateway.http.lean_http_deadlines import MAX_PIPELINED
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
-from gateway.http.lean_routes import UNMATCHED, LeanHandler
+from gateway.http.lean_request import LeanRequest
+from gateway.http.lean_routes import UNMATCHED
 
 if TYPE_CHECKING:
     from gateway.tenancy.billing import Caller
 
-__all__ = ["LeanConnection", "LeanHandler", "LeanRequest"]
 
 log = logging.getLogger("kvgate.lean_http")
 
@@ -65,78 +63,6 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together: past it, 43
 MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
 PARSE_SLICE_BYTES = 16 << 10  # a large read is parsed this much at a time
-EMPTY_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
-
-
-class LeanRequest:
-    """What the gateway's handlers read of a request: method, path (percent-decoded), query, headers, the
-    peer's address and the body; ``match_info``, the path's parameter (``gateway.http.lean_routes``); and,
-    with authentication on, its ``caller``, identified before the body was read (the look-up still under
-    way when the body was complete first)."""
-
-    __slots__ = (
-        "_body",
-        "_connection",
-        "_query",
-        "_target",
-        "caller",
-        "headers",
-        "match_info",
-        "method",
-        "path",
-        "remote",
-        "version",
-    )
-
-    def __init__(
-        self,
-        connection: LeanConnection,
-        method: str,
-        path: str,
-        headers: CIMultiDictProxy[str],
-        body: bytes,
-        remote: str | None,
-        caller: Caller | asyncio.Task[Caller] | None = None,
-        *,
-        target: bytes = b"",
-        match_info: Mapping[str, str] | None = None,
-        version: str = "1.1",
-    ) -> None:
-        self._connection = connection
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self._body = body
-        self.remote = remote
-        self.caller = caller
-        self._target = target
-        self._query: MultiDictProxy[str] | None = None
-        self.match_info: Mapping[str, str] = match_info if match_info is not None else {}
-        self.version = version
-
-    @property
-    def content_length(self) -> int:
-        return len(self._body)
-
-    @property
-    def query(self) -> MultiDictProxy[str]:
-        """The query's parameters (``+`` and escapes decoded, blank values kept), parsed on first use."""
-        if self._query is None:
-            raw = self._target.partition(b"?")[2].partition(b"#")[0]
-            if raw:
-                pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8")
-                self._query = MultiDictProxy(MultiDict(pairs))
-            else:
-                self._query = EMPTY_QUERY
-        return self._query
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def stream_response(self, headers: Mapping[str, str]) -> LeanStream:
-        """A 200 stream to this request's client (``prepare``, ``write``, ``write_eof`` as aiohttp's):
-        chunked, or to an HTTP/1.0 client unframed, ending with the connection."""
-        return LeanStream(self._connection, headers, chunked=self.version != "1.0")
 
 
 class LeanConnection(LeanAnswering):

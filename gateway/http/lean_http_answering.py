@@ -17,7 +17,7 @@ from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState
 from gateway.http.lean_routes import Found
 
 if TYPE_CHECKING:
-    from gateway.http.lean_http import LeanRequest
+    from gateway.http.lean_request import LeanRequest
 
 log = logging.getLogger("kvgate.lean_http")
 

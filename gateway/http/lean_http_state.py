@@ -17,7 +17,8 @@ from gateway.http.errors import GatewayError
 from gateway.http.lean_routes import UNMATCHED, Found, Routes
 
 if TYPE_CHECKING:
-    from gateway.http.lean_http import LeanConnection, LeanRequest
+    from gateway.http.lean_http import LeanConnection
+    from gateway.http.lean_request import LeanRequest
     from gateway.tenancy.billing import Caller
 
 # What a connection is reading, for its deadline (gateway.http.lean_http_deadlines).

@@ -12,7 +12,7 @@ from gateway.http.errors import GatewayError, MethodNotAllowed, NotFound
 
 if TYPE_CHECKING:
     from gateway.http.http_wire import Answer
-    from gateway.http.lean_http import LeanRequest
+    from gateway.http.lean_request import LeanRequest
 
 # A handler: the request -> the whole answer, or a finished LeanStream.
 LeanHandler = Callable[["LeanRequest"], Awaitable["Answer"]]

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import WholeAnswer
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.http.sse import SseUsageTap
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response

@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from gateway.http.errors import NotFound
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import LeanHandler
 from region_map.fleet import Fleet
 from region_map.simulation.simulator import percentile

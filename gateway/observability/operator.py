@@ -20,7 +20,8 @@ from aiohttp import web
 from gateway.config import GatewaySettings
 from gateway.http.edge import ConnectionLimits, Edge
 from gateway.http.errors import PermissionDenied
-from gateway.http.lean_http import LeanConnection, LeanRequest
+from gateway.http.lean_http import LeanConnection
+from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import LeanHandler, Routes
 from gateway.service import Gateway
 from gateway.tenancy.billing import Billing

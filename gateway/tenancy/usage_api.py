@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
 from gateway.http.errors import InvalidRequest, PermissionDenied, Unavailable
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.tenancy.billing import Billing
 
 MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name

@@ -38,7 +38,7 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import stop_engines, wait_healthy
 from gateway.http.engine_body import engine_body
-from gateway.http.lean_http import LeanRequest
+from gateway.http.lean_request import LeanRequest
 from gateway.http.loop import install_best_loop
 from gateway.http.upstream import UpstreamPool
 from gateway.prepare import Prepared
