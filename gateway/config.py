@@ -43,6 +43,12 @@ class AuthSettings(BaseModel):
     keys_file: str | None = Field(default=None, description="hashed keys (JSON lines) when there is no Redis")
     requests_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
     tokens_per_minute: int | None = Field(default=None, ge=1, description="default per-key limit")
+    usage_reads_per_minute: int = Field(
+        default=60,
+        ge=1,
+        description="per key (per gateway when auth is off): reads of /v1/usage and /v1/admin/usage, each "
+        "of which flushes this gateway's ledger writer and reads the ledger",
+    )
     cache_ttl_s: float = Field(
         default=60.0, ge=0, description="a verified key is looked up again after this long (revocation delay)"
     )

@@ -130,6 +130,12 @@ class Billing:
         if tpm:
             await self._spend(caller, "tpm", tpm, prompt_tokens + max_tokens, "tokens per min (TPM)")
 
+    async def admit_usage_read(self, caller: Caller) -> None:
+        """Charge one read of the usage endpoints, or raise 429. Each read flushes the ledger writer and
+        reads up to a year of the ledger, so it has its own allowance apart from the completions'."""
+        per_minute = self.auth.usage_reads_per_minute
+        await self._spend(caller, "usage", per_minute, 1, "usage reads per min")
+
     async def _spend(self, caller: Caller, kind: str, per_minute: int, amount: int, what: str) -> None:
         bucket = f"{caller.key_id or caller.tenant.name}:{kind}"
         try:

@@ -1,13 +1,16 @@
 """``GET /v1/usage`` (the caller's tenant) and ``GET /v1/admin/usage`` (every tenant; admin keys only).
 
 ``start`` and ``end`` are days (``2026-11-30``) or Unix seconds, both inclusive, in UTC; both default to
-today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars.
+today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars. Reads have their
+own per-key allowance (``gateway.auth.usage_reads_per_minute``; 429 past it), and identical reads at the same
+time share one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +21,7 @@ from redis.exceptions import RedisError
 from cache.ledger import DayTotals, day_of, days_between
 from gateway.http.errors import InvalidRequest, PermissionDenied, Unavailable
 from gateway.http.lean_request import LeanRequest
+from gateway.state.single_flight import SingleFlight
 from gateway.tenancy.billing import Billing
 
 MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name
@@ -26,12 +30,16 @@ MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can
 class UsageApi:
     def __init__(self, billing: Billing) -> None:
         self.billing = billing
+        self._reads: SingleFlight[tuple[str, str, str, str], Any] = SingleFlight()
 
     async def tenant_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
         start, end = day_range(request.query)
+        await self.billing.admit_usage_read(caller)
         tenant = caller.tenant.name
-        days = await self._read(lambda: self.billing.ledger.daily(tenant, start, end))
+        days = await self._read(
+            ("tenant", tenant, start, end), lambda: self.billing.ledger.daily(tenant, start, end)
+        )
         body = {"object": "usage", "tenant": tenant, "start": start, "end": end, **_days_and_total(days)}
         return _json(body)
 
@@ -40,8 +48,11 @@ class UsageApi:
         if not caller.admin:
             raise PermissionDenied("this key may only read its own tenant's usage (GET /v1/usage)")
         start, end = day_range(request.query)
+        await self.billing.admit_usage_read(caller)
         only = request.query.get("tenant")
-        by_tenant = await self._read(lambda: self.billing.ledger.tenants(start, end))
+        by_tenant = await self._read(
+            ("admin", "", start, end), lambda: self.billing.ledger.tenants(start, end)
+        )
         chosen = {name: days for name, days in by_tenant.items() if only is None or name == only}
         body = {
             "object": "list",
@@ -52,7 +63,11 @@ class UsageApi:
         }
         return _json(body)
 
-    async def _read(self, read: Any) -> Any:
+    async def _read(self, what: tuple[str, str, str, str], read: Any) -> Any:
+        # Identical reads at the same time share one flush and one read of the ledger.
+        return await self._reads.run(what, functools.partial(self._flush_and_read, read))
+
+    async def _flush_and_read(self, read: Any) -> Any:
         # Read your own writes: what this gateway has answered is in the ledger (or its spool) first.
         with contextlib.suppress(TimeoutError):
             await self.billing.writer.flush(timeout_s=2.0)

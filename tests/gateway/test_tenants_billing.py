@@ -274,6 +274,72 @@ async def test_usage_endpoints_add_up_to_what_clients_were_billed(make_cluster: 
             assert r.status == 400 and error["error"]["param"] == "start", (start, error)
 
 
+async def get_usage(cluster: Cluster, path: str, key: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    assert cluster.session is not None
+    async with cluster.session.get(cluster.url + path, headers=bearer(key)) as r:
+        return r.status, await r.json(), dict(r.headers)
+
+
+async def test_usage_reads_have_an_allowance_of_their_own(make_cluster: ClusterFactory) -> None:
+    # Each read flushes the ledger writer and reads up to a year of the ledger: a key that repeats it as
+    # fast as the connection answers must meet a limit, as completions do.
+    auth = {"enabled": True, "usage_reads_per_minute": 2}
+    cluster = await make_cluster({"eu-west": 1}, auth=auth, tenants=TENANTS, prices={MODEL: PRICE})
+    keys = {t: (await create_key(cluster.gateway.billing.keys, t))[0] for t in ("acme", "globex")}
+    answers = [await get_usage(cluster, path, keys["acme"]) for path in ("/v1/usage", "/v1/admin/usage")]
+    assert [status for status, _, _ in answers] == [200, 200]
+    for path in ("/v1/usage", "/v1/admin/usage"):  # one allowance for both endpoints
+        status, body, headers = await get_usage(cluster, path, keys["acme"])
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", (path, body)
+        assert "usage reads" in body["error"]["message"] and 1 <= int(headers["Retry-After"]) <= 60
+    assert (await get_usage(cluster, "/v1/usage", keys["globex"]))[0] == 200  # other keys are not affected
+    status, _, _ = await cluster.post(
+        "/v1/chat/completions", chat("still fine"), headers=bearer(keys["acme"])
+    )
+    assert status == 200  # nor the key's completions
+
+
+async def test_identical_usage_reads_at_once_share_one_read_of_the_ledger(
+    make_cluster: ClusterFactory, redis_url: str
+) -> None:
+    auth = {"enabled": True, "usage_reads_per_minute": 600}
+    cluster = await make_cluster(
+        {"eu-west": 1}, auth=auth, tenants=TENANTS, prices={MODEL: PRICE}, redis_url=redis_url
+    )
+    billing, n = cluster.gateway.billing, 8
+    key = (await create_key(billing.keys, "globex"))[0]
+    # A first read takes a lease of the allowance (30 reads), so the burst's admissions need no refill and
+    # each request goes on to the ledger read as soon as its caller is known.
+    assert (await get_usage(cluster, "/v1/usage", key))[0] == 200
+    arrived, release = asyncio.Event(), asyncio.Event()
+    identified: list[Any] = []
+    ledger_reads: list[Any] = []
+    identify, daily = billing.identify, billing.ledger.daily
+
+    async def counted_identify(authorization: str | None) -> Any:
+        caller = await identify(authorization)
+        identified.append(caller)
+        if len(identified) == n:
+            arrived.set()
+        return caller
+
+    async def held_daily(*args: Any) -> Any:  # the real ledger read, held until every request is in
+        ledger_reads.append(args)
+        await release.wait()
+        return await daily(*args)
+
+    billing.identify = counted_identify  # type: ignore[method-assign]
+    billing.ledger.daily = held_daily  # type: ignore[method-assign]
+    answers = asyncio.gather(*(get_usage(cluster, "/v1/usage", key) for _ in range(n)))
+    await asyncio.wait_for(arrived.wait(), 10)
+    release.set()
+    done = await answers
+    assert len(ledger_reads) == 1
+    assert [status for status, _, _ in done] == [200] * n and all(body == done[0][1] for _, body, _ in done)
+    # A read that overlaps none reads the ledger again: nothing is kept past the read.
+    assert (await get_usage(cluster, "/v1/usage", key))[0] == 200 and len(ledger_reads) == 2
+
+
 async def test_stream_usage_carries_the_cost_and_is_recorded_once(make_cluster: ClusterFactory) -> None:
     cluster, keys = await billed_cluster(make_cluster)
     client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
