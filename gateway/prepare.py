@@ -215,10 +215,13 @@ class RequestPreparer:
                 f"{budget_param} is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
                 param=budget_param,
             )
+        prompt_param = "messages" if path == "/v1/chat/completions" else "prompt"
+        if len(token_ids) == 0:  # engines refuse it too, naming the field the gateway sent them
+            raise InvalidRequest("the prompt must not be empty", param=prompt_param)
         if len(token_ids) > s.max_prompt_tokens:
             raise InvalidRequest(
                 f"the prompt has {len(token_ids)} tokens; this gateway allows at most {s.max_prompt_tokens}",
-                param="messages" if path == "/v1/chat/completions" else "prompt",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         cache_salt = _cache_salt(tenant, parsed)

@@ -154,6 +154,11 @@ def test_completions_body_errors(gw: BackgroundCluster) -> None:
         ({"model": MODEL, "prompt": ["one", "two"]}, "prompt"),
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "x" * 5000}, "prompt"),
+        # Nothing to prefill: the engine's refusal named the gateway's internal field instead.
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": [""]}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+        ({"model": MODEL, "prompt": [[]]}, "prompt"),
     ]
     for body, param in cases:
         status, data = post(gw, body, path="/v1/completions")
