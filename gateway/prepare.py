@@ -16,6 +16,7 @@ from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_b
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
+from gateway.http.content_coding import decode_body
 from gateway.http.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
@@ -26,6 +27,7 @@ from region_map.fleet import ChainKey, Fleet
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
+THREAD_DECODE_BYTES = 64 << 10  # compressed bodies this large inflate to megabytes: off the event loop
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
 
@@ -119,6 +121,12 @@ class RequestPreparer:
                 f"request body of {request.content_length} bytes exceeds the {limit}-byte limit"
             )
         raw = await request.read()  # (gateway.http.lean_http refuses a body past the limit as it comes)
+        coding = request.headers.get("Content-Encoding")
+        if coding is not None:
+            if len(raw) < THREAD_DECODE_BYTES:
+                raw = decode_body(raw, coding, limit)
+            else:  # (zlib inflates without the GIL: a large body does not hold up the other requests)
+                raw = await asyncio.get_running_loop().run_in_executor(None, decode_body, raw, coding, limit)
         if not raw:
             raise InvalidRequest("request body is empty; send a JSON object")
         try:

@@ -217,6 +217,9 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
+        if self._version == "1.1" and self._header("host") is None:  # RFC 9112 3.2: a server MUST refuse it
+            self._refuse_body(bad_http(400, "an HTTP/1.1 request must have a Host header"))
+            return
         expect = self._header("expect")
         if expect is not None and expect.lower() != "100-continue":
             self._refuse_body(bad_http(417, f"unsupported Expect: {expect[:40]!r} (only 100-continue is)"))
