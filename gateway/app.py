@@ -54,6 +54,7 @@ log = logging.getLogger("kvgate.app")
 
 GATEWAY = web.AppKey("gateway", Gateway)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+MODEL_PATH = "/v1/models/{model:path}"  # (model ids may hold slashes: meta-llama/Llama-3.1-8B)
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 ROUTES = web.AppKey("routes", Routes)  # the public port's
 OPERATOR_ROUTES = web.AppKey("operator_routes", Routes)  # served on gateway.operator_port, when set
@@ -163,6 +164,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     completions = [(CHAT_PATH, gateway.chat_completions), (COMPLETIONS_PATH, gateway.completions)]
     public = [
         ("/v1/models", guarded(billing, "/v1/models", gateway.models)),
+        (MODEL_PATH, guarded(billing, MODEL_PATH, gateway.model)),
         ("/v1/usage", usage.tenant_usage),
         ("/v1/admin/usage", usage.admin_usage),
         ("/health", public_health(gateway)),

@@ -19,7 +19,7 @@ from aiohttp import web
 from cache.tokens import Tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_body import engine_body
-from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
+from gateway.http.errors import GatewayError, ModelNotFound, UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
@@ -123,11 +123,17 @@ class Gateway:
         return await self._serve(request, received, p)
 
     async def models(self, request: LeanRequest) -> web.Response:
-        data = [
-            {"id": m, "object": "model", "created": self.started, "owned_by": "kvgate"}
-            for m in self.fleet.models()
-        ]
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": [self._model_object(m) for m in self.fleet.models()]})
+
+    async def model(self, request: LeanRequest) -> web.Response:
+        """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): one model, or 404."""
+        model = request.match_info["model"]
+        if not self.fleet.serving(model):
+            raise ModelNotFound(f"The model '{model[:200]}' does not exist", param="model")
+        return _json(self._model_object(model))
+
+    def _model_object(self, model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": self.started, "owned_by": "kvgate"}
 
     async def health(self, request: LeanRequest) -> web.Response:
         return self.health_response(details=True)

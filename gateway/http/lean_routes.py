@@ -22,8 +22,10 @@ UNMATCHED = "unmatched"  # the endpoint label of a request no route takes
 @dataclass(frozen=True, slots=True)
 class Route:
     """``path`` is exact, or ends in one ``{name}`` segment (``/dashboard/assets/{name}``): the segment's
-    text is then the request's ``match_info[name]``. ``key_first``: with authentication on, the request's
-    key is checked once its headers are in, before its body is read (the completion endpoints)."""
+    text is then the request's ``match_info[name]``; ``{name:path}`` takes the rest of the path, slashes
+    included (``/v1/models/{model:path}``: model ids such as ``meta-llama/Llama-3.1-8B``). ``key_first``:
+    with authentication on, the request's key is checked once its headers are in, before its body is read
+    (the completion endpoints)."""
 
     path: str
     methods: Mapping[str, LeanHandler]
@@ -46,13 +48,17 @@ class Routes:
 
     def __init__(self, routes: Iterable[Route]) -> None:
         self._exact: dict[str, Route] = {}
-        self._patterns: list[tuple[str, str, Route]] = []  # (prefix, parameter name, route)
+        # (prefix, parameter name, whether it takes slashes too, route)
+        self._patterns: list[tuple[str, str, bool, Route]] = []
         for route in routes:
             prefix, brace, rest = route.path.partition("{")
             if brace:
                 if not rest.endswith("}") or "/" in rest:
                     raise ValueError(f"a route's parameter is its last segment: {route.path!r}")
-                self._patterns.append((prefix, rest[:-1], route))
+                name, _, kind = rest[:-1].partition(":")
+                if kind not in ("", "path"):
+                    raise ValueError(f"a route's parameter is {{name}} or {{name:path}}: {route.path!r}")
+                self._patterns.append((prefix, name, kind == "path", route))
             else:
                 self._exact[route.path] = route
         # What the exact routes answer, found once: a request to one costs a dict probe, no allocation.
@@ -73,9 +79,9 @@ class Routes:
         route = self._exact.get(path)
         match_info: dict[str, str] = {}
         if route is None:
-            for prefix, name, candidate in self._patterns:
+            for prefix, name, slashes, candidate in self._patterns:
                 value = path[len(prefix) :]
-                if path.startswith(prefix) and value and "/" not in value:
+                if path.startswith(prefix) and value and (slashes or "/" not in value):
                     route, match_info = candidate, {name: value}
                     break
             else:

@@ -183,6 +183,12 @@ async def test_streaming_through_the_openai_sdk(make_cluster: ClusterFactory) ->
     assert completion.usage.prompt_tokens_details.cached_tokens > 0
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    model = await client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "kvgate")
+    for missing in ("nope", "meta-llama/Llama-3.1-8B"):  # (an id with a slash reaches the same handler)
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.models.retrieve(missing)
+        assert caught.value.code == "model_not_found" and missing in caught.value.message
     await client.close()
 
 
