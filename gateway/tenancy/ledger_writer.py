@@ -46,10 +46,12 @@ class LedgerWriter:
         self._task: asyncio.Task[None] | None = None
         self._record_now: Callable[[UsageRecord], bool] | None = getattr(ledger, "record_now", None)
         self.degraded = False  # Redis is away: records go to the spool
+        self.submitted = 0  # records handed in, ever: a read of the ledger made since then may miss them
         self.written = 0
         self.spooled = 0
 
     def submit(self, rec: UsageRecord) -> None:
+        self.submitted += 1
         if self._record_now is not None:
             self._record_now(rec)  # the in-process ledger cannot fail: no queue, no task switch
             self.written += 1

@@ -30,7 +30,7 @@ MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can
 class UsageApi:
     def __init__(self, billing: Billing) -> None:
         self.billing = billing
-        self._reads: SingleFlight[tuple[str, str, str, str], Any] = SingleFlight()
+        self._reads: SingleFlight[tuple[str, str, str, str, int], Any] = SingleFlight()
 
     async def tenant_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
@@ -64,8 +64,10 @@ class UsageApi:
         return _json(body)
 
     async def _read(self, what: tuple[str, str, str, str], read: Any) -> Any:
-        # Identical reads at the same time share one flush and one read of the ledger.
-        return await self._reads.run(what, functools.partial(self._flush_and_read, read))
+        # Identical reads at the same time share one flush and one read of the ledger, as long as no record
+        # was handed to the writer in between: a client reads its own writes.
+        key = (*what, self.billing.writer.submitted)
+        return await self._reads.run(key, functools.partial(self._flush_and_read, read))
 
     async def _flush_and_read(self, read: Any) -> Any:
         # Read your own writes: what this gateway has answered is in the ledger (or its spool) first.

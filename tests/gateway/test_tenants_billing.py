@@ -311,7 +311,7 @@ async def test_identical_usage_reads_at_once_share_one_read_of_the_ledger(
     # A first read takes a lease of the allowance (30 reads), so the burst's admissions need no refill and
     # each request goes on to the ledger read as soon as its caller is known.
     assert (await get_usage(cluster, "/v1/usage", key))[0] == 200
-    arrived, release = asyncio.Event(), asyncio.Event()
+    arrived, read, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
     identified: list[Any] = []
     ledger_reads: list[Any] = []
     identify, daily = billing.identify, billing.ledger.daily
@@ -323,21 +323,36 @@ async def test_identical_usage_reads_at_once_share_one_read_of_the_ledger(
             arrived.set()
         return caller
 
-    async def held_daily(*args: Any) -> Any:  # the real ledger read, held until every request is in
+    async def held_daily(
+        *args: Any,
+    ) -> Any:  # the real ledger read, its answer held until every request is in
         ledger_reads.append(args)
+        days = await daily(*args)
+        read.set()
         await release.wait()
-        return await daily(*args)
+        return days
 
     billing.identify = counted_identify  # type: ignore[method-assign]
     billing.ledger.daily = held_daily  # type: ignore[method-assign]
     answers = asyncio.gather(*(get_usage(cluster, "/v1/usage", key) for _ in range(n)))
-    await asyncio.wait_for(arrived.wait(), 10)
+    await asyncio.wait_for(asyncio.gather(arrived.wait(), read.wait()), 10)
+    # A request answered after that read, then a read of its own: it must see the request, so it reads the
+    # ledger itself instead of joining the read begun before.
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("one more"), headers=bearer(key))
+    assert status == 200
+    own = asyncio.ensure_future(get_usage(cluster, "/v1/usage", key))
+    for _ in range(500):  # (up to 5 s: a read that joined the held one would never get here)
+        if len(ledger_reads) == 2:
+            break
+        await asyncio.sleep(0.01)
     release.set()
     done = await answers
-    assert len(ledger_reads) == 1
+    assert len(ledger_reads) == 2
     assert [status for status, _, _ in done] == [200] * n and all(body == done[0][1] for _, body, _ in done)
+    status, mine, _ = await own
+    assert status == 200 and mine["total"]["requests"] == done[0][1]["total"]["requests"] + 1
     # A read that overlaps none reads the ledger again: nothing is kept past the read.
-    assert (await get_usage(cluster, "/v1/usage", key))[0] == 200 and len(ledger_reads) == 2
+    assert (await get_usage(cluster, "/v1/usage", key))[0] == 200 and len(ledger_reads) == 3
 
 
 async def test_stream_usage_carries_the_cost_and_is_recorded_once(make_cluster: ClusterFactory) -> None:
