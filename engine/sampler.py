@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from engine.engine_types import TokenLogprob
-from engine.sampling_ops import UNIFORMS_PER_ROW, Scratch, draw, top_logprobs
+from engine.sampling_ops import UNIFORMS_PER_ROW, Scratch, draw, row_argmax, top_logprobs
 from engine.sampling_penalties import PenaltyPool, add_bias, ban
 from engine.sequence import SamplingParams
 
@@ -105,12 +105,12 @@ class Sampler:
         self._process(logits, seqs, states, tuple(eos_token_ids))
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == len(params):
-            ids = logits.argmax(dim=-1)
+            ids = row_argmax(logits)
         else:
             ids = torch.empty(len(params), dtype=torch.long, device=device)
             if greedy:
                 index = torch.tensor(greedy, device=device)
-                ids.index_copy_(0, index, logits.index_select(0, index).argmax(dim=-1))
+                ids.index_copy_(0, index, row_argmax(logits.index_select(0, index)))
             self._draw(logits, ids, [i for i, p in enumerate(params) if not p.greedy], params, states)
         pool = self._pool
         counted = [(i, s.slot) for i, s in enumerate(states) if s.slot is not None]

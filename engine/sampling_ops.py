@@ -47,6 +47,29 @@ class Scratch:
         return buf[:rows]
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; NaN counts as the maximum, as
+    there). On the CPU torch's argmax is a scalar loop (0.7 ms for 64 rows of a 16k vocabulary, float32, one
+    thread) while its max-reduction is vectorized (0.06 ms): so the maximum of each ``BLOCK`` of a row
+    first, then the argmax over those maxima (the first block holding the row's maximum) and within that one
+    block. Elsewhere torch's argmax as it is."""
+    rows, vocab = x.shape
+    n = vocab // BLOCK
+    if x.device.type != "cpu" or n < 4 or rows * vocab < 1 << 16 or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    body = x[:, : n * BLOCK].view(rows, n, BLOCK)
+    block = body.amax(dim=-1).argmax(dim=-1)  # [rows]
+    ids = block * BLOCK + body[torch.arange(rows), block].argmax(dim=-1)
+    if n * BLOCK == vocab:
+        return ids
+    # The ids past the last whole block: theirs wins only over a strictly smaller maximum (or a NaN).
+    tail = x[:, n * BLOCK :]
+    tail_ids = tail.argmax(dim=-1)
+    best, tail_best = x.gather(1, ids[:, None])[:, 0], tail.gather(1, tail_ids[:, None])[:, 0]
+    takes = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+    return torch.where(takes, tail_ids + n * BLOCK, ids)
+
+
 def zero_below(p: torch.Tensor, floor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p`` [S, V] with every entry below its row's ``floor`` [S, 1] set to 0 (in place; ``out``, like
     ``p``, as scratch if given)."""

@@ -30,6 +30,7 @@ from engine.sampling_ops import (
     draw,
     inverse_cdf,
     mass_above,
+    row_argmax,
     top_logprobs,
     top_p_sorted,
 )
@@ -138,6 +139,24 @@ def test_greedy_gives_the_old_samplers_tokens() -> None:
     new = Sampler(5000).sample(logits.clone(), seqs).token_ids
     g = torch.Generator()
     assert new == [old_host_sample(row, SamplingParams(temperature=0.0), g) for row in logits]
+
+
+@pytest.mark.parametrize("vocab", [BLOCK * 64, BLOCK * 64 + 37, 151_936, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torchs_argmax(vocab: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(32, vocab, generator=g) * 4).to(dtype)
+    x[1] = 7.0  # a row of ties: the first index wins
+    x[2, -3:] = 1e4  # the maximum in the ids past the last whole block, tied with itself
+    x[3, 5], x[3, -1] = 1e4, 1e4  # a tie between the first block and the tail
+    x[4] = float("-inf")  # every id banned
+    x[5, vocab // 2], x[5, 3] = float("nan"), float("nan")  # NaN counts as the maximum, the first one
+    x[6, -1] = float("nan")  # ... in the tail too
+    x[7, vocab // 3] = float("inf")
+    expected = x.argmax(dim=-1)
+    assert torch.equal(row_argmax(x), expected)
+    assert torch.equal(row_argmax(x[::2]), expected[::2])  # rows not adjacent in memory
+    assert torch.equal(row_argmax(x[:, : vocab - 1]), x[:, : vocab - 1].argmax(dim=-1))  # a strided view
 
 
 def test_the_kept_top_p_set_is_transformers() -> None:
