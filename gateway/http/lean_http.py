@@ -217,14 +217,29 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
-        if self._version == "1.1" and self._header("host") is None:  # RFC 9112 3.2: a server MUST refuse it
+        host = expect = length = coding = None  # (one pass over the headers for the four read here)
+        for name, value in self._headers:
+            key = name.lower()
+            if key == "host":
+                host = value
+            elif key == "content-length":
+                length = value
+            elif key == "expect":
+                expect = value
+            elif key == "transfer-encoding":
+                coding = value
+        if host is None and self._version == "1.1":  # RFC 9112 3.2: a server MUST refuse it
             self._refuse_body(bad_http(400, "an HTTP/1.1 request must have a Host header"))
             return
-        expect = self._header("expect")
+        if coding is not None and coding.strip().lower() != "chunked":
+            # httptools undoes chunked alone: another transfer coding (gzip, chunked) would reach the handler
+            # still applied. RFC 9112 6.1 (and nginx): 501.
+            message = f"Transfer-Encoding {coding[:40]!r} is not supported: send the body chunked or with a "
+            self._refuse_body(bad_http(501, message + "Content-Length (compressed: Content-Encoding)"))
+            return
         if expect is not None and expect.lower() != "100-continue":
             self._refuse_body(bad_http(417, f"unsupported Expect: {expect[:40]!r} (only 100-continue is)"))
             return
-        length = self._header("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
             self._refuse_body(
                 PayloadTooLarge(f"request body of {length} bytes exceeds the {self._max_body}-byte limit")

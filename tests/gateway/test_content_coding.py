@@ -117,3 +117,19 @@ def test_an_http11_request_without_host_is_400(gw: BackgroundCluster) -> None:
     with socket.create_connection((gw.host, gw.port), timeout=10) as sock:  # HTTP/1.0 needs none
         sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked"])
+def test_a_transfer_coding_other_than_chunked_is_501(gw: BackgroundCluster, coding: str) -> None:
+    # httptools takes the framing (chunked, last) and leaves the gzip applied: the body was read as if plain.
+    chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: %s\r\n\r\n" % coding.encode()
+    with socket.create_connection((gw.host, gw.port), timeout=10) as sock:
+        sock.sendall(head + chunk)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 501 Not Implemented", answer[:200]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "bad_http_request" and repr(coding) in error["message"]
