@@ -217,21 +217,26 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
-        host = expect = length = coding = None  # (one pass over the headers for the four read here)
+        # One pass over the headers for the four read here. Host and Transfer-Encoding lines are counted and
+        # joined: a second line must not hide what the first said (httptools reads the framing off them all).
+        hosts = 0
+        expect = length = None
+        codings: list[str] = []
         for name, value in self._headers:
             key = name.lower()
             if key == "host":
-                host = value
+                hosts += 1
             elif key == "content-length":
-                length = value
+                length = value  # (httptools refuses a second one)
             elif key == "expect":
                 expect = value
             elif key == "transfer-encoding":
-                coding = value
-        if host is None and self._version == "1.1":  # RFC 9112 3.2: a server MUST refuse it
-            self._refuse_body(bad_http(400, "an HTTP/1.1 request must have a Host header"))
+                codings.append(value)
+        if hosts != 1 and self._version == "1.1":  # RFC 9112 3.2: a server MUST refuse none, or several
+            self._refuse_body(bad_http(400, "an HTTP/1.1 request must have one Host header"))
             return
-        if coding is not None and coding.strip().lower() != "chunked":
+        coding = ", ".join(codings)
+        if codings and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
             # httptools undoes chunked alone: another transfer coding (gzip, chunked) would reach the handler
             # still applied. RFC 9112 6.1 (and nginx): 501.
             message = f"Transfer-Encoding {coding[:40]!r} is not supported: send the body chunked or with a "

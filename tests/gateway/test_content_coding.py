@@ -8,6 +8,7 @@ import json
 import socket
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -119,17 +120,36 @@ def test_an_http11_request_without_host_is_400(gw: BackgroundCluster) -> None:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
-@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked"])
-def test_a_transfer_coding_other_than_chunked_is_501(gw: BackgroundCluster, coding: str) -> None:
-    # httptools takes the framing (chunked, last) and leaves the gzip applied: the body was read as if plain.
-    chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: %s\r\n\r\n" % coding.encode()
+def exchange(gw: BackgroundCluster, request: bytes) -> tuple[bytes, dict[str, Any]]:
+    """One request on its own connection, read until the gateway closes it: (status line, error)."""
     with socket.create_connection((gw.host, gw.port), timeout=10) as sock:
-        sock.sendall(head + chunk)
+        sock.sendall(request)
         answer = b""
         while data := sock.recv(65536):
             answer += data
     status_line, _, rest = answer.partition(b"\r\n")
-    assert status_line == b"HTTP/1.1 501 Not Implemented", answer[:200]
-    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
-    assert error["code"] == "bad_http_request" and repr(coding) in error["message"]
+    return status_line, json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+
+
+@pytest.mark.parametrize(
+    ("lines", "shown"),
+    [
+        (b"Transfer-Encoding: gzip, chunked", "gzip, chunked"),
+        (b"Transfer-Encoding: deflate,chunked", "deflate,chunked"),
+        (b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked", "gzip, chunked"),  # the same on two lines
+    ],
+)
+def test_a_transfer_coding_other_than_chunked_is_501(gw: BackgroundCluster, lines: bytes, shown: str) -> None:
+    # httptools takes the framing (chunked, last) and leaves the gzip applied: the body was read as if plain.
+    chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    status, error = exchange(
+        gw, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n" % lines + chunk
+    )
+    assert status == b"HTTP/1.1 501 Not Implemented"
+    assert error["code"] == "bad_http_request" and repr(shown) in error["message"]
+
+
+def test_an_http11_request_with_two_hosts_is_400(gw: BackgroundCluster) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nHost: b\r\nContent-Length: %d\r\n\r\n"
+    status, error = exchange(gw, head % len(BODY) + BODY)
+    assert status.startswith(b"HTTP/1.1 400 ") and "one Host" in error["message"]
