@@ -41,6 +41,7 @@ HOT_MODULES = (
     "gateway/http/lean_http.py",
     "gateway/http/lean_http_answering.py",
     "gateway/http/lean_http_deadlines.py",
+    "gateway/http/lean_http_head.py",
     "gateway/http/lean_http_state.py",
     "gateway/http/lean_request.py",
     "gateway/http/lean_routes.py",

@@ -28,8 +28,9 @@ dropped, as a body over the size limit is), and the caller found is handed to th
 (``LeanRequest.caller``).
 
 A connection is built in layers, a module each: what it keeps and how it writes
-(``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), answering and
-refusals, with ``LeanStream`` (``gateway.http.lean_http_answering``); here, reading requests with httptools
+(``gateway.http.lean_http_state``), its deadlines (``gateway.http.lean_http_deadlines``), what a request's
+head is refused for (``gateway.http.lean_http_head``), answering and refusals, with ``LeanStream``
+(``gateway.http.lean_http_answering``); here, reading requests with httptools
 and checking their keys (``LeanConnection``). The request the handlers get is ``gateway.http.lean_request``'s.
 """
 
@@ -44,9 +45,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.http.carry_on import carry_on
 from gateway.http.edge import Identify
-from gateway.http.errors import GatewayError, InvalidRequest, PayloadTooLarge, Unavailable
+from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
 from gateway.http.lean_http_answering import LeanAnswering
 from gateway.http.lean_http_deadlines import MAX_PIPELINED
+from gateway.http.lean_http_head import bad_http, head_refusal
 from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
 from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import UNMATCHED
@@ -217,38 +219,9 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
-        # One pass over the headers for the four read here. Host and Transfer-Encoding lines are counted and
-        # joined: a second line must not hide what the first said (httptools reads the framing off them all).
-        hosts = 0
-        expect = length = None
-        codings: list[str] = []
-        for name, value in self._headers:
-            key = name.lower()
-            if key == "host":
-                hosts += 1
-            elif key == "content-length":
-                length = value  # (httptools refuses a second one)
-            elif key == "expect":
-                expect = value
-            elif key == "transfer-encoding":
-                codings.append(value)
-        if hosts != 1 and self._version == "1.1":  # RFC 9112 3.2: a server MUST refuse none, or several
-            self._refuse_body(bad_http(400, "an HTTP/1.1 request must have one Host header"))
-            return
-        coding = ", ".join(codings)
-        if codings and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
-            # httptools undoes chunked alone: another transfer coding (gzip, chunked) would reach the handler
-            # still applied. RFC 9112 6.1 (and nginx): 501.
-            message = f"Transfer-Encoding {coding[:40]!r} is not supported: send the body chunked or with a "
-            self._refuse_body(bad_http(501, message + "Content-Length (compressed: Content-Encoding)"))
-            return
-        if expect is not None and expect.lower() != "100-continue":
-            self._refuse_body(bad_http(417, f"unsupported Expect: {expect[:40]!r} (only 100-continue is)"))
-            return
-        if length is not None and length.isdigit() and int(length) > self._max_body:
-            self._refuse_body(
-                PayloadTooLarge(f"request body of {length} bytes exceeds the {self._max_body}-byte limit")
-            )
+        refusal, expect = head_refusal(self._headers, self._version, self._max_body)
+        if refusal is not None:
+            self._refuse_body(refusal)
             return
         identify = self._edge.identify
         if found.key_first and identify is not None and not self._identify(identify, expect is not None):
@@ -409,10 +382,3 @@ class LeanConnection(LeanAnswering):
             else:
                 log.error("identifying a request failed", exc_info=error)  # its handler identifies again
         self._release_reading()
-
-
-def bad_http(status: int, message: str) -> GatewayError:
-    """An OpenAI-shaped error for a request this server cannot take as HTTP (code ``bad_http_request``)."""
-    error = InvalidRequest(message, code="bad_http_request")
-    error.status = status
-    return error
