@@ -212,6 +212,7 @@ async def generate_batched(
     batching = sim.batching
     assert batching is not None
     pinned: list[int] = []
+    added: list[int] = []
     ticket: Ticket | None = None
     try:
         ids = req.prompt_token_ids
@@ -225,10 +226,15 @@ async def generate_batched(
             ticket = batching.submit(req.prompt_tokens, cached_tokens, max(1, len(text)))
         except ValueError as exc:
             return OpenAIError(f"the request does not fit this engine: {exc}").to_response(headers)
-        await ticket.wait_tokens(1)  # the prefill is done: its blocks are in the cache from now on
-        if n_cached < len(hashes):
+        # Cached once queued, as vLLM registers a prompt's blocks when it schedules their prefill and SGLang
+        # inserts each chunk: admission is FIFO, so a prompt queued after this one is scheduled after these
+        # blocks are computed and reuses them (a follow-up sent during a long prefill computed it all again
+        # when the prefix was matched at arrival against blocks stored after the prefill).
+        added = hashes[n_cached:]
+        if added:
             sim.cache.store(hashes)
-            pinned += sim.cache.acquire(hashes[n_cached:])
+            pinned += sim.cache.acquire(added)
+        await ticket.wait_tokens(1)
         usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
         sim.counters.finished(req.prompt_tokens, cached_tokens, len(text))
         if not req.stream:
@@ -256,7 +262,11 @@ async def generate_batched(
             pass  # the client went away mid-stream (the model stops computing it: see finally)
         return resp
     finally:
+        prefill_never_ran = False
         if ticket is not None and not ticket.finished:
             batching.abort(ticket)  # a client that left (or an error): no more steps for it
+            prefill_never_ran = ticket.tokens == 0
         if pinned:
             sim.cache.release(pinned)
+        if prefill_never_ran:
+            sim.cache.discard(added)  # never computed: they must not serve another prompt

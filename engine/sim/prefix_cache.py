@@ -107,6 +107,23 @@ class PrefixCache:
             if h in lru:
                 lru.move_to_end(h, last=False)
 
+    def discard(self, hashes: Sequence[int]) -> None:
+        """Remove a chain's unpinned blocks from its tail back, as far as the first pinned one (a request
+        that pins a block pins its parents too, so no block is left without its parent): blocks cached for a
+        prefill that never ran."""
+        refs, lru = self._refs, self._lru
+        removed: list[int] = []
+        for h in reversed(hashes):
+            if refs.get(h) != 0:
+                if h in refs:
+                    break  # pinned: it and its parents stay
+                continue  # not cached (evicted meanwhile)
+            del refs[h]
+            del lru[h]
+            removed.append(h)
+        if removed and self._on_events is not None:
+            self._on_events([BlockRemoved(tuple(removed))])
+
     def store(self, hashes: Sequence[int], parent: int | None = None) -> int:
         """Cache the chain ``hashes`` (``parent``: the hash before ``hashes[0]``, None for a prompt's start).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -185,3 +186,49 @@ async def test_a_stream_whose_client_leaves_stops_costing_the_engine_steps(start
     steps = batching.steps_total
     await asyncio.sleep(0.05)
     assert batching.steps_total == steps  # no step runs for nobody
+
+
+async def test_a_prompt_queued_behind_its_prefix_reuses_it(start_sim: StartSim) -> None:
+    """As vLLM and SGLang match a waiting prompt's prefix when they schedule it, not when it arrives: a
+    follow-up sent while an earlier prompt with the same start is still in its prefill queues behind it
+    (FIFO) and finds those blocks computed by then."""
+    sim = await start_batching(start_sim)
+    first = text_of(2000, "shared ")  # 8 chunks of the 256-token budget: ~0.3 s of prefill
+    earlier = asyncio.create_task(sim.complete({"prompt": first, "max_tokens": 1}))
+
+    async def started() -> bool:
+        return loop_of(sim).steps_total >= 1  # its prefill is under way, far from done
+
+    await wait_for(started)
+    later = await sim.complete({"prompt": first + " and then more", "max_tokens": 1})
+    body = await earlier
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000  # every whole block of it
+    steps = [s.record for s in loop_of(sim).steps]
+    assert sum(r.prefill_tokens for r in steps) == 2000 + len(" and then more")  # computed once
+    first_tokens = [key for r in steps for key in r.first_tokens]
+    assert len(first_tokens) == 2 and first_tokens == sorted(first_tokens, key=lambda k: int(k[1:]))
+
+
+async def test_a_prompt_whose_client_left_before_its_prefill_leaves_no_blocks(start_sim: StartSim) -> None:
+    """Its blocks were cached when it queued; never computed, they must not serve a later prompt."""
+    sim = await start_batching(start_sim)
+    prompt = text_of(2000, "abandoned ")
+    body = {"model": sim.engine.config.model, "prompt": prompt, "max_tokens": 5, "stream": True}
+    before = sim.engine.cache.used
+    task = asyncio.create_task(sim.session.post(f"{sim.url}/v1/completions", json=body))
+
+    async def queued() -> bool:
+        return sim.engine.cache.used > before  # its blocks are in
+
+    await wait_for(queued)
+    task.cancel()  # the client goes away before its first token
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+    async def gone() -> bool:
+        return sim.engine.cache.used == before and loop_of(sim).engine.idle()
+
+    await wait_for(gone)
+    again = await sim.complete({"prompt": prompt, "max_tokens": 1})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -161,6 +161,21 @@ def test_one_store_evicting_several_blocks_reports_them_together() -> None:
     assert cache.match([1]) == 1
 
 
+def test_discard_removes_a_chains_unpinned_tail_up_to_its_first_pinned_block() -> None:
+    cache, rec = make(16)
+    cache.store([1, 2, 3, 4, 5])
+    held = cache.acquire([1, 2])  # another request matched the chain's first two blocks
+    rec.take()
+    cache.discard([3, 4, 5, 9])  # 9 was never cached: skipped
+    assert cache.match([1, 2, 3]) == 2 and len(cache) == 2
+    assert rec.take() == [BlockRemoved((5, 4, 3))]
+    cache.discard([1, 2])  # pinned: they stay, and nothing is reported
+    assert len(cache) == 2 and rec.take() == []
+    cache.release(held)
+    cache.discard([1, 2])
+    assert len(cache) == 0 and cache.lru_order() == [] and rec.take() == [BlockRemoved((2, 1))]
+
+
 def test_zero_capacity_caches_nothing() -> None:
     cache, rec = make(0)
     assert cache.store([1, 2]) == 0
