@@ -213,6 +213,7 @@ async def generate_batched(
     assert batching is not None
     pinned: list[int] = []
     added: list[int] = []
+    computing: list[int] = []  # the blocks this prompt's prefill computes, until it has run
     ticket: Ticket | None = None
     try:
         ids = req.prompt_token_ids
@@ -233,8 +234,12 @@ async def generate_batched(
         added = hashes[n_cached:]
         if added:
             sim.cache.store(hashes)
-            pinned += sim.cache.acquire(added)
+            computing = sim.cache.acquire(added)
+            pinned += computing
+            sim.cache.computing(computing)
         await ticket.wait_tokens(1)
+        sim.cache.computed(computing)
+        computing = []
         usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
         sim.counters.finished(req.prompt_tokens, cached_tokens, len(text))
         if not req.stream:
@@ -266,6 +271,8 @@ async def generate_batched(
         if ticket is not None and not ticket.finished:
             batching.abort(ticket)  # a client that left (or an error): no more steps for it
             prefill_never_ran = ticket.tokens == 0
+        if computing:
+            sim.cache.computed(computing)
         if pinned:
             sim.cache.release(pinned)
         if prefill_never_ran:

@@ -131,7 +131,9 @@ class SimKvPeer:
             return exc.to_response({})
         start = req.from_position
         hashes = self.prompt_hashes(req.prompt_token_ids, req.cache_salt, req.cache_shared_blocks)
-        run = hashes[: self.cache.match(hashes)]
+        # Only computed blocks: those of a prompt still queued here are cached for the prompts queued behind
+        # it, but their K/V does not exist yet (a real engine sends what it has).
+        run = hashes[: self.cache.match_computed(hashes)]
         end = max(len(run) * self.block_size, start)
         pinned = self.cache.acquire(run)  # held while "sending": a concurrent request must not evict them
         try:

@@ -30,6 +30,9 @@ class PrefixCache:
         self._on_events = on_events
         self._refs: dict[int, int] = {}  # every cached block -> how many running requests pin it
         self._lru: OrderedDict[int, None] = OrderedDict()  # the unpinned ones, least recently used first
+        # Blocks stored for a prefill that has not run yet -> how many such prefills: cached for the prompts
+        # queued behind it (FIFO: they run after it), but no K/V to send a peer yet.
+        self._computing: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._refs)
@@ -66,6 +69,32 @@ class PrefixCache:
                 break
             n += 1
         return n
+
+    def match_computed(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` are cached with their K/V computed (what a pull can send)."""
+        n = self.match(hashes)
+        computing = self._computing
+        if computing:
+            for i in range(n):
+                if hashes[i] in computing:
+                    return i
+        return n
+
+    def computing(self, hashes: Sequence[int]) -> None:
+        """Mark ``hashes`` (stored, pinned by the request computing them) as not yet computed."""
+        computing = self._computing
+        for h in hashes:
+            computing[h] = computing.get(h, 0) + 1
+
+    def computed(self, hashes: Sequence[int]) -> None:
+        """The prefill that :meth:`computing` was called for ran (or will never run)."""
+        computing = self._computing
+        for h in hashes:
+            count = computing.get(h, 0) - 1
+            if count > 0:
+                computing[h] = count
+            else:
+                computing.pop(h, None)
 
     def acquire(self, hashes: Sequence[int]) -> list[int]:
         """Pin every cached block of ``hashes``; returns the pinned ones, to pass to :meth:`release`."""

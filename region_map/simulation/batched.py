@@ -16,6 +16,7 @@ a request's first token is then the model's ``first_token_s``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from perfmodel.batching import BatchingEngine, StepRecord
@@ -47,6 +48,7 @@ class BatchedSimEngine(SimEngine):
         self.batching = BatchingEngine(profile)
         self._on_step = on_step
         self._last_submit = float("-inf")
+        self._computing: dict[str, list[int]] = {}  # request key -> the blocks its prefill computes
 
     def advance(self, now: float) -> None:
         """Execute every step that ends by ``now`` (call it with each arrival, in order)."""
@@ -57,8 +59,12 @@ class BatchedSimEngine(SimEngine):
         self._report(self.batching.run_to_completion())
 
     def _report(self, steps: list[StepRecord]) -> None:
-        if self._on_step is not None:
-            for record in steps:
+        computing, ready_at = self._computing, self._ready_at
+        for record in steps:
+            for key in record.first_tokens:  # its prefill has run: its blocks can be pulled from now on
+                for b in computing.pop(key, ()):
+                    ready_at.pop(b, None)
+            if self._on_step is not None:
                 self._on_step(self.id, record)
 
     # The load a health poll would report, as of the last ``advance``.
@@ -83,7 +89,9 @@ class BatchedSimEngine(SimEngine):
         at = max(ready, self._last_submit)
         self.batching.submit(key, at, prompt, cached, max(1, request.output_tokens))
         self._last_submit = at
-        self._store(request)
+        stored = self._store(request, math.inf)  # (when is known once its prefill's step has run)
+        if stored:
+            self._computing[key] = stored
         return hit
 
     def first_token_s(self, key: str) -> float:

@@ -99,6 +99,9 @@ class SimEngine:
         self._send_free_at = 0.0  # when this engine's outbound K/V link is next free (pulls from it queue)
         self._prefills: deque[tuple[float, float, int]] = deque()  # (start, end, uncached tokens), FIFO
         self._finishing: list[float] = []  # heap of times at which admitted requests finish decoding
+        # Blocks stored for a prefill that has not run yet -> when it will have (inf: not known yet). They
+        # serve the requests queued here behind it (FIFO), but a peer can pull only computed K/V.
+        self._ready_at: dict[int, float] = {}
         self.requests = 0
 
     def _advance(self, now: float) -> None:
@@ -123,6 +126,19 @@ class SimEngine:
             total += tokens if start >= now else round(tokens * (end - now) / (end - start))
         return total
 
+    def computed_prefix(self, now: float, blocks: Sequence[int]) -> int:
+        """The leading ``blocks`` held here with their K/V computed by ``now``: what a pull can send."""
+        n = self.cache.prefix(blocks)
+        ready_at = self._ready_at
+        if ready_at:
+            for i in range(n):
+                t = ready_at.get(blocks[i])
+                if t is not None:
+                    if t > now:
+                        return i
+                    del ready_at[blocks[i]]
+        return n
+
     def pull(self, now: float, blocks: Sequence[int]) -> float:
         """Send ``blocks`` of this engine's cache to a peer; returns when the last one has arrived. The sent
         blocks become the next to be evicted here: the peer's copy is the one in use now, so a pull moves the
@@ -145,7 +161,7 @@ class SimEngine:
         self._prefill_free_at = end
         self._prefills.append((start, end, uncached))
         heapq.heappush(self._finishing, end + request.output_tokens * self.cost.decode_s_per_token)
-        self._store(request)
+        self._store(request, end)
         return end, hit
 
     def _find_prefix(self, now: float, request: TraceRequest, source: SimEngine | None) -> tuple[float, int]:
@@ -156,17 +172,24 @@ class SimEngine:
         ready = now
         if source is not None and self.cost.kv_pull_tokens_per_s > 0:
             whole = (request.input_tokens - 1) // self.cost.block_tokens  # blocks before the last token
-            held = min(source.cache.prefix(request.blocks), whole)
+            held = min(source.computed_prefix(now, request.blocks), whole)
             if held > hit:
                 ready = source.pull(now, request.blocks[hit:held])
                 hit = held
         return ready, hit
 
-    def _store(self, request: TraceRequest) -> None:
+    def _store(self, request: TraceRequest, ready_at: float) -> list[int]:
+        """Store the prompt's blocks, computed at ``ready_at``; returns the newly stored ones."""
         # Stored at admission: prefills run FIFO, so anything routed here later finds these blocks computed.
         stored, evicted = self.cache.insert(request.blocks)
         if stored or evicted:
             self._on_change(self.id, stored, evicted)
+            pending = self._ready_at
+            for b in evicted:
+                pending.pop(b, None)
+            for b in stored:
+                pending[b] = ready_at
+        return stored
 
 
 class Router(Protocol):

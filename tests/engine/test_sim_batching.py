@@ -232,3 +232,26 @@ async def test_a_prompt_whose_client_left_before_its_prefill_leaves_no_blocks(st
     await wait_for(gone)
     again = await sim.complete({"prompt": prompt, "max_tokens": 1})
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_a_pull_gets_no_blocks_of_a_prompt_still_in_its_prefill(start_sim: StartSim) -> None:
+    """Blocks cached when their prompt queued serve the prompts queued behind it here, but their K/V does not
+    exist yet: a peer pulling them gets nothing until the prefill has run, then all of them."""
+    source = await start_batching(start_sim, engine_id="src")
+    target = await start_sim(engine_id="dst")
+    prompt = text_of(2000, "pulled ")  # 8 chunks of the 256-token budget: ~0.3 s of prefill
+    earlier = asyncio.create_task(source.complete({"prompt": prompt, "max_tokens": 1}))
+
+    async def started() -> bool:
+        return loop_of(source).steps_total >= 1  # its prefill is under way, far from done
+
+    await wait_for(started)
+    pull = {"pull_url": source.url, "pull_engine": "src", "pull_tokens": 1984}
+    early = await target.complete({"prompt": prompt + "!", "max_tokens": 1, "kv_transfer_params": pull})
+    assert early["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert source.engine.counters.kv_pull_served_tokens == 0
+    await earlier
+    other = await start_sim(engine_id="dst2")  # (the first target has computed the prompt by now)
+    late = await other.complete({"prompt": prompt + "?", "max_tokens": 1, "kv_transfer_params": pull})
+    assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == 1984
+    assert source.engine.counters.kv_pull_served_tokens == 1984

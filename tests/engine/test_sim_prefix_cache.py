@@ -176,6 +176,18 @@ def test_discard_removes_a_chains_unpinned_tail_up_to_its_first_pinned_block() -
     assert len(cache) == 0 and cache.lru_order() == [] and rec.take() == [BlockRemoved((2, 1))]
 
 
+def test_blocks_being_computed_are_matched_but_not_counted_as_computed() -> None:
+    cache, _ = make(16)
+    cache.store([1, 2, 3, 4])
+    cache.computing([3, 4])  # a queued prompt's new blocks
+    cache.computing([4])  # and a second prompt computing the last one too
+    assert cache.match([1, 2, 3, 4]) == 4 and cache.match_computed([1, 2, 3, 4]) == 2
+    cache.computed([3, 4])
+    assert cache.match_computed([1, 2, 3, 4]) == 3  # block 4 waits for the second prompt
+    cache.computed([4])
+    assert cache.match_computed([1, 2, 3, 4, 5]) == 4
+
+
 def test_zero_capacity_caches_nothing() -> None:
     cache, rec = make(0)
     assert cache.store([1, 2]) == 0

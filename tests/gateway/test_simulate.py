@@ -113,9 +113,11 @@ def test_the_shipped_traces_are_the_published_ones() -> None:
 
 
 # The default (FIFO prefill) model's figures on the synthetic trace, recorded before the batching mode was
-# added: the opt-in mode must leave them exactly as they were.
+# added: the opt-in mode must leave them exactly as they were. The default policy's row changed once since,
+# on purpose: a pull gets only blocks whose prefill has run at the source (its one pull here found the
+# prefix still queued there, so it now pulls less and computes more: hit rate 0.1968 -> 0.1937, p99 +10 ms).
 FIFO_FIGURES = {
-    "default": (0.19682539682539682, 0.27959999999999985, 0.9288000000000007, 1.2246000000000006,
+    "default": (0.19365079365079366, 0.27959999999999985, 0.9288000000000007, 1.2346000000000004,
                 1.0476190476190477, 0.10317460317460317, 0.015873015873015872),
     "cache_aware": (0.19365079365079366, 0.2795999999999994, 0.9288000000000007, 1.2346000000000004,
                     1.0476190476190477, 0.1349206349206349, 0.0),

@@ -112,3 +112,16 @@ def test_a_pulled_prefix_is_cached_and_the_prefill_starts_when_it_has_arrived() 
     assert pulled.arrival_s == pytest.approx(1.04) and after.arrival_s == pulled.arrival_s
     first = step_time_s(PROFILE, 201 + 50, 0, 400)  # one step: both prefills, the pulled prefix read once
     assert target.first_token_s("pulled") == pytest.approx(1.04 + first)
+
+
+def test_a_pull_gets_no_blocks_of_a_prompt_whose_prefill_has_not_run() -> None:
+    """Stored at admission for the prompts queued behind it, but a peer can pull only computed K/V."""
+    cost = CostModel(block_tokens=100, kv_pull_tokens_per_s=10_000)
+    source = BatchedSimEngine("r/e0", "r", 10, cost, lambda *a: None, PROFILE)
+    source.submit("long", 0.0, TraceRequest(0.0, 400, 1, (1, 2, 3, 4), 1))
+    early = BatchedSimEngine("r/e1", "r", 10, cost, lambda *a: None, PROFILE)
+    request = TraceRequest(0.0, 601, 1, (1, 2, 3, 4, 5, 6, 7), 1)
+    assert early.submit("early", 0.0, request, source) == 0  # its prefill has not run
+    source.finish()
+    late = BatchedSimEngine("r/e2", "r", 10, cost, lambda *a: None, PROFILE)
+    assert late.submit("late", source.first_token_s("long"), request, source) == 4

@@ -80,6 +80,18 @@ def test_a_pull_moves_a_peers_prefix_instead_of_computing_it() -> None:
     assert again.serve(2.0, TraceRequest(2.0, 400, 1, (1, 2, 3, 4), 1), target)[1] == 3
 
 
+def test_a_pull_gets_only_what_the_peer_has_computed_by_then() -> None:
+    cost = CostModel(prefill_tokens_per_s=1000, block_tokens=100, kv_pull_tokens_per_s=10_000)
+    source = SimEngine("r/e0", "r", 10, cost, lambda *a: None)
+    source.serve(0.0, TraceRequest(0.0, 300, 1, (1, 2, 3), 1))  # computed by 0.3 s
+    source.serve(0.0, TraceRequest(0.0, 500, 1, (1, 2, 3, 4, 5), 1))  # blocks 4-5 queued behind it: 0.5 s
+    early = SimEngine("r/e1", "r", 10, cost, lambda *a: None)
+    # At 0.4 s the first prompt's blocks exist, the second's new ones not yet: 3 pulled, 3 computed.
+    assert early.serve(0.4, TraceRequest(0.4, 600, 1, (1, 2, 3, 4, 5, 6), 1), source)[1] == 3
+    late = SimEngine("r/e2", "r", 10, cost, lambda *a: None)
+    assert late.serve(0.5, TraceRequest(0.5, 600, 1, (1, 2, 3, 4, 5, 6), 1), source)[1] == 5
+
+
 def test_pulls_from_one_engine_share_its_link() -> None:
     cost = CostModel(prefill_tokens_per_s=1e9, block_tokens=100, kv_pull_tokens_per_s=10_000)
     source = SimEngine("r/e0", "r", 10, cost, lambda *a: None)
