@@ -148,7 +148,7 @@ def sim_router(
     )
     now = [0.0]
     state = SharedState(gateway_id="simulate", session_ttl_s=float("inf"), clock=lambda: now[0])
-    router = Router(gateway, fleet, state, policy, wall_clock=lambda: now[0])
+    router = Router(gateway, fleet, state, policy, wall_clock=lambda: now[0], monotonic=lambda: now[0])
     return SimRouter(router, fleet, uses_sessions, block_tokens, now)
 
 

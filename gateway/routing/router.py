@@ -30,7 +30,7 @@ from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_on
 from gateway.routing.regional import RemoteShareLimiter
 from gateway.state.shared_state import SharedState
 from region_map.config import EngineKind, Role
-from region_map.fleet import ChainKey, EngineState, Fleet
+from region_map.fleet import ChainKey, EngineState, Fleet, QueuedPrefill
 
 # Blocks of a new prefix noted as "held soon" until the engine's events confirm them: a parallel request
 # counts them as cached (64k tokens of 16-token blocks: a set update, ~15 us a thousand; longer prompts note
@@ -92,17 +92,19 @@ class Route:
     predicted: int  # cached tokens the answer should report
     pulled_tokens: int  # tokens the engine pulls from ``decision.kv_source`` (0: no pull)
     computing: EngineState  # where the prompt is prefilled: the prefill engine, or the engine itself
-    queued_tokens: int  # uncached prompt tokens noted as queued on ``computing`` until settled
+    queued: QueuedPrefill | None  # its uncached prompt tokens, noted as queued on ``computing`` until settled
     session: tuple[str, str] | None = None  # (tenant, session id) bound by this decision
     claimed: SessionBinding | None = None
     previous: SessionBinding | None = None
     held_soon: list[int] = field(default_factory=list)  # blocks noted on ``engine`` as held soon
+    clock: Callable[[], float] = time.monotonic  # the router's, for the engine's prefill queue
 
     def settle(self) -> None:
         """The prompt's prefill is done (tokens flow) or will never run: its queued tokens leave the
         engine's load signal. Idempotent."""
-        self.computing.pending_prefill_tokens -= self.queued_tokens
-        self.queued_tokens = 0
+        if self.queued is not None:
+            self.computing.settle_pending_prefill(self.queued, self.clock())
+            self.queued = None
 
 
 class Router:
@@ -115,6 +117,7 @@ class Router:
         *,
         metrics: RoutingMetrics | None = None,
         wall_clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -123,6 +126,7 @@ class Router:
         self.metrics = metrics
         self.limiter = RemoteShareLimiter(settings.routing.max_remote_share)
         self._wall_clock = wall_clock  # stamps session bindings: the newest binding wins across gateways
+        self._monotonic = monotonic  # times the engines' prefill queues (pending_prefill_estimate)
         self._seq = 0
         self._roles_memo: tuple[list[EngineState], list[EngineState], list[EngineState]] | None = None
 
@@ -219,12 +223,14 @@ class Router:
     ) -> list[Candidate]:
         out = []
         rtt_s = self.fleet.rtt_s
+        now, s_per_token = self._monotonic(), self.settings.routing.prefill_s_per_token
         for e in engines:
             total, waiting = e.queue_estimate()
             # Positional: a NamedTuple built with keywords takes twice as long, once per engine per request.
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
-                          rtt_s(e.region, home), max(e.pending_prefill_tokens, e.load.waiting_tokens))
+                          rtt_s(e.region, home),
+                          max(e.pending_prefill_estimate(now, s_per_token), e.load.waiting_tokens))
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out
@@ -343,8 +349,8 @@ class Router:
         computing = prefill or engine
         held = predicted if pulled else cached.get(computing.id, 0)
         queued = prompt - min(held, prompt)
-        computing.pending_prefill_tokens += queued
-        route = Route(decision, engine, prefill, predicted, pulled, computing, queued)
+        entry = computing.add_pending_prefill(queued, self._monotonic())
+        route = Route(decision, engine, prefill, predicted, pulled, computing, entry, clock=self._monotonic)
         if ask.session_id is not None and (binding is None or binding.engine != engine.id):
             made = SessionBinding(engine.region, engine.id, self._wall_clock())
             claimed = self.state.bind_session(ask.tenant, ask.session_id, made, claim=binding is None)

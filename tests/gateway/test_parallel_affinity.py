@@ -8,6 +8,7 @@ request, decided a microsecond later, follows it instead of preferring the engin
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -101,12 +102,14 @@ async def test_a_claim_is_taken_back_when_the_engine_fails_before_taking_the_req
     await cluster.stop_engine("eu-west/e0")
     gateway = cluster.gateway
     # Until its health check notices, the gateway still believes e0 healthy: make it the obvious choice.
-    gateway.fleet.engines["eu-west/e1"].pending_prefill_tokens += 10**6
+    busy = gateway.fleet.engines["eu-west/e1"]
+    queued = busy.add_pending_prefill(10**6, time.monotonic())  # ~50 s of prefill at the default estimate
+    assert queued is not None
     gateway.fleet.engines["eu-west/e0"].healthy = True
     try:
         engine, _, _ = await ask(cluster, prefix("refused"), session="s-refused", stream=False)
     finally:
-        gateway.fleet.engines["eu-west/e1"].pending_prefill_tokens -= 10**6
+        busy.settle_pending_prefill(queued, time.monotonic())
     assert engine == "eu-west/e1"
     binding = gateway.state.sessions.get_now("default", "s-refused")
     assert binding is not None and binding.engine == "eu-west/e1"
