@@ -91,7 +91,8 @@ def tiny_qwen3(device: torch.device | str) -> CausalLM:
 @torch.inference_mode()
 def greedy(model: CausalLM, steps: int, block_size: int = 8) -> tuple[list[torch.Tensor], list[int]]:
     """A 13-token prompt in one step, then ``steps - 1`` decode steps -> (logits of each step, tokens)."""
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
+    device = weight.device
     config = model.config
     cache = KVCache(
         config.num_hidden_layers,
@@ -99,7 +100,7 @@ def greedy(model: CausalLM, steps: int, block_size: int = 8) -> tuple[list[torch
         block_size,
         config.num_key_value_heads,
         config.head_dim,
-        torch.float32,
+        weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.float32,
         device,
     )
     table = [3, 0, 2]

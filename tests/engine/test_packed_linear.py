@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_a_packed_linear_computes_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    if not can_pack(dtype):  # (bf16 on a CPU without AVX-512: pack_linears leaves it to F.linear, below)
+        with pytest.raises(RuntimeError):
+            PackedLinear(torch.ones(4, 4, dtype=dtype), None)(torch.ones(1, 4, dtype=dtype))
+        return
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=g).to(dtype)
     b = torch.randn(48, generator=g).to(dtype) if bias else None
@@ -41,3 +45,12 @@ def test_a_packed_model_gives_the_same_tokens_and_keeps_its_tied_embedding() -> 
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     assert pack_linears(packed) == 0  # nothing left to pack
     assert pack_linears(tiny_qwen3("cpu").to(torch.float16)) == 0  # fp16: left to torch
+
+
+def test_bf16_linears_are_packed_only_where_onednn_can_and_compute_alike_either_way() -> None:
+    model = tiny_qwen3("cpu").to(torch.bfloat16)
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed) == (2 * 4 + 1 if can_pack(torch.bfloat16) else 0)
+    with torch.inference_mode():
+        (_, ours), (_, theirs) = greedy(packed, steps=4), greedy(model, steps=4)
+    assert ours == theirs
