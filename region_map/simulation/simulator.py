@@ -185,10 +185,10 @@ class SimEngine:
         if stored or evicted:
             self._on_change(self.id, stored, evicted)
             pending = self._ready_at
-            for b in evicted:
-                pending.pop(b, None)
             for b in stored:
                 pending[b] = ready_at
+            for b in evicted:  # (after: a prompt longer than the cache evicts some of its own new blocks)
+                pending.pop(b, None)
         return stored
 
 

@@ -92,6 +92,15 @@ def test_a_pull_gets_only_what_the_peer_has_computed_by_then() -> None:
     assert late.serve(0.5, TraceRequest(0.5, 600, 1, (1, 2, 3, 4, 5, 6), 1), source)[1] == 5
 
 
+def test_a_prompt_longer_than_the_cache_leaves_no_record_of_the_blocks_it_evicted() -> None:
+    cost = CostModel(prefill_tokens_per_s=1000, block_tokens=100)
+    engine = SimEngine("r/e0", "r", 3, cost, lambda *a: None)
+    for first in range(0, 50, 5):  # ten such prompts, none of whose first blocks stay
+        engine.serve(first, TraceRequest(first, 500, 1, tuple(range(first, first + 5)), 1))
+    assert len(engine.cache) == 3
+    assert set(engine._ready_at) <= {b for b in range(50) if engine.cache.prefix([b])}  # bounded by the cache
+
+
 def test_pulls_from_one_engine_share_its_link() -> None:
     cost = CostModel(prefill_tokens_per_s=1e9, block_tokens=100, kv_pull_tokens_per_s=10_000)
     source = SimEngine("r/e0", "r", 10, cost, lambda *a: None)
