@@ -65,6 +65,7 @@ HOT_MODULES = (
     "gateway/tenancy/ledger_writer.py",
     "region_map/breaker.py",
     "region_map/fleet.py",
+    "region_map/prefill_queue.py",
 )
 
 

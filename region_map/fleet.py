@@ -8,7 +8,6 @@ partial). Routing looks at both; an engine whose load cannot be read is judged b
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -17,6 +16,7 @@ from cache.foreign_chain import routing_block
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
 from region_map.discovery import EngineMetrics
+from region_map.prefill_queue import PrefillQueue
 
 
 class ChainKey(NamedTuple):
@@ -34,15 +34,6 @@ class InFlight(Protocol):
     def engine_down(self, reason: str, quiet_s: float) -> None:
         """The engine was declared unhealthy: give up on it unless it answered within ``quiet_s``."""
         ...
-
-
-class QueuedPrefill:
-    """One request's uncached prompt tokens in an engine's prefill queue, as this gateway counts it."""
-
-    __slots__ = ("tokens",)
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
 
 
 @dataclass(slots=True)
@@ -90,9 +81,7 @@ class EngineState:
     last_error: str | None = None
     # This gateway's own, instant view of what it has sent there and not yet finished.
     inflight: int = 0
-    pending_prefill_tokens: int = 0  # uncached prompt tokens sent there, their prefill not yet seen done
-    prefill_queue: deque[QueuedPrefill] = field(default_factory=deque)  # the same, request by request
-    pending_since: float = 0.0  # (monotonic) when the engine began on the oldest of them, as far as we know
+    prefill: PrefillQueue = field(default_factory=PrefillQueue)  # prompts whose first token is not back
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # The exchanges in flight there, failed at once (unless still answering) when it is declared unhealthy:
     # a frozen engine's requests fail over in seconds instead of waiting out their timeouts.
@@ -195,43 +184,6 @@ class EngineState:
         key = ChainKey(block_size if kvgate else routing_block(block_size, min_block_size), kvgate)
         self._chain_memo = (inputs, key)
         return key
-
-    def add_pending_prefill(self, tokens: int, now: float) -> QueuedPrefill | None:
-        """``tokens`` of prefill sent there at ``now`` (monotonic), queued behind what is pending; the entry
-        to pass to :meth:`settle_pending_prefill` (None for nothing to compute)."""
-        if tokens <= 0:
-            return None
-        entry = QueuedPrefill(tokens)
-        if not self.prefill_queue:
-            self.pending_since = now
-        self.prefill_queue.append(entry)
-        self.pending_prefill_tokens += tokens
-        return entry
-
-    def settle_pending_prefill(self, entry: QueuedPrefill, now: float) -> None:
-        """``entry``'s prefill is done (its first tokens flow) or will never run. Prefills run first come,
-        first served: when it was the oldest, the engine is on the next one from ``now``."""
-        queue = self.prefill_queue
-        if queue and queue[0] is entry:
-            queue.popleft()
-            self.pending_since = now
-        else:
-            try:
-                queue.remove(entry)
-            except ValueError:
-                return  # (settled already)
-        self.pending_prefill_tokens -= entry.tokens
-
-    def pending_prefill_estimate(self, now: float, s_per_token: float) -> int:
-        """Prefill tokens still queued there at ``now`` by this gateway's own count: what it sent, less what
-        the engine has had time to compute of the oldest since it began on it (at ``s_per_token``). Without
-        the drain, a long prompt weighs in full until its first token, and a request arriving near the end
-        of its prefill sees seconds of queue where milliseconds are left. Only the oldest drains: a speed
-        set too fast then errs by one prompt at most, and its first token puts the count right."""
-        pending, queue = self.pending_prefill_tokens, self.prefill_queue
-        if not queue or s_per_token <= 0:
-            return max(0, pending)
-        return pending - min(queue[0].tokens, int((now - self.pending_since) / s_per_token))
 
     def queue_estimate(self) -> tuple[int, int]:
         """(requests in the engine, requests waiting for a slot), merging reported and local load."""

@@ -30,7 +30,8 @@ from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_on
 from gateway.routing.regional import RemoteShareLimiter
 from gateway.state.shared_state import SharedState
 from region_map.config import EngineKind, Role
-from region_map.fleet import ChainKey, EngineState, Fleet, QueuedPrefill
+from region_map.fleet import ChainKey, EngineState, Fleet
+from region_map.prefill_queue import QueuedPrefill
 
 # Blocks of a new prefix noted as "held soon" until the engine's events confirm them: a parallel request
 # counts them as cached (64k tokens of 16-token blocks: a set update, ~15 us a thousand; longer prompts note
@@ -103,7 +104,7 @@ class Route:
         """The prompt's prefill is done (tokens flow) or will never run: its queued tokens leave the
         engine's load signal. Idempotent."""
         if self.queued is not None:
-            self.computing.settle_pending_prefill(self.queued, self.clock())
+            self.computing.prefill.settle(self.queued, self.clock())
             self.queued = None
 
 
@@ -126,7 +127,7 @@ class Router:
         self.metrics = metrics
         self.limiter = RemoteShareLimiter(settings.routing.max_remote_share)
         self._wall_clock = wall_clock  # stamps session bindings: the newest binding wins across gateways
-        self._monotonic = monotonic  # times the engines' prefill queues (pending_prefill_estimate)
+        self._monotonic = monotonic  # times the engines' prefill queues (PrefillQueue.estimate)
         self._seq = 0
         self._roles_memo: tuple[list[EngineState], list[EngineState], list[EngineState]] | None = None
 
@@ -230,7 +231,7 @@ class Router:
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
                           rtt_s(e.region, home),
-                          max(e.pending_prefill_estimate(now, s_per_token), e.load.waiting_tokens))
+                          max(e.prefill.estimate(now, s_per_token), e.load.waiting_tokens))
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out
@@ -349,7 +350,7 @@ class Router:
         computing = prefill or engine
         held = predicted if pulled else cached.get(computing.id, 0)
         queued = prompt - min(held, prompt)
-        entry = computing.add_pending_prefill(queued, self._monotonic())
+        entry = computing.prefill.add(queued, self._monotonic())
         route = Route(decision, engine, prefill, predicted, pulled, computing, entry, clock=self._monotonic)
         if ask.session_id is not None and (binding is None or binding.engine != engine.id):
             made = SessionBinding(engine.region, engine.id, self._wall_clock())

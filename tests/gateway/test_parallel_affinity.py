@@ -103,17 +103,17 @@ async def test_a_claim_is_taken_back_when_the_engine_fails_before_taking_the_req
     gateway = cluster.gateway
     # Until its health check notices, the gateway still believes e0 healthy: make it the obvious choice.
     busy = gateway.fleet.engines["eu-west/e1"]
-    queued = busy.add_pending_prefill(10**6, time.monotonic())  # ~50 s of prefill at the default estimate
+    queued = busy.prefill.add(10**6, time.monotonic())  # ~50 s of prefill at the default estimate
     assert queued is not None
     gateway.fleet.engines["eu-west/e0"].healthy = True
     try:
         engine, _, _ = await ask(cluster, prefix("refused"), session="s-refused", stream=False)
     finally:
-        busy.settle_pending_prefill(queued, time.monotonic())
+        busy.prefill.settle(queued, time.monotonic())
     assert engine == "eu-west/e1"
     binding = gateway.state.sessions.get_now("default", "s-refused")
     assert binding is not None and binding.engine == "eu-west/e1"
-    assert gateway.fleet.engines["eu-west/e0"].pending_prefill_tokens == 0
+    assert gateway.fleet.engines["eu-west/e0"].prefill.tokens == 0
     assert not gateway.state.index.held_soon_now("eu-west/e0")  # nothing "held soon" left there
 
 

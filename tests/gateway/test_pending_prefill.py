@@ -13,49 +13,42 @@ from gateway.routing.default import DefaultPolicy
 from gateway.routing.router import Route
 from gateway.routing.settings import RoutingSettings
 from gateway.simulate import TENANT, TraceAsk, sim_router
-from region_map.fleet import ChainKey, EngineState
+from region_map.fleet import ChainKey
+from region_map.prefill_queue import PrefillQueue
 
 S_PER_TOKEN = 7.1e-5  # a 70B model on H100s (perfmodel's llama3-70b-h100)
 BLOCK = 512
 
 
-def engine() -> EngineState:
-    router = sim_router(
-        DefaultPolicy(RoutingSettings()), RoutingSettings(), regions=["r"], engines_per_region=1, rtt_s=0.0,
-        uses_sessions=False,
-    )  # fmt: skip
-    return next(iter(router.fleet))
-
-
 def test_the_oldest_queued_prefill_drains_at_the_estimated_speed() -> None:
-    e = engine()
-    assert e.pending_prefill_estimate(5.0, S_PER_TOKEN) == 0
-    first = e.add_pending_prefill(30_000, 10.0)  # a long prompt: ~2.1 s of prefill
-    assert first is not None and e.pending_prefill_estimate(10.0, S_PER_TOKEN) == 30_000
+    e = PrefillQueue()
+    assert e.estimate(5.0, S_PER_TOKEN) == 0
+    first = e.add(30_000, 10.0)  # a long prompt: ~2.1 s of prefill
+    assert first is not None and e.estimate(10.0, S_PER_TOKEN) == 30_000
     one_second = int(1.0 / S_PER_TOKEN)
-    assert e.pending_prefill_estimate(11.0, S_PER_TOKEN) == 30_000 - one_second
-    second = e.add_pending_prefill(1_000, 11.0)  # queued behind it: the engine is still on the first
-    assert second is not None and e.pending_prefill_estimate(11.0, S_PER_TOKEN) == 31_000 - one_second
+    assert e.estimate(11.0, S_PER_TOKEN) == 30_000 - one_second
+    second = e.add(1_000, 11.0)  # queued behind it: the engine is still on the first
+    assert second is not None and e.estimate(11.0, S_PER_TOKEN) == 31_000 - one_second
     # Only the oldest drains: however late its first token, what is queued behind it stays counted.
-    assert e.pending_prefill_estimate(60.0, S_PER_TOKEN) == 1_000
-    e.settle_pending_prefill(first, 12.5)  # its tokens flow: the engine is on the next one from now
-    assert e.pending_prefill_tokens == 1_000 and e.pending_prefill_estimate(12.5, S_PER_TOKEN) == 1_000
-    assert e.pending_prefill_estimate(12.5 + 500 * S_PER_TOKEN, S_PER_TOKEN) == 500
-    e.settle_pending_prefill(second, 12.6)
-    e.settle_pending_prefill(second, 12.7)  # (twice: nothing more)
-    assert e.pending_prefill_tokens == 0 and e.pending_prefill_estimate(12.7, S_PER_TOKEN) == 0
-    assert e.add_pending_prefill(0, 20.0) is None  # all cached: nothing queued
-    later = e.add_pending_prefill(200, 30.0)  # an idle engine starts on a new prompt when it arrives
-    assert later is not None and e.pending_prefill_estimate(30.0, S_PER_TOKEN) == 200
-    assert e.pending_prefill_estimate(31.0, 0.0) == 200  # no speed configured: no drain
+    assert e.estimate(60.0, S_PER_TOKEN) == 1_000
+    e.settle(first, 12.5)  # its tokens flow: the engine is on the next one from now
+    assert e.tokens == 1_000 and e.estimate(12.5, S_PER_TOKEN) == 1_000
+    assert e.estimate(12.5 + 500 * S_PER_TOKEN, S_PER_TOKEN) == 500
+    e.settle(second, 12.6)
+    e.settle(second, 12.7)  # (twice: nothing more)
+    assert e.tokens == 0 and e.estimate(12.7, S_PER_TOKEN) == 0
+    assert e.add(0, 20.0) is None  # all cached: nothing queued
+    later = e.add(200, 30.0)  # an idle engine starts on a new prompt when it arrives
+    assert later is not None and e.estimate(30.0, S_PER_TOKEN) == 200
+    assert e.estimate(31.0, 0.0) == 200  # no speed configured: no drain
 
 
 def test_a_request_that_never_ran_leaves_the_oldest_draining() -> None:
-    e = engine()
-    first, failed = e.add_pending_prefill(20_000, 0.0), e.add_pending_prefill(5_000, 0.5)
+    e = PrefillQueue()
+    first, failed = e.add(20_000, 0.0), e.add(5_000, 0.5)
     assert first is not None and failed is not None
-    e.settle_pending_prefill(failed, 0.6)  # refused before the engine took it: not the one it is on
-    assert e.pending_prefill_estimate(1.0, S_PER_TOKEN) == 20_000 - int(1.0 / S_PER_TOKEN)
+    e.settle(failed, 0.6)  # refused before the engine took it: not the one it is on
+    assert e.estimate(1.0, S_PER_TOKEN) == 20_000 - int(1.0 / S_PER_TOKEN)
 
 
 def test_a_follow_up_near_the_end_of_its_previous_turns_prefill_stays_and_finds_it() -> None:
