@@ -190,7 +190,10 @@ class Router:
                 size = key.block_size
                 cached[e.id] = min(blocks, cap_blocks // size) * size
                 if sure.get(e.id):
-                    confirmed[e.id] = min(sure[e.id], cap_blocks // size) * size
+                    sure_blocks = min(sure[e.id], cap_blocks // size)
+                    if e.prefill.tokens:  # (announced blocks of a prompt still in its prefill: not yet)
+                        sure_blocks = e.prefill.computed_blocks(ask.chains[key], sure_blocks)
+                    confirmed[e.id] = sure_blocks * size
         return cached, confirmed
 
     def _with_room(self, engines: list[EngineState], model: str) -> list[EngineState]:
@@ -350,13 +353,15 @@ class Router:
         computing = prefill or engine
         held = predicted if pulled else cached.get(computing.id, 0)
         queued = prompt - min(held, prompt)
-        entry = computing.prefill.add(queued, self._monotonic())
+        s = self.settings
+        at = computing.chain_key(s.block_size, s.min_block_size)  # (its blocks from there on: not computed)
+        start = cached.get(computing.id, 0) // at.block_size
+        entry = computing.prefill.add(queued, self._monotonic(), ask.chains.get(at, ()), start)
         route = Route(decision, engine, prefill, predicted, pulled, computing, entry, clock=self._monotonic)
         if ask.session_id is not None and (binding is None or binding.engine != engine.id):
             made = SessionBinding(engine.region, engine.id, self._wall_clock())
             claimed = self.state.bind_session(ask.tenant, ask.session_id, made, claim=binding is None)
             route.session, route.claimed, route.previous = (ask.tenant, ask.session_id), claimed, binding
-        s = self.settings
         key = engine.chain_key(s.block_size, s.min_block_size)
         known = cached.get(engine.id, 0) // key.block_size
         # The first new blocks only, until the engine's events (or the confirmation) say the rest: enough to

@@ -78,3 +78,57 @@ def test_a_follow_up_near_the_end_of_its_previous_turns_prefill_stays_and_finds_
     follow_up = decide(0.85 * 60 * BLOCK * S_PER_TOKEN, 62)
     assert follow_up.engine.id == first.engine.id and follow_up.decision.reason == "session"
     assert follow_up.decision.kv_source is None and follow_up.predicted == 60 * BLOCK
+
+
+def test_a_prefix_still_in_its_prefill_is_priced_as_nothing_to_pull() -> None:
+    """The same session's next turn, sent 10 % into its last turn's prefill. The busy engine has announced
+    the blocks (at scheduling), but until its first token a peer pulling them would find most of them not
+    computed. Priced as a pull of all 60 blocks, moving to the idle engine looked cheap (it pulled short and
+    computed ~30k tokens again); priced as the recomputation it is, staying behind the prefill is cheaper,
+    and there the blocks are computed by the time the next turn runs."""
+    settings = RoutingSettings(
+        prefill_s_per_token=S_PER_TOKEN, kv_pull=True, kv_pull_s_per_token=0.24 * S_PER_TOKEN
+    )
+    sim = sim_router(
+        DefaultPolicy(settings), settings, regions=["r"], engines_per_region=2, rtt_s=0.0, uses_sessions=True,
+        block_tokens=BLOCK,
+    )  # fmt: skip
+    key = ChainKey(BLOCK, True)
+
+    def ask(blocks: int, session: str = "chat-7") -> TraceAsk:
+        chain = list(range(blocks)) if session == "chat-7" else [10_000 + i for i in range(blocks)]
+        return TraceAsk(session, "r", {key: chain}, blocks * BLOCK, route_key(TENANT, session, []))
+
+    first = sim.router.decide(sim.router.plan(ask(60)))
+    assert isinstance(first, Route)
+    sim.router.confirm(first, ask(60))
+    sim.kv_changed(first.engine.id, list(range(60)), [])
+    sim.now[0] = 0.1 * 60 * BLOCK * S_PER_TOKEN
+    plan = sim.router.plan(ask(62))
+    assert plan.cached[first.engine.id] == 60 * BLOCK  # it is held there (or will be) ...
+    assert plan.confirmed is not None and plan.confirmed.get(first.engine.id, 0) == 0  # ... not pullable yet
+    follow_up = sim.router.decide(plan)
+    assert isinstance(follow_up, Route)
+    assert follow_up.engine.id == first.engine.id and follow_up.decision.kv_source is None
+    assert follow_up.predicted == 60 * BLOCK
+    # Once its first token is back, the whole prefix can be pulled.
+    first.settle()
+    assert sim.router.plan(ask(62)).confirmed == {first.engine.id: 60 * BLOCK}
+
+
+def test_a_queued_prompt_marks_where_its_uncomputed_blocks_begin() -> None:
+    q = PrefillQueue()
+    a = q.add(4 * BLOCK, 0.0, [1, 2, 3, 4, 5, 6], first_block=2)  # blocks 2.. of chain [1..6] to compute
+    assert q.computed_blocks([1, 2, 3, 4, 5, 6, 7], 7) == 2  # the same prefix: only blocks 0-1 are computed
+    assert q.computed_blocks([1, 2, 9, 9], 4) == 4  # another prompt branching at block 2: all computed
+    assert q.computed_blocks([1, 2, 3], 1) == 1  # fewer announced than the mark: unchanged
+    assert q.computed_blocks([1, 2], 2) == 2  # a shorter chain: nothing to compare
+    b = q.add(BLOCK, 0.1, [1, 2], first_block=0)  # the whole of [1, 2] is being computed too
+    assert q.computed_blocks([1, 2, 3, 4], 4) == 0
+    assert b is not None and a is not None
+    q.settle(b, 0.2)
+    assert q.computed_blocks([1, 2, 3, 4], 4) == 2
+    q.settle(a, 0.3)
+    assert q.computed_blocks([1, 2, 3, 4], 4) == 4
+    assert q.add(BLOCK, 0.4, [], first_block=0) is not None  # no chain (a prompt under one block): no mark
+    assert q.computed_blocks([1, 2], 2) == 2
