@@ -12,12 +12,23 @@ from gateway.routing.base import route_key
 from gateway.routing.default import DefaultPolicy
 from gateway.routing.router import Route
 from gateway.routing.settings import RoutingSettings
-from gateway.simulate import TENANT, TraceAsk, sim_router
+from gateway.simulate import TENANT, SimRouter, TraceAsk, sim_router
 from region_map.fleet import ChainKey
 from region_map.prefill_queue import PrefillQueue
 
 S_PER_TOKEN = 7.1e-5  # a 70B model on H100s (perfmodel's llama3-70b-h100)
 BLOCK = 512
+
+
+def two_pulling_engines() -> SimRouter:
+    """A router in front of two engines of one region that pull K/V from each other, at a 70B's speeds."""
+    settings = RoutingSettings(
+        prefill_s_per_token=S_PER_TOKEN, kv_pull=True, kv_pull_s_per_token=0.24 * S_PER_TOKEN
+    )
+    return sim_router(
+        DefaultPolicy(settings), settings, regions=["r"], engines_per_region=2, rtt_s=0.0, uses_sessions=True,
+        block_tokens=BLOCK,
+    )  # fmt: skip
 
 
 def test_the_oldest_queued_prefill_drains_at_the_estimated_speed() -> None:
@@ -56,13 +67,7 @@ def test_a_follow_up_near_the_end_of_its_previous_turns_prefill_stays_and_finds_
     have announced its blocks, as vLLM's do when it schedules them. Counting that turn in full, the router
     saw 2.2 s of queue there and moved the session to the idle engine, to pull a prefix the busy engine had
     not computed yet (so the pull would find nothing, and all 30k tokens would be computed again)."""
-    settings = RoutingSettings(
-        prefill_s_per_token=S_PER_TOKEN, kv_pull=True, kv_pull_s_per_token=0.24 * S_PER_TOKEN
-    )
-    sim = sim_router(
-        DefaultPolicy(settings), settings, regions=["r"], engines_per_region=2, rtt_s=0.0, uses_sessions=True,
-        block_tokens=BLOCK,
-    )  # fmt: skip
+    sim = two_pulling_engines()
 
     def decide(at: float, blocks: int) -> Route:
         sim.now[0] = at
@@ -86,13 +91,7 @@ def test_a_prefix_still_in_its_prefill_is_priced_as_nothing_to_pull() -> None:
     computed. Priced as a pull of all 60 blocks, moving to the idle engine looked cheap (it pulled short and
     computed ~30k tokens again); priced as the recomputation it is, staying behind the prefill is cheaper,
     and there the blocks are computed by the time the next turn runs."""
-    settings = RoutingSettings(
-        prefill_s_per_token=S_PER_TOKEN, kv_pull=True, kv_pull_s_per_token=0.24 * S_PER_TOKEN
-    )
-    sim = sim_router(
-        DefaultPolicy(settings), settings, regions=["r"], engines_per_region=2, rtt_s=0.0, uses_sessions=True,
-        block_tokens=BLOCK,
-    )  # fmt: skip
+    sim = two_pulling_engines()
     key = ChainKey(BLOCK, True)
 
     def ask(blocks: int, session: str = "chat-7") -> TraceAsk:
