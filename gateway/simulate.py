@@ -26,7 +26,7 @@ from gateway.config import GatewaySettings, ResilienceSettings
 from gateway.http.errors import GatewayError
 from gateway.routing import POLICIES, RoutingPolicy
 from gateway.routing.base import RoutingSettings, route_key
-from gateway.routing.router import Router
+from gateway.routing.router import Route, Router
 from gateway.state.shared_state import SharedState
 from gateway.user_errors import UserError
 from region_map.config import EngineConfig, RegionConfig, TopologyConfig
@@ -69,6 +69,10 @@ class SimRouter:
     uses_sessions: bool
     block_tokens: int = TRACE_BLOCK_TOKENS
     now: list[float] = field(default_factory=lambda: [0.0])  # the simulated clock the view reads
+    routed: int = 0
+    # Routes whose prefill is not done, by their number: their queued tokens and uncomputed blocks stay
+    # in the engine's prefill queue until then, as a live gateway's stay until the first token.
+    pending: dict[int, Route] = field(default_factory=dict)
 
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
         index = self.router.state.index
@@ -76,6 +80,14 @@ class SimRouter:
             index.add_now(engine_id, stored)
         if evicted:
             index.remove_now(engine_id, evicted)
+
+    def first_token(self, n: int, at: float) -> None:
+        route = self.pending.pop(n, None)
+        if route is not None:
+            clock = self.now[0]
+            self.now[0] = at  # (the queue's drain restarts when the oldest prefill ends)
+            route.settle()
+            self.now[0] = clock
 
     def route(
         self, request: TraceRequest, home: str, now: float, engines: Sequence[SimEngine]
@@ -99,7 +111,8 @@ class SimRouter:
         if isinstance(route, GatewayError):
             raise RuntimeError(f"the router found no engine: {route.message}")
         self.router.confirm(route, ask)
-        route.settle()  # (the simulated engine reports its queue itself, as waiting_tokens)
+        self.routed += 1
+        self.pending[self.routed] = route
         by_id = {e.id: e for e in engines}
         return by_id[route.engine.id], by_id.get(route.decision.kv_source or "")
 

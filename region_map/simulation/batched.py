@@ -49,6 +49,7 @@ class BatchedSimEngine(SimEngine):
         self._on_step = on_step
         self._last_submit = float("-inf")
         self._computing: dict[str, list[int]] = {}  # request key -> the blocks its prefill computes
+        self.on_first_token: Callable[[str, float], None] | None = None  # (key, when): its prefill is done
 
     def advance(self, now: float) -> None:
         """Execute every step that ends by ``now`` (call it with each arrival, in order)."""
@@ -64,6 +65,8 @@ class BatchedSimEngine(SimEngine):
             for key in record.first_tokens:  # its prefill has run: its blocks can be pulled from now on
                 for b in computing.pop(key, ()):
                     ready_at.pop(b, None)
+                if self.on_first_token is not None:
+                    self.on_first_token(key, record.end_s)
             if self._on_step is not None:
                 self._on_step(self.id, record)
 

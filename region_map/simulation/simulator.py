@@ -204,6 +204,11 @@ class Router(Protocol):
         """An engine stored or evicted blocks (the KV events a gateway would receive)."""
         ...
 
+    def first_token(self, n: int, at: float) -> None:
+        """The ``n``-th request routed (from 1) got its first token at ``at``: its prefill is done, as a
+        gateway learns from the stream. Heard in time order, before the routing of any later arrival."""
+        ...
+
 
 @dataclass
 class SimResult:
@@ -263,6 +268,9 @@ def simulate(
     engines: list[SimEngine] = list(batched) or [
         SimEngine(i, r, capacity_blocks, cost, router.kv_changed) for i, r in ids
     ]
+    firsts: list[tuple[float, int]] = []  # (first token, n) not yet told to the router: a heap
+    for sim in batched:
+        sim.on_first_token = lambda key, at: heapq.heappush(firsts, (at, int(key)))
     pending: list[tuple[BatchedSimEngine, str, float, float]] = []  # (engine, key, arrival, rtt)
     pooled = LRUBlocks(capacity_blocks * len(engines))
     seen: set[int] = set()
@@ -273,6 +281,9 @@ def simulate(
         home = home_region(request, regions)
         for sim in batched:  # the load the router reads is the model's at this arrival
             sim.advance(now)
+        while firsts and firsts[0][0] <= now:
+            at, done = heapq.heappop(firsts)
+            router.first_token(done, at)
         engine, source = router.route(request, home, now, engines)
         if source is not None:
             pulls += 1
@@ -284,6 +295,7 @@ def simulate(
         else:
             first_token, hit = engine.serve(now, request, source)
             ttfts.append(rtt + first_token - now)
+            heapq.heappush(firsts, (first_token, n))
         cross += engine.region != home
         hits += hit
         total_blocks += len(request.blocks)

@@ -32,6 +32,9 @@ class Rotate:
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
         pass
 
+    def first_token(self, n: int, at: float) -> None:
+        pass
+
 
 def workload(n: int = 120) -> list[TraceRequest]:
     """Conversations of growing prompts arriving faster than one engine prefills them, so batches mix

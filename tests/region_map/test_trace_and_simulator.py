@@ -123,6 +123,9 @@ class FirstEngine:
     def kv_changed(self, engine_id: str, stored: list[int], evicted: list[int]) -> None:
         self.events.append((engine_id, stored, evicted))
 
+    def first_token(self, n: int, at: float) -> None:
+        pass
+
 
 def test_the_replay_reports_hits_and_the_references() -> None:
     trace = [TraceRequest(float(i), 1024, 2, (0, 10 + i), 10 + i) for i in range(4)]
