@@ -1,5 +1,6 @@
 """Session affinity: stay on the engine the ``x-session-affinity`` binding names, unless that engine is
-unhealthy or overloaded (the per-candidate load guard); then, and for new sessions, least load decides."""
+unhealthy, or overloaded (the per-candidate load guard) while another engine has room; then, and for new
+sessions, least load decides."""
 
 from __future__ import annotations
 
@@ -19,12 +20,20 @@ from gateway.routing.least_load import LeastLoadPolicy
 def bound_candidate(
     request: RouteRequest, candidates: Sequence[Candidate], settings: RoutingSettings
 ) -> Candidate | None:
-    """The session's engine if it may keep the session: present, healthy and not overloaded."""
+    """The session's engine if it may keep the session: present, healthy, and not overloaded unless every
+    other healthy engine is overloaded too. The guard moves a session to an engine with room; moving it to
+    another full queue would only give its cache up: under a sustained overload, sessions shuffled between
+    full engines computed their prompts again, which deepened every queue (tests/bench/bench_overload.py)."""
     if request.session_engine is None:
         return None
     for c in candidates:
         if c.engine == request.session_engine:
-            return c if c.healthy and not overloaded(c, settings) else None
+            if not c.healthy:
+                return None
+            if not overloaded(c, settings):
+                return c
+            room = any(o.healthy and not overloaded(o, settings) for o in candidates if o is not c)
+            return None if room else c
     return None
 
 

@@ -191,10 +191,23 @@ def test_the_load_guard_is_per_candidate_not_fleet_wide() -> None:
     assert decision.engine == "a" and decision.reason == "session"
 
 
-def test_when_every_engine_is_overloaded_a_moved_session_still_gets_one() -> None:
+@pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
+def test_when_every_engine_is_overloaded_the_session_keeps_its_engine_and_cache(policy_cls: type) -> None:
+    # Moving to another full queue gains nothing and gives the session's cache up; before, the guard moved
+    # it anyway, and under a sustained overload those moves recomputed prompts and deepened every queue.
+    policy = policy_cls(S)
+    candidates = [cand("a", cached=60, waiting=9), cand("b", waiting=5), cand("c", waiting=6)]
+    decision = policy.pick(req(session="a"), candidates)
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+    # One engine with room is enough for the guard to move the session there.
+    decision = policy.pick(req(session="a"), [*candidates, cand("d", waiting=3)])
+    assert decision is not None and (decision.engine, decision.reason) == ("d", "moved")
+
+
+def test_when_every_engine_is_overloaded_a_session_that_must_move_still_gets_one() -> None:
     policy = DefaultPolicy(S)
     decision = policy.pick(
-        req(session="a"), [cand("a", waiting=9), cand("b", waiting=5), cand("c", waiting=6)]
+        req(session="a"), [cand("a", waiting=9, healthy=False), cand("b", waiting=5), cand("c", waiting=6)]
     )
     assert decision is not None and decision.engine in {"b", "c"}
 
