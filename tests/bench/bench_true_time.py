@@ -3,6 +3,7 @@ scale (issue 24).
 
     python tests/bench/bench_true_time.py [--workloads conversation,synthetic] [--requests 300]
         [--profile llama3-8b-h100] [--runs 3] [--max-output 64] [--peers-venv DIR] [--smg-venv DIR] [--json]
+        [--start N] [--baseline-checkout DIR]
 
 Engines: 4 simulated engines per router and run (``python -m engine.sim --profile NAME``: perfmodel's batching
 step loop in real time, FIFO admission under the profile's token budget and KV capacity, chunked prefill, one
@@ -10,7 +11,8 @@ streamed token per decode step, prefix caches of 64,000 16-token blocks), fresh 
 that every router starts from empty caches. The engines report a local byte-level tokenizer (one token per
 byte), so no router downloads anything.
 
-Workloads (``tests/data/README.md``): the first ``--requests`` requests of
+Workloads (``tests/data/README.md``): the first ``--requests`` requests (from the ``--start``-th on, its
+arrival becoming time 0) of
 
 * ``conversation``: the Mooncake conversation trace (one hour of Kimi chat; every prompt starts with the same
   system block; 12k tokens in, 343 out on average);
@@ -24,9 +26,11 @@ Every request carries ``x-session-affinity`` = its conversation key (kvgate uses
 
 Routers: kvgate (default policy, its prefill estimate set to the profile's, KV pulls between engines on at
 0.24 x prefill, as the engines do them), smg, sglang-router and vllm-router (``--policy cache_aware``, as
-``bench_routers`` starts them; a missing one is skipped with a line). Each run replays each workload once per
-router, the routers in a new random order each run (interleaved: A B C D, C A D B, ...), so that drifts of
-this machine fall on all alike. The table gives each figure's median over runs and its spread (max - min).
+``bench_routers`` starts them; a missing one is skipped with a line); with ``--baseline-checkout DIR``, also
+``kvgate@base``, the kvgate of that checkout (before and after a change, in the same runs). Each run replays
+each workload once per router, the routers in a new random order each run (interleaved: A B C D, C A D B,
+...), so that drifts of this machine fall on all alike. The table gives each figure's median over runs and
+its spread (max - min).
 
 Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the first streamed byte; load:
 max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
@@ -72,13 +76,14 @@ async def engine_busy(engines: list[EngineProcess]) -> list[float]:
 
 async def one(
     name: str,
-    command: list[str] | None,
+    command: list[str] | Path | None,
     trace: list[TraceRequest],
     prof_name: str,
     prof: EngineProfile,
     tmp: Path,
 ) -> dict[str, Any]:
-    """``name`` in front of fresh engines, ``trace`` replayed at its own time scale."""
+    """``name`` in front of fresh engines, ``trace`` replayed at its own time scale. ``command`` starts a
+    peer; None starts this kvgate, a path the kvgate of that checkout."""
     tok = tmp / "tokenizer"
     engines = start_engines(
         ENGINES, tok, prof_name, "", CAPACITY_BLOCKS, prof.prefill_s_per_token * PULL_FRACTION
@@ -86,8 +91,8 @@ async def one(
     router: Router | None = None
     try:
         await wait_healthy(engines)
-        if command is None:
-            router = start_kvgate(engines, tok, tmp, prof.prefill_s_per_token)
+        if command is None or isinstance(command, Path):
+            router = start_kvgate(engines, tok, tmp, prof.prefill_s_per_token, checkout=command)
         else:
             router = start_peer(name, command, engines)
         if not await wait_ready(router):
@@ -144,7 +149,10 @@ def print_table(
     workload_name: str, trace: list[TraceRequest], args: argparse.Namespace, table: dict[str, Any]
 ) -> None:
     span = trace[-1].arrival_s - trace[0].arrival_s
-    print(f"\n{workload_name}: first {len(trace)} requests over {span:.0f} s at their own time scale, outputs"
+    first = (
+        f"{len(trace)} requests from request {args.start}" if args.start else f"first {len(trace)} requests"
+    )
+    print(f"\n{workload_name}: {first} over {span:.0f} s at their own time scale, outputs"
           f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
           f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
     cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "requests max/mean", "busy max/mean")
@@ -164,9 +172,14 @@ def print_table(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     peers = {n: c for n, c in peer_commands(args.peers_venv, args.smg_venv).items() if n in args.routers}
-    routers: dict[str, list[str] | None] = ({"kvgate": None} if "kvgate" in args.routers else {}) | peers
+    routers: dict[str, list[str] | Path | None] = {"kvgate": None} if "kvgate" in args.routers else {}
+    if args.baseline_checkout is not None:
+        routers["kvgate@base"] = args.baseline_checkout
+    routers |= peers
     prof = profile(args.profile)
-    traces = {w: workload(args.requests, args.max_output or None, WORKLOADS[w]) for w in args.workloads}
+    traces = {
+        w: workload(args.requests, args.max_output or None, WORKLOADS[w], args.start) for w in args.workloads
+    }
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in routers} for w in traces}
     shuffle = random.Random(args.seed).shuffle
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,6 +212,15 @@ def main() -> int:
     )
     parser.add_argument("--workloads", default="conversation,synthetic")
     parser.add_argument("--requests", type=int, default=300, help="the first N requests of each trace")
+    parser.add_argument(
+        "--start", type=int, default=0, help="replay from this request on (its arrival becomes time 0)"
+    )
+    parser.add_argument(
+        "--baseline-checkout",
+        type=Path,
+        default=None,
+        help="also run the kvgate of this checkout (git worktree add DIR COMMIT) as kvgate@base",
+    )
     parser.add_argument("--profile", default="llama3-8b-h100")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs (medians and spread over them)")
     parser.add_argument("--max-output", type=int, default=64, help="cap on output tokens (0: the trace's)")
