@@ -2,10 +2,10 @@
 
 A request without a binding goes where its estimated time to first token is lowest (usually where its
 prefix is cached; near-ties go home, then to the least loaded engine). A bound session stays on its engine
-while that engine is healthy, not overloaded (or no other engine has room either), and not much slower
-than the best alternative: a move must
-save more than ``session_slack_tokens`` of prefill time and more than ``session_slack_frac`` times what its
-cached prefix would cost on the new engine. A session that leaves its engine is reported as ``moved``.
+while that engine is healthy, not overloaded (or no other engine has room either), and not much slower than
+the best alternative: a move must save more than ``session_slack_tokens`` of prefill time and more than
+``session_slack_frac`` times what its cached prefix would cost on the new engine. A session that leaves its
+engine is reported as ``moved``.
 
 What makes moving cheap is the pull: an engine may fetch the K/V of a prefix that a peer in its own region
 holds instead of computing it (``kv_pull_s_per_token`` against ``prefill_s_per_token``, ~4x cheaper with

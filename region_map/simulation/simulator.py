@@ -8,7 +8,8 @@ runs over the peer's outbound link (``kv_pull_tokens_per_s``, one pull at a time
 request's prefill starts when both the pull and the prefill server are done.
 
 Routing is not modelled here: a ``Router`` decides (the gateway wires in its real policy
-objects), and hears every block an engine stores or evicts, as the gateway hears KV events.
+objects), and hears every block an engine stores or evicts, as the gateway hears KV events, and every
+request's first token, as the gateway sees it stream.
 
 The same replay also runs the references: an unlimited cache (the oracle: no router can do better) and one
 pooled LRU holding every engine's capacity (what perfect pooling would give).
