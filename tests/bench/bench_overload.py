@@ -11,9 +11,11 @@ blocks, KV pulls at 0.24 x prefill as in ``bench_true_time``). At L = 1 a window
 arrivals outrun the engines, queues grow for the whole window, which is what an operator sees at a peak.
 
 Policies: ``default`` (kvgate's), ``default, no guard`` (the same with ``max_waiting`` out of reach: what the
-load guard costs or saves) and ``cache_aware`` (the longest-prefix pick with a load estimate, the approach of
-sglang-router, vllm-router and smg). Each row is the mean over a scenario's windows; ``vs cache_aware`` is
-the default policy's TTFT p90 over cache_aware's, per window, as a geometric mean (below 1: faster).
+load guard costs or saves) and kvgate's ``cache_aware`` (the same time-to-first-token estimate, without
+sessions or pulls). The Rust routers' rule differs (the best prefix match whatever the queues, unless the
+engines' request counts drift far apart): ``bench_true_time`` runs them live. Each row is the mean over a
+scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over cache_aware's, per window, as a
+geometric mean (below 1: faster).
 
 The simulation is deterministic: reruns give the same figures, and its spread is between windows, which the
 min-max of the hit-rate difference shows.
