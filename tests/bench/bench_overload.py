@@ -11,11 +11,12 @@ blocks, KV pulls at 0.24 x prefill as in ``bench_true_time``). At L = 1 a window
 arrivals outrun the engines, queues grow for the whole window, which is what an operator sees at a peak.
 
 Policies: ``default`` (kvgate's), ``default, no guard`` (the same with ``max_waiting`` out of reach: what the
-load guard costs or saves) and kvgate's ``cache_aware`` (the same time-to-first-token estimate, without
-sessions or pulls). The Rust routers' rule differs (the best prefix match whatever the queues, unless the
-engines' request counts drift far apart): ``bench_true_time`` runs them live. Each row is the mean over a
-scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over cache_aware's, per window, as a
-geometric mean (below 1: faster).
+load guard costs or saves), each ``--variant NAME:KEY=VALUE,...`` (the default policy with those routing
+settings, e.g. ``frac4:session_slack_frac=4``) and kvgate's ``cache_aware`` (the same time-to-first-token
+estimate, without sessions or pulls). The Rust routers' rule differs (the best prefix match whatever the
+queues, unless the engines' request counts drift far apart): ``bench_true_time`` runs them live. Each row is
+the mean over a scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over cache_aware's,
+per window, as a geometric mean (below 1: faster).
 
 The simulation is deterministic: reruns give the same figures, and its spread is between windows, which the
 min-max of the hit-rate difference shows.
@@ -60,14 +61,18 @@ def windows(trace: list[TraceRequest], size: int, stride: int, load: float) -> l
     return out
 
 
-def replay(window: list[TraceRequest], profile_name: str, policy: str, guard: bool) -> dict[str, float]:
+def replay(
+    window: list[TraceRequest], profile_name: str, policy: str, overrides: dict[str, str]
+) -> dict[str, float]:
     prof = profile(profile_name)
     pull_s = prof.prefill_s_per_token * PULL_FRACTION
-    settings = RoutingSettings(
-        prefill_s_per_token=prof.prefill_s_per_token,
-        kv_pull=True,
-        kv_pull_s_per_token=pull_s,
-        max_waiting=RoutingSettings().max_waiting if guard else NO_GUARD,
+    settings = RoutingSettings.model_validate(
+        {
+            "prefill_s_per_token": prof.prefill_s_per_token,
+            "kv_pull": True,
+            "kv_pull_s_per_token": pull_s,
+            **overrides,
+        }
     )
     result = run_simulation(
         window,
@@ -87,20 +92,35 @@ def replay(window: list[TraceRequest], profile_name: str, policy: str, guard: bo
     }
 
 
-POLICIES = {
-    "default": ("default", True),
-    "default, no guard": ("default", False),
-    "cache_aware": ("cache_aware", True),
+Variant = tuple[str, dict[str, str]]  # (policy, [gateway.routing] settings over the defaults)
+VARIANTS: dict[str, Variant] = {
+    "default": ("default", {}),
+    "default, no guard": ("default", {"max_waiting": str(NO_GUARD)}),
+    "cache_aware": ("cache_aware", {}),
 }
 
 
+def parse_variant(text: str) -> tuple[str, Variant]:
+    """``NAME:KEY=VALUE,...``: the default policy with those routing settings, shown as NAME."""
+    name, _, spec = text.partition(":")
+    pairs = [item.partition("=") for item in spec.split(",") if item]
+    if not name or any(not key or not sep for key, sep, _ in pairs):
+        raise argparse.ArgumentTypeError(f"expected NAME:KEY=VALUE,..., got {text!r}")
+    return name, ("default", {key: value for key, _, value in pairs})
+
+
 def scenario(
-    trace: list[TraceRequest], profile_name: str, load: float, size: int, stride: int
+    trace: list[TraceRequest],
+    profile_name: str,
+    load: float,
+    size: int,
+    stride: int,
+    variants: dict[str, Variant],
 ) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in POLICIES}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for window in windows(trace, size, stride, load):
-        for name, (policy, guard) in POLICIES.items():
-            runs[name].append(replay(window, profile_name, policy, guard))
+        for name, (policy, overrides) in variants.items():
+            runs[name].append(replay(window, profile_name, policy, overrides))
     out: dict[str, Any] = {
         name: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
     }
@@ -121,8 +141,17 @@ def main() -> int:
     parser.add_argument("--profiles", default="llama3-8b-h100,llama3-70b-h100")
     parser.add_argument("--window", type=int, default=600, help="requests per window")
     parser.add_argument("--conversation-stride", type=int, default=3, help="every Nth conversation window")
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="also the default policy with these [gateway.routing] settings (repeatable)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    variants = VARIANTS | dict(args.variant)
     traces = {name: load_trace(path) for name, path in TRACES.items()}
     results: dict[str, Any] = {}
     for profile_name in args.profiles.split(","):
@@ -130,9 +159,9 @@ def main() -> int:
             for load in (float(x) for x in args.loads.split(",")):
                 key = f"{name} {profile_name} x{load:g}"
                 stride = args.conversation_stride if name == "conversation" else 1
-                results[key] = r = scenario(trace, profile_name, load, args.window, stride)
+                results[key] = r = scenario(trace, profile_name, load, args.window, stride, variants)
                 print(f"{key} ({r['windows']} windows)", file=sys.stderr)
-                for policy in POLICIES:
+                for policy in variants:
                     f = r[policy]
                     print(
                         f"  {policy:18s} hit {f['hit_rate']:6.2%}  TTFT p50 {f['ttft_p50_s']:6.2f} s"
@@ -145,6 +174,15 @@ def main() -> int:
                     f" default p90 / cache_aware p90 (geomean) {r['p90_vs_cache_aware']:.2f}",
                     file=sys.stderr,
                 )
+    print("over all scenarios: mean hit rate; TTFT p50/p90/p99 as geometric means of the ratio to default's",
+          file=sys.stderr)  # fmt: skip
+    for policy in variants:
+        hit = statistics.mean(r[policy]["hit_rate"] for r in results.values())
+        ratios = [
+            math.exp(statistics.mean(math.log(r[policy][k] / r["default"][k]) for r in results.values()))
+            for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+        ]
+        print(f"  {policy:18s} hit {hit:6.2%}  TTFT " + "/".join(f"{x:.3f}" for x in ratios), file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=1))
     return 0
