@@ -204,6 +204,18 @@ def test_when_every_engine_is_overloaded_the_session_keeps_its_engine_and_cache(
     assert decision is not None and (decision.engine, decision.reason) == ("d", "moved")
 
 
+@pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
+def test_a_session_on_the_only_healthy_engine_is_served_when_that_engine_is_overloaded(
+    policy_cls: type,
+) -> None:
+    # Before, the guard sent the session away with nowhere to go: no decision, and the gateway answered 503
+    # "no healthy engine" to clients that sent x-session-affinity while it served those that did not.
+    policy = policy_cls(S)
+    for candidates in ([cand("a", waiting=9)], [cand("a", waiting=9), cand("b", healthy=False)]):
+        decision = policy.pick(req(session="a"), candidates)
+        assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+
+
 def test_when_every_engine_is_overloaded_a_session_that_must_move_still_gets_one() -> None:
     policy = DefaultPolicy(S)
     decision = policy.pick(
