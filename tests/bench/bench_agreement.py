@@ -67,16 +67,20 @@ MAX_MODEL_LEN = SimEngineConfig("bench").max_model_len  # the simulated engines'
 WORKLOADS = {"conversation": TRACE, "synthetic": TRACE.with_name("mooncake_synthetic_trace.jsonl.gz")}
 
 
-def workload(n: int, max_output: int | None, path: Path = TRACE, start: int = 0) -> list[TraceRequest]:
+def workload(
+    n: int, max_output: int | None, path: Path = TRACE, start: int = 0, load: float = 1.0
+) -> list[TraceRequest]:
     """``n`` requests of the trace at ``path`` from its ``start``-th (its clock then starts at that one's
-    arrival), outputs capped (the same list feeds both sides), less any longer than the simulated engines'
-    context (prompt + output over ``MAX_MODEL_LEN``: the synthetic trace's 134,773-token prompt), which
-    every engine would refuse and no router could serve."""
+    arrival), arriving ``load`` times as fast, outputs capped (the same list feeds both sides), less any
+    longer than the simulated engines' context (prompt + output over ``MAX_MODEL_LEN``: the synthetic
+    trace's 134,773-token prompt), which every engine would refuse and no router could serve."""
     trace = load_trace(path, limit=start + n)[start:]
     t0 = trace[0].arrival_s if start and trace else 0.0
     cap = max_output or 1 << 30
     capped = [
-        dataclasses.replace(r, arrival_s=r.arrival_s - t0, output_tokens=max(1, min(r.output_tokens, cap)))
+        dataclasses.replace(
+            r, arrival_s=(r.arrival_s - t0) / load, output_tokens=max(1, min(r.output_tokens, cap))
+        )
         for r in trace
     ]
     return [r for r in capped if r.input_tokens + r.output_tokens <= MAX_MODEL_LEN]

@@ -3,7 +3,7 @@ scale (issue 24).
 
     python tests/bench/bench_true_time.py [--workloads conversation,synthetic] [--requests 300]
         [--profile llama3-8b-h100] [--runs 3] [--max-output 64] [--peers-venv DIR] [--smg-venv DIR] [--json]
-        [--start N] [--baseline-checkout DIR]
+        [--start N] [--load L] [--baseline-checkout DIR]
 
 Engines: 4 simulated engines per router and run (``python -m engine.sim --profile NAME``: perfmodel's batching
 step loop in real time, FIFO admission under the profile's token budget and KV capacity, chunked prefill, one
@@ -12,7 +12,8 @@ that every router starts from empty caches. The engines report a local byte-leve
 byte), so no router downloads anything.
 
 Workloads (``tests/data/README.md``): the first ``--requests`` requests (from the ``--start``-th on, its
-arrival becoming time 0) of
+arrival becoming time 0; with ``--load L`` arriving L times as fast, a heavier load on engines that keep
+their speed, not a faster clock) of
 
 * ``conversation``: the Mooncake conversation trace (one hour of Kimi chat; every prompt starts with the same
   system block; 12k tokens in, 343 out on average);
@@ -152,6 +153,8 @@ def print_table(
     first = (
         f"{len(trace)} requests from request {args.start}" if args.start else f"first {len(trace)} requests"
     )
+    if args.load != 1.0:
+        first += f" arriving {args.load:g}x as fast"
     print(f"\n{workload_name}: {first} over {span:.0f} s at their own time scale, outputs"
           f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
           f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
@@ -178,7 +181,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     routers |= peers
     prof = profile(args.profile)
     traces = {
-        w: workload(args.requests, args.max_output or None, WORKLOADS[w], args.start) for w in args.workloads
+        w: workload(args.requests, args.max_output or None, WORKLOADS[w], args.start, args.load)
+        for w in args.workloads
     }
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in routers} for w in traces}
     shuffle = random.Random(args.seed).shuffle
@@ -214,6 +218,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300, help="the first N requests of each trace")
     parser.add_argument(
         "--start", type=int, default=0, help="replay from this request on (its arrival becomes time 0)"
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=1.0,
+        help="arrivals this many times as fast (the engines and the routers keep their own speed)",
     )
     parser.add_argument(
         "--baseline-checkout",
