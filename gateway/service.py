@@ -200,6 +200,14 @@ class Gateway:
             return min(r.first_byte_timeout_s, self.settings.read_timeout_s)
         return r.first_byte_timeout_s + p.max_tokens * r.s_per_output_token
 
+    def _queue_wait_s(self, route: Route) -> float:
+        """The prompt's estimated wait for its prefill (its own included), added to the first-byte limit:
+        a known queue is no silence. kvgate's engines send a stream's header with its first token, so a
+        request queued past the limit was failed over onto other full engines, and opened their breakers."""
+        e = route.computing
+        s = self.settings.routing.prefill_s_per_token
+        return max(e.prefill.estimate(route.clock(), s), e.load.waiting_tokens) * s
+
     # -- dispatch --------------------------------------------------------------------------------------
 
     async def _handoff(
@@ -275,7 +283,7 @@ class Gateway:
                     p.path,
                     orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
-                    header_timeout=self._header_timeout_s(p),
+                    header_timeout=self._header_timeout_s(p) + self._queue_wait_s(route),
                     started=lambda response: _track(engine, response, exchanges),
                 )
                 upstream = await (sglang_prefill.race(sent) if sglang_prefill is not None else sent)
