@@ -204,9 +204,8 @@ class Gateway:
         """The prompt's estimated wait for its prefill (its own included), added to the first-byte limit:
         a known queue is no silence. kvgate's engines send a stream's header with its first token, so a
         request queued past the limit was failed over onto other full engines, and opened their breakers."""
-        e = route.computing
         s = self.settings.routing.prefill_s_per_token
-        return max(e.prefill.estimate(route.clock(), s), e.load.waiting_tokens) * s
+        return route.computing.queued_prefill_tokens(route.clock(), s) * s
 
     # -- dispatch --------------------------------------------------------------------------------------
 

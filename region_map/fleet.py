@@ -193,6 +193,11 @@ class EngineState:
             waiting = max(waiting, self.inflight - self.load.max_running)
         return total, waiting
 
+    def queued_prefill_tokens(self, now: float, s_per_token: float) -> int:
+        """Prompt tokens still to prefill here at ``now`` (monotonic): this gateway's own count of what it
+        sent, drained at ``s_per_token``, or what the engine reported, whichever is larger."""
+        return max(self.prefill.estimate(now, s_per_token), self.load.waiting_tokens)
+
     def apply_health(self, payload: dict[str, Any]) -> bool:
         """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
         Returns whether the model it serves or its role changed (the fleet's model table must then be
