@@ -74,16 +74,16 @@ def workload(
     arrival), arriving ``load`` times as fast, outputs capped (the same list feeds both sides), less any
     longer than the simulated engines' context (prompt + output over ``MAX_MODEL_LEN``: the synthetic
     trace's 134,773-token prompt), which every engine would refuse and no router could serve."""
-    trace = load_trace(path, limit=start + n)[start:]
-    t0 = trace[0].arrival_s if start and trace else 0.0
+    trace = rebased(load_trace(path, limit=start + n)[start:], load)
     cap = max_output or 1 << 30
-    capped = [
-        dataclasses.replace(
-            r, arrival_s=(r.arrival_s - t0) / load, output_tokens=max(1, min(r.output_tokens, cap))
-        )
-        for r in trace
-    ]
+    capped = [dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, cap))) for r in trace]
     return [r for r in capped if r.input_tokens + r.output_tokens <= MAX_MODEL_LEN]
+
+
+def rebased(requests: list[TraceRequest], load: float = 1.0) -> list[TraceRequest]:
+    """``requests`` on a clock that starts at the first one's arrival, arriving ``load`` times as fast."""
+    t0 = requests[0].arrival_s if requests else 0.0
+    return [dataclasses.replace(r, arrival_s=(r.arrival_s - t0) / load) for r in requests]
 
 
 def body(r: TraceRequest) -> bytes:

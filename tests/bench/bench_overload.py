@@ -25,7 +25,6 @@ min-max of the hit-rate difference shows.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -33,20 +32,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_agreement import WORKLOADS, rebased
+from bench_routers import PULL_FRACTION
+
 from gateway.routing.base import RoutingSettings
 from gateway.simulate import run_simulation
 from perfmodel.profiles import profile
 from region_map.simulation.simulator import CostModel
 from region_map.simulation.trace import TraceRequest, load_trace
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-TRACES = {
-    "synthetic": DATA / "mooncake_synthetic_trace.jsonl.gz",
-    "conversation": DATA / "mooncake_conversation_trace.jsonl.gz",
-}
+TRACES = {name: WORKLOADS[name] for name in ("synthetic", "conversation")}
 ENGINES = 4
 CAPACITY = 2000  # trace blocks per engine, as bench_true_time's 64,000 16-token blocks
-PULL_FRACTION = 0.24
 NO_GUARD = 1 << 30
 
 
@@ -55,9 +53,7 @@ def windows(trace: list[TraceRequest], size: int, stride: int, load: float) -> l
     times as fast."""
     out = []
     for start in range(0, len(trace) - size + 1, size * stride):
-        window = trace[start : start + size]
-        t0 = window[0].arrival_s
-        out.append([dataclasses.replace(r, arrival_s=(r.arrival_s - t0) / load) for r in window])
+        out.append(rebased(trace[start : start + size], load))
     return out
 
 
