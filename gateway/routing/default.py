@@ -67,4 +67,5 @@ class DefaultPolicy:
         there = min(best.cached_tokens, request.prompt_tokens)
         pulled = min(self._cache_aware.pulled_tokens(request, best), max(0, held - there))
         lost_s = pulled * s.kv_pull_s_per_token + max(0, held - there - pulled) * s.prefill_s_per_token
-        return saving <= max(s.session_slack, s.session_slack_frac * lost_s)
+        frac = s.session_slack_frac + s.session_slack_frac_per_waiting * best.waiting
+        return saving <= max(s.session_slack, frac * lost_s)

@@ -43,6 +43,16 @@ class RoutingSettings(BaseModel):
         ge=0,
         description="... and faster by this many times the prefill its cached prefix would cost elsewhere",
     )
+    # A move that recomputes the session's prefix adds that work to the other engine's queue, and in a busy
+    # fleet it delays every request queued there after it: about as many as wait there now (in a steady
+    # queue, as many arrive during a wait as were queued ahead). Charging the move for them keeps sessions
+    # on their cache when every queue is long, which a per-request estimate alone does not
+    # (tests/bench/bench_overload.py).
+    session_slack_frac_per_waiting: float = Field(
+        default=1.0,
+        ge=0,
+        description="... plus this many times more per request waiting on the other engine",
+    )
     # The same three in seconds, as earlier releases took them: when given, a figure overrides the
     # token one. A fixed time suits one engine speed only; the token figures are preferred.
     load_penalty_s: float | None = Field(default=None, ge=0, description="load_penalty_tokens in seconds")

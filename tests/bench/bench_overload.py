@@ -10,13 +10,15 @@ arrivals L times as fast, the engines at their own speed (``perfmodel`` profile,
 blocks, KV pulls at 0.24 x prefill as in ``bench_true_time``). At L = 1 a window is the trace itself; where
 arrivals outrun the engines, queues grow for the whole window, which is what an operator sees at a peak.
 
-Policies: ``default`` (kvgate's), ``default, no guard`` (the same with ``max_waiting`` out of reach: what the
-load guard costs or saves), each ``--variant NAME:KEY=VALUE,...`` (the default policy with those routing
-settings, e.g. ``frac4:session_slack_frac=4``) and kvgate's ``cache_aware`` (the same time-to-first-token
-estimate, without sessions or pulls). The Rust routers' rule differs (the best prefix match whatever the
-queues, unless the engines' request counts drift far apart): ``bench_true_time`` runs them live. Each row is
-the mean over a scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over cache_aware's,
-per window, as a geometric mean (below 1: faster).
+Policies: ``default`` (kvgate's), ``default, free moves`` (the same with ``session_slack_frac_per_waiting``
+at 0: a session's move is not charged for the requests its recomputation delays), each ``--variant
+NAME:KEY=VALUE,...`` (the default policy with those routing settings, e.g. ``frac4:session_slack_frac=4``) and
+kvgate's ``cache_aware`` (the same time-to-first-token estimate, without sessions or pulls). The simulated
+engines report their queued prompt tokens, as kvgate's do, so the request-count load guard (``max_waiting``,
+for engines that do not) stays out of play here. The Rust routers' rule differs (the best prefix match
+whatever the queues, unless the engines' request counts drift far apart): ``bench_true_time`` runs them live.
+Each row is the mean over a scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over
+cache_aware's, per window, as a geometric mean (below 1: faster).
 
 The simulation is deterministic: reruns give the same figures, and its spread is between windows, which the
 min-max of the hit-rate difference shows.
@@ -45,7 +47,6 @@ from region_map.simulation.trace import TraceRequest, load_trace
 TRACES = {name: WORKLOADS[name] for name in ("synthetic", "conversation")}
 ENGINES = 4
 CAPACITY = 2000  # trace blocks per engine, as bench_true_time's 64,000 16-token blocks
-NO_GUARD = 1 << 30
 
 
 def windows(trace: list[TraceRequest], size: int, stride: int, load: float) -> list[list[TraceRequest]]:
@@ -91,7 +92,7 @@ def replay(
 Variant = tuple[str, dict[str, str]]  # (policy, [gateway.routing] settings over the defaults)
 VARIANTS: dict[str, Variant] = {
     "default": ("default", {}),
-    "default, no guard": ("default", {"max_waiting": str(NO_GUARD)}),
+    "default, free moves": ("default", {"session_slack_frac_per_waiting": "0"}),
     "cache_aware": ("cache_aware", {}),
 }
 

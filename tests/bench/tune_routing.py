@@ -42,6 +42,7 @@ PULL_FRACTION = 0.24
 SWEEP: dict[str, list[float]] = {
     "session_slack_tokens": [1000, 0, 250, 4000, 16000],
     "session_slack_frac": [1.0, 0.5, 2.0, 4.0],
+    "session_slack_frac_per_waiting": [1.0, 0.0, 0.5, 2.0, 4.0],
     "load_penalty_tokens": [40, 0, 200, 500, 1000, 2000, 4000, 16000],
     "tie_tolerance_frac": [0.05, 0.0, 0.02, 0.08, 0.1, 0.12, 0.15, 0.2],
     "tie_tolerance_tokens": [20, 0, 200, 1000],

@@ -224,6 +224,49 @@ def test_when_every_engine_is_overloaded_a_session_that_must_move_still_gets_one
     assert decision is not None and decision.engine in {"b", "c"}
 
 
+def queued(c: Candidate, tokens: int) -> Candidate:
+    """``c`` with ``tokens`` of prefill queued, as an engine reports them (kvgate's engines do)."""
+    return c._replace(queued_prefill_tokens=tokens, queue_reported=True)
+
+
+@pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
+def test_the_load_guard_leaves_alone_an_engine_whose_queued_tokens_the_estimate_sees(
+    policy_cls: type,
+) -> None:
+    # a has 5 requests queued (the guard's 4 and more), b one fewer, and about as many tokens (20.0k against
+    # 19.9k). Counting requests, the guard moved the session to b and its 960 cached tokens were computed
+    # again: on the synthetic trace's overloaded windows this was most of what kvgate lost to routers that
+    # stay with the cache. The estimate sees both queues whole, and staying is faster.
+    policy = policy_cls(S)
+    a, b = queued(cand("a", cached=60, waiting=5), 20_000), queued(cand("b", waiting=3), 19_900)
+    decision = policy.pick(req(session="a"), [a, b])
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+    # An engine that reports only a request count (vLLM, SGLang): the guard still moves the session.
+    unseen = [c._replace(queue_reported=False) for c in (a, b)]
+    decision = policy.pick(req(session="a"), unseen)
+    assert decision is not None and (decision.engine, decision.reason) == ("b", "moved")
+
+
+def test_a_session_moves_to_recompute_its_prefix_only_if_the_gain_outweighs_the_requests_it_delays() -> None:
+    """Staying costs 3,064 tokens of prefill time (a queue of 3,000, then 64 uncached); moving to b costs
+    2,024 (a queue of 1,000, then all 1,024 tokens, the 960 cached on a computed again). The gain, 1,040,
+    exceeds the recomputation (960), so with b's queue in prefill the session moves. But if those 1,000
+    tokens are a request waiting there, the recomputation also delays the requests that will queue behind
+    it: about as many as wait there now. Charged for one more, the move no longer pays."""
+    policy = DefaultPolicy(S)
+    a = queued(cand("a", cached=60, waiting=2), 3_000)
+    running = queued(cand("b"), 1_000)
+    decision = policy.pick(req(session="a"), [a, running])
+    assert decision is not None and (decision.engine, decision.reason) == ("b", "moved")
+    waiting = queued(cand("b", waiting=1), 1_000)
+    decision = policy.pick(req(session="a"), [a, waiting])
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+    # The charge is a setting: without it (0), the move is made as before.
+    uncharged = DefaultPolicy(S.model_copy(update={"session_slack_frac_per_waiting": 0.0}))
+    decision = uncharged.pick(req(session="a"), [a, waiting])
+    assert decision is not None and (decision.engine, decision.reason) == ("b", "moved")
+
+
 def test_default_routes_sessionless_requests_by_cache() -> None:
     policy = DefaultPolicy(S)
     decision = policy.pick(req(), [cand("a"), cand("b", cached=30)])
@@ -234,7 +277,8 @@ def test_with_peer_keeps_every_other_field() -> None:
     # Built field by field for speed: a field added to Candidate and forgotten there would fail here (every
     # field set, none at its default; typed by hand: compiled, with_peer checks the types it reads).
     fields = {"engine": "e", "region": "r", "healthy": False, "load": 5, "waiting": 2, "cached_tokens": 64,
-              "rtt_s": 0.04, "queued_prefill_tokens": 300, "peer": "p", "peer_tokens": 128}  # fmt: skip
+              "rtt_s": 0.04, "queued_prefill_tokens": 300, "queue_reported": True, "peer": "p",
+              "peer_tokens": 128}  # fmt: skip
     assert set(fields) == set(Candidate._fields)
     c = Candidate(**fields)
     assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_tokens=3)
