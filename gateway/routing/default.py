@@ -4,8 +4,9 @@ A request without a binding goes where its estimated time to first token is lowe
 prefix is cached; near-ties go home, then to the least loaded engine). A bound session stays on its engine
 while that engine is healthy, not overloaded (or no other engine has room either), and not much slower than
 the best alternative: a move must save more than ``session_slack_tokens`` of prefill time and more than
-``session_slack_frac`` times what its cached prefix would cost on the new engine. A session that leaves its
-engine is reported as ``moved``.
+``session_slack_frac`` times what its cached prefix would cost on the new engine, and
+``session_slack_frac_per_waiting`` times more for each request waiting there (a recomputed prefix delays
+the requests queued behind it). A session that leaves its engine is reported as ``moved``.
 
 What makes moving cheap is the pull: an engine may fetch the K/V of a prefix that a peer in its own region
 holds instead of computing it (``kv_pull_s_per_token`` against ``prefill_s_per_token``, ~4x cheaper with
@@ -67,5 +68,7 @@ class DefaultPolicy:
         there = min(best.cached_tokens, request.prompt_tokens)
         pulled = min(self._cache_aware.pulled_tokens(request, best), max(0, held - there))
         lost_s = pulled * s.kv_pull_s_per_token + max(0, held - there - pulled) * s.prefill_s_per_token
+        # In a busy fleet, work added to the other engine also delays the requests that will queue behind it
+        # there: about as many as wait there now.
         frac = s.session_slack_frac + s.session_slack_frac_per_waiting * best.waiting
         return saving <= max(s.session_slack, frac * lost_s)
