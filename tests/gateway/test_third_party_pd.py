@@ -132,3 +132,30 @@ async def test_a_silent_vllm_prefill_is_given_up_after_one_tokens_allowance_not_
     assert status == 200, answer
     assert headers["x-kvgate-prefill"] == "local" and headers["x-kvgate-engine"] == "eu-west/d"
     assert len(chats(engines["eu-west/p"])) == 1  # it was asked, and never answered
+
+
+async def test_a_vllm_prefill_queued_past_the_first_byte_limit_is_awaited_not_given_up(
+    third_party: Fleet,
+) -> None:
+    # A prefill engine that prefills one prompt at a time (~0.6 s each) and answers its one-token half
+    # whole, as vLLM does; a first-byte limit shorter than the queue the third of three prompts waits in.
+    # Before, that prompt's prefill was given up after the limit and recomputed on the decode engine.
+    per_token = 0.002
+    cluster, engines = await third_party(
+        {"eu-west/p": {"role": "prefill", "prefill_s_per_token": per_token, "prefill_slots": 1},
+         "eu-west/d": {"role": "decode"}},
+        routing={"prefill_s_per_token": per_token},
+        resilience={"first_byte_timeout_s": 0.3, "s_per_output_token": 0.0, "max_attempts": 1},
+    )  # fmt: skip
+
+    async def one(i: int) -> tuple[int, str, str]:
+        await asyncio.sleep(0.1 * i)  # (sent in order: the engine queues them as the gateway counted them)
+        # ~300 byte tokens of its own, past the decode engine's local_prefill_max_tokens (256).
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"q{i} " * 75}]}
+        status, answer, headers = await cluster.post("/v1/chat/completions", body)
+        return status, headers.get("x-kvgate-prefill", ""), answer
+
+    answers = await asyncio.gather(*(one(i) for i in range(3)))
+    assert [(status, where) for status, where, _ in answers] == [(200, "remote")] * 3, answers
+    assert len(chats(engines["eu-west/p"])) == 3
+    assert cluster.gateway.fleet.engines["eu-west/p"].breaker.state.name == "CLOSED"
