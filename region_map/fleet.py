@@ -42,7 +42,7 @@ class EngineLoad:
 
     running: int = 0
     waiting: int = 0
-    waiting_tokens: int | None = None  # prompt tokens waiting for prefill; None: not reported (vLLM, SGLang)
+    waiting_tokens: int = 0
     max_running: int | None = None
     kv_blocks_used: int | None = None
     kv_blocks_free: int | None = None
@@ -196,13 +196,7 @@ class EngineState:
     def queued_prefill_tokens(self, now: float, s_per_token: float) -> int:
         """Prompt tokens still to prefill here at ``now`` (monotonic): this gateway's own count of what it
         sent, drained at ``s_per_token``, or what the engine reported, whichever is larger."""
-        return max(self.prefill.estimate(now, s_per_token), self.load.waiting_tokens or 0)
-
-    @property
-    def reports_queued_tokens(self) -> bool:
-        """Whether it reports the prompt tokens queued in it (kvgate's engines do), so that routing prices
-        every gateway's prompts waiting there, not only this one's."""
-        return self.load.waiting_tokens is not None
+        return max(self.prefill.estimate(now, s_per_token), self.load.waiting_tokens)
 
     def apply_health(self, payload: dict[str, Any]) -> bool:
         """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
@@ -226,7 +220,7 @@ class EngineState:
             self.load = EngineLoad(
                 running=_int(load.get("running")) or 0,
                 waiting=_int(load.get("waiting")) or 0,
-                waiting_tokens=_int(load.get("waiting_tokens")),
+                waiting_tokens=_int(load.get("waiting_tokens")) or 0,
                 max_running=_int(load.get("max_running")),
                 kv_blocks_used=_int(load.get("kv_blocks_used")),
                 kv_blocks_free=_int(load.get("kv_blocks_free")),

@@ -31,15 +31,13 @@ class Candidate(NamedTuple):
     cached_tokens: int  # leading prompt tokens it holds: whole blocks of its own block size
     rtt_s: float  # round trip from this gateway's region
     queued_prefill_tokens: int = 0  # prompt tokens waiting there for prefill (reported, or sent by us)
-    queue_reported: bool = False  # the engine reports its queued prompt tokens: the estimate sees every one
     peer: str | None = None  # the same-region engine holding the longest prefix of this prompt, if not this
     peer_tokens: int = 0  # leading prompt tokens ``peer`` holds
 
     def with_peer(self, peer: str, peer_tokens: int) -> Candidate:
         """This candidate with a peer (built directly: ``_replace`` takes twice as long)."""
         return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_tokens,
-                         self.rtt_s, self.queued_prefill_tokens, self.queue_reported, peer,
-                         peer_tokens)  # fmt: skip
+                         self.rtt_s, self.queued_prefill_tokens, peer, peer_tokens)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +126,19 @@ def healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 def overloaded(candidate: Candidate, settings: RoutingSettings) -> bool:
-    """The per-candidate load guard, for engines whose queue the estimate cannot see whole: those that report
-    how many requests wait but not their prompt tokens (vLLM, SGLang), where the estimate counts only the
-    prompts this gateway sent. An engine that reports its queued tokens is priced by the estimate instead: a
-    guard counting requests there moved sessions off long queues onto others as long, because they held one
-    request fewer, and recomputed their prompts (tests/bench/bench_overload.py). Deliberately per candidate,
-    not a fleet-wide average: that would switch affinity off for everyone as soon as the fleet is busy."""
-    return not candidate.queue_reported and candidate.waiting >= settings.max_waiting
+    """The per-candidate load guard: a safety net for queues the estimate cannot see, counted in requests
+    (requests waiting for a slot that decodes hold, prompts other gateways sent to an engine that reports no
+    queued tokens). Deliberately not a fleet-wide average: that would switch affinity off for everyone as
+    soon as the fleet is busy."""
+    return candidate.waiting >= settings.max_waiting
+
+
+def has_room(other: Candidate, bound: Candidate, settings: RoutingSettings) -> bool:
+    """Whether the load guard may move a session from its overloaded engine ``bound`` to ``other``: healthy,
+    not overloaded, and with at most half as many requests waiting. A move gives the session's cache up, and
+    the guard, blind to the tokens queued, must see a clear gain in the one measure it has: moved from 8
+    waiting requests to 7, a session computed its prompt again for nothing (tests/bench/bench_overload.py)."""
+    return other.healthy and not overloaded(other, settings) and 2 * other.waiting <= bound.waiting
 
 
 def without_engine(

@@ -233,8 +233,7 @@ class Router:
             # Positional: a NamedTuple built with keywords takes twice as long, once per engine per request.
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
-                          rtt_s(e.region, home), e.queued_prefill_tokens(now, s_per_token),
-                          e.reports_queued_tokens)
+                          rtt_s(e.region, home), e.queued_prefill_tokens(now, s_per_token))
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out

@@ -11,6 +11,7 @@ from gateway.routing.base import (
     RouteDecision,
     RouteRequest,
     RoutingSettings,
+    has_room,
     overloaded,
     without_engine,
 )
@@ -20,8 +21,8 @@ from gateway.routing.least_load import LeastLoadPolicy
 def bound_candidate(
     request: RouteRequest, candidates: Sequence[Candidate], settings: RoutingSettings
 ) -> Candidate | None:
-    """The session's engine if it may keep the session: present, healthy, and not overloaded unless every
-    other healthy engine is overloaded too. The guard moves a session to an engine with room; moving it to
+    """The session's engine if it may keep the session: present, healthy, and not overloaded unless no other
+    engine has room (``has_room``). The guard moves a session only to an engine with room; moving it to
     another full queue would only give its cache up: under a sustained overload, sessions shuffled between
     full engines computed their prompts again, which deepened every queue (tests/bench/bench_overload.py)."""
     if request.session_engine is None:
@@ -32,7 +33,7 @@ def bound_candidate(
                 return None
             if not overloaded(c, settings):
                 return c
-            room = any(o.healthy and not overloaded(o, settings) for o in candidates if o is not c)
+            room = any(has_room(o, c, settings) for o in candidates if o is not c)
             return None if room else c
     return None
 
@@ -49,6 +50,9 @@ def affinity_pick(
     bound = bound_candidate(request, candidates, settings)
     if bound is not None:
         return RouteDecision(bound.engine, "session", bound.cached_tokens), candidates
+    own = next((c for c in candidates if c.engine == request.session_engine and c.healthy), None)
+    if own is not None:  # overloaded: the guard moves it to an engine with room
+        return None, [o for o in candidates if o is not own and has_room(o, own, settings)]
     return None, without_engine(candidates, request.session_engine, settings)
 
 

@@ -151,6 +151,7 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
     bodies = [body(r) for r in trace]  # built before the clock starts
     ttft: list[float] = []
     per_request = [-1] * len(trace)
+    per_ttft = [-1.0] * len(trace)  # each request's TTFT in s (-1: failed), for per-request comparisons
     late: list[float] = []  # how far behind its arrival time each request was sent
     prompt = cached = errors = 0
     bar = tqdm(total=len(trace), desc="live replay", file=sys.stderr, leave=False)
@@ -174,6 +175,7 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
             if resp.status != 200 or usage is None:
                 raise RuntimeError(f"HTTP {resp.status}: {data[:200]!r}")
             ttft.append(elapsed)
+            per_ttft[i] = elapsed
             prompt += usage["prompt_tokens"]
             per_request[i] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             cached += per_request[i]
@@ -194,6 +196,7 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
         "send_late_p99_ms": percentile(late, 0.99) * 1e3,
         "errors": errors,
         "cached": per_request,
+        "ttft_s": per_ttft,
     }
 
 
