@@ -18,42 +18,29 @@ from gateway.routing.base import (
 from gateway.routing.least_load import LeastLoadPolicy
 
 
-def bound_candidate(
-    request: RouteRequest, candidates: Sequence[Candidate], settings: RoutingSettings
-) -> Candidate | None:
-    """The session's engine if it may keep the session: present, healthy, and not overloaded unless no other
-    engine has room (``has_room``). The guard moves a session only to an engine with room; moving it to
-    another full queue would only give its cache up: under a sustained overload, sessions shuffled between
-    full engines computed their prompts again, which deepened every queue (tests/bench/bench_overload.py)."""
-    if request.session_engine is None:
-        return None
-    for c in candidates:
-        if c.engine == request.session_engine:
-            if not c.healthy:
-                return None
-            if not overloaded(c, settings):
-                return c
-            room = any(has_room(o, c, settings) for o in candidates if o is not c)
-            return None if room else c
-    return None
-
-
 def affinity_pick(
     request: RouteRequest,
     candidates: Sequence[Candidate],
     settings: RoutingSettings,
 ) -> tuple[RouteDecision | None, Sequence[Candidate]]:
     """(decision, candidates) when the binding holds; otherwise (None, the candidates the fallback may choose
-    from): everything for a new session, everything but the rejected engine for a session that must move."""
+    from): everything for a new session, the engines with room (``has_room``) for a session its overloaded
+    engine gives up, everything but the rejected engine for a session whose engine is unhealthy or gone.
+
+    The binding holds while its engine is healthy and not overloaded, or overloaded while no other engine has
+    room. The guard moves a session only to an engine with room; moving it to another full queue would only
+    give its cache up: under a sustained overload, sessions shuffled between full engines computed their
+    prompts again, which deepened every queue (tests/bench/bench_overload.py)."""
     if request.session_engine is None:
         return None, candidates
-    bound = bound_candidate(request, candidates, settings)
-    if bound is not None:
-        return RouteDecision(bound.engine, "session", bound.cached_tokens), candidates
-    own = next((c for c in candidates if c.engine == request.session_engine and c.healthy), None)
-    if own is not None:  # overloaded: the guard moves it to an engine with room
-        return None, [o for o in candidates if o is not own and has_room(o, own, settings)]
-    return None, without_engine(candidates, request.session_engine, settings)
+    bound = next((c for c in candidates if c.engine == request.session_engine), None)
+    if bound is None or not bound.healthy:
+        return None, without_engine(candidates, request.session_engine, settings)
+    if overloaded(bound, settings):
+        room = [o for o in candidates if o is not bound and has_room(o, bound, settings)]
+        if room:
+            return None, room
+    return RouteDecision(bound.engine, "session", bound.cached_tokens), candidates
 
 
 class SessionPolicy:
