@@ -96,9 +96,16 @@ class SimRouter:
         for sim in engines:
             state = self.fleet.engines[sim.id]
             running, waiting = sim.in_flight(now), sim.waiting(now)
+            room = sim.room(now)
+            max_running, free_tokens = room if room is not None else (None, None)
             state.load = EngineLoad(
-                running=running - waiting, waiting=waiting, waiting_tokens=sim.queued_prefill_tokens(now)
+                running=running - waiting,
+                waiting=waiting,
+                waiting_tokens=sim.queued_prefill_tokens(now),
+                max_running=max_running,
+                kv_blocks_free=None if free_tokens is None else free_tokens // self.block_tokens,
             )
+            state.load_reported = True
         session_id = str(request.conversation) if self.uses_sessions else None
         ask = TraceAsk(
             session_id=session_id,

@@ -105,6 +105,11 @@ class BatchingLoop:
         return self.engine.waiting
 
     @property
+    def kv_used_tokens(self) -> int:
+        """KV tokens the running requests hold (reserved at admission for prompt and output)."""
+        return self.engine.kv_used_tokens
+
+    @property
     def waiting_tokens(self) -> int:
         """Prefill tokens still to compute, over waiting and running requests (what routers queue behind)."""
         return self.engine.queued_prefill_tokens

@@ -98,7 +98,19 @@ class SimEngine:
         )  # fmt: skip
 
     def gauges(self) -> EngineGauges:
-        return EngineGauges(self.running, self.waiting, self.cache.used, self.cache.free)
+        used, free, _ = self.kv_blocks()
+        return EngineGauges(self.running, self.waiting, used, free)
+
+    def kv_blocks(self) -> tuple[int, int, int]:
+        """(used, free, total) KV blocks as an engine reports them: per request, the prefix cache's; in the
+        batching mode, the KV that running requests hold in the model (what admission waits for; cached
+        blocks no request holds count as free, as a real engine's evictable blocks do)."""
+        if self.batching is None:
+            return self.cache.used, self.cache.free, self.config.capacity_blocks
+        size = self.config.block_size
+        total = self.batching.profile.kv_capacity_tokens // size
+        used = min(total, -(-self.batching.kv_used_tokens // size))
+        return used, total - used, total
 
     @property
     def running(self) -> int:
@@ -194,6 +206,7 @@ class SimEngine:
     def health(self) -> dict[str, Any]:
         """The /health body; its shape is what the gateway's health poller reads."""
         cfg = self.config
+        used, free, total = self.kv_blocks()
         return {
             "status": "ok",
             "engine_id": cfg.engine_id,
@@ -209,9 +222,9 @@ class SimEngine:
                 "waiting": self.waiting,
                 "waiting_tokens": self.waiting_tokens,
                 "max_running": self.batching.profile.max_running if self.batching else cfg.max_running,
-                "kv_blocks_used": self.cache.used,
-                "kv_blocks_free": self.cache.free,
-                "kv_blocks_total": cfg.capacity_blocks,
+                "kv_blocks_used": used,
+                "kv_blocks_free": free,
+                "kv_blocks_total": total,
             },
         }
 

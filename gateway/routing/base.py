@@ -33,11 +33,15 @@ class Candidate(NamedTuple):
     queued_prefill_tokens: int = 0  # prompt tokens waiting there for prefill (reported, or sent by us)
     peer: str | None = None  # the same-region engine holding the longest prefix of this prompt, if not this
     peer_tokens: int = 0  # leading prompt tokens ``peer`` holds
+    # Whether its waiting requests may wait for a slot or KV memory (EngineState.waits_for_room), not only for
+    # prefill budget that ``queued_prefill_tokens`` prices: what the load guard is for.
+    waits_for_room: bool = True
 
     def with_peer(self, peer: str, peer_tokens: int) -> Candidate:
         """This candidate with a peer (built directly: ``_replace`` takes twice as long)."""
         return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_tokens,
-                         self.rtt_s, self.queued_prefill_tokens, peer, peer_tokens)  # fmt: skip
+                         self.rtt_s, self.queued_prefill_tokens, peer, peer_tokens,
+                         self.waits_for_room)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +131,12 @@ def healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 def overloaded(candidate: Candidate, settings: RoutingSettings) -> bool:
     """The per-candidate load guard: a safety net for queues the estimate cannot see, counted in requests
-    (requests waiting for a slot that decodes hold, prompts other gateways sent to an engine that reports no
-    queued tokens). Deliberately not a fleet-wide average: that would switch affinity off for everyone as
-    soon as the fleet is busy."""
-    return candidate.waiting >= settings.max_waiting
+    (requests waiting for a slot or KV memory that decodes hold, prompts other gateways sent to an engine
+    that reports no queued tokens). An engine whose report shows its queue waits only for prefill budget
+    (``waits_for_room`` false) is never overloaded: its queued tokens price that wait, and the guard would
+    only give its sessions' caches up. Deliberately not a fleet-wide average: that would switch affinity off
+    for everyone as soon as the fleet is busy."""
+    return candidate.waits_for_room and candidate.waiting >= settings.max_waiting
 
 
 def has_room(other: Candidate, bound: Candidate, settings: RoutingSettings) -> bool:

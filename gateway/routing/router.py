@@ -230,10 +230,11 @@ class Router:
         now, s_per_token = self._monotonic(), self.settings.routing.prefill_s_per_token
         for e in engines:
             total, waiting = e.queue_estimate()
+            queued = e.queued_prefill_tokens(now, s_per_token)
             # Positional: a NamedTuple built with keywords takes twice as long, once per engine per request.
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
-                          rtt_s(e.region, home), e.queued_prefill_tokens(now, s_per_token))
+                          rtt_s(e.region, home), queued, None, 0, e.waits_for_room(queued))
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out

@@ -23,7 +23,10 @@ class RoutingSettings(BaseModel):
         default=40.0, ge=0, description="estimated delay per request already running, in prefill tokens"
     )
     max_waiting: int = Field(
-        default=8, ge=1, description="load guard: an engine with this many queued requests is overloaded"
+        default=8,
+        ge=1,
+        description="load guard: an engine with this many queued requests is overloaded, unless its report "
+        "shows they wait only for prefill budget (a free slot, free KV for its queued prompt tokens)",
     )
     tie_tolerance_tokens: float = Field(
         default=20.0, ge=0, description="estimates this close (in prefill tokens) are a tie"

@@ -80,6 +80,10 @@ class BatchedSimEngine(SimEngine):
     def queued_prefill_tokens(self, now: float) -> int:
         return self.batching.queued_prefill_tokens
 
+    def room(self, now: float) -> tuple[int, int] | None:
+        profile = self.batching.profile
+        return profile.max_running, profile.kv_capacity_tokens - self.batching.kv_used_tokens
+
     def submit(self, key: str, now: float, request: TraceRequest, source: SimEngine | None = None) -> int:
         """Admit ``request`` (arriving at ``now``) under ``key``, pulling from ``source`` the leading blocks
         it holds beyond this engine's own; returns the prompt blocks not computed here (local and pulled)."""

@@ -127,6 +127,11 @@ class SimEngine:
             total += tokens if start >= now else round(tokens * (end - now) / (end - start))
         return total
 
+    def room(self, now: float) -> tuple[int, int] | None:
+        """(slot limit, free KV tokens), as an engine's load report gives them; None when the model has
+        neither (this FIFO model: its queue waits for the one prefill server only)."""
+        return None
+
     def computed_prefix(self, now: float, blocks: Sequence[int]) -> int:
         """The leading ``blocks`` held here with their K/V computed by ``now``: what a pull can send."""
         n = self.cache.prefix(blocks)

@@ -100,6 +100,9 @@ async def test_health_reports_the_queue(start_sim: StartSim) -> None:
     sim = await start_batching(start_sim, "max_running=1")
     load = (await sim.health())["load"]
     assert (load["running"], load["waiting"], load["waiting_tokens"], load["max_running"]) == (0, 0, 0, 1)
+    # The KV blocks are the model's: what running requests hold of its KV capacity (admission waits on it).
+    total = loop_of(sim).profile.kv_capacity_tokens // sim.engine.config.block_size
+    assert (load["kv_blocks_used"], load["kv_blocks_free"], load["kv_blocks_total"]) == (0, total, total)
     tasks = [
         asyncio.create_task(sim.complete({"prompt": text_of(40, f"q{i} "), "max_tokens": 20}))
         for i in range(3)
@@ -113,12 +116,16 @@ async def test_health_reports_the_queue(start_sim: StartSim) -> None:
     load = (await sim.health())["load"]
     assert load["running"] == 1 and load["waiting"] == 2
     assert load["waiting_tokens"] >= 2 * 40  # the queued prompts' prefill is still to do
+    # The running one holds its prompt's and its answer's KV (40 + 20 tokens: 4 blocks of 16), no more.
+    assert load["kv_blocks_used"] == 4 and load["kv_blocks_free"] == total - 4
     metrics = await (await sim.session.get(f"{sim.url}/metrics")).text()
     assert 'state="waiting"' in metrics
     bodies = await asyncio.gather(*tasks)
     assert [b["usage"]["completion_tokens"] for b in bodies] == [20, 20, 20]
     load = (await sim.health())["load"]
     assert (load["running"], load["waiting"], load["waiting_tokens"]) == (0, 0, 0)
+    # Blocks the prefix cache keeps but no request holds are free to take, as a real engine's evictable ones.
+    assert sim.engine.cache.used > 0 and (load["kv_blocks_used"], load["kv_blocks_free"]) == (0, total)
 
 
 async def test_a_request_too_big_for_the_kv_cache_is_refused(start_sim: StartSim) -> None:

@@ -63,3 +63,18 @@ def test_a_health_report_that_changes_nothing_keeps_the_table() -> None:
     e0 = gateway.fleet.engines["r/e0"]
     assert e0.apply_health({"model": MODEL, "role": "prefill"}) is True
     assert e0.apply_health({"model": MODEL, "role": "prefill"}) is False
+
+
+async def test_each_candidate_says_whether_its_queue_may_wait_for_a_slot_or_kv_as_reported() -> None:
+    gateway = gateway_of(3)
+    p = await prepared(gateway)
+    e0, e1, e2 = (gateway.fleet.engines[f"r/e{i}"] for i in range(3))
+    # e0: 9 waiting, 2 of its 4 slots taken, 300 free blocks of 16 tokens for its 4,000 queued prompt tokens:
+    # its queue waits for prefill budget. e1: every slot taken. e2: nothing reported (its load is ours).
+    room = {"running": 2, "waiting": 9, "waiting_tokens": 4_000, "max_running": 4, "kv_blocks_free": 300}
+    e0.apply_health({"model": MODEL, "block_size": 16, "load": room})
+    e1.apply_health({"model": MODEL, "block_size": 16, "load": room | {"running": 4}})
+    plan = gateway.router.plan(p)
+    candidates = {c.engine: c for c in gateway.router.candidates(plan.answering, {}, "r")}
+    assert candidates["r/e0"].waiting == 9 and candidates["r/e0"].queued_prefill_tokens == 4_000
+    assert [candidates[e.id].waits_for_room for e in (e0, e1, e2)] == [False, True, True]

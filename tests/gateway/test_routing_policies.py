@@ -247,6 +247,24 @@ def test_the_load_guard_moves_a_session_only_to_an_engine_with_at_most_half_its_
     assert decision is not None and (decision.engine, decision.reason) == ("c", "moved")
 
 
+@pytest.mark.parametrize("policy_cls", [SessionPolicy, DefaultPolicy])
+def test_the_load_guard_leaves_a_session_where_its_queue_waits_only_for_prefill_budget(
+    policy_cls: type,
+) -> None:
+    # a has 5 requests waiting (the guard's 4 and more) and 300 prompt tokens queued. When its report shows a
+    # free slot and KV room for them (waits_for_room false), they wait for prefill budget, which the queued
+    # tokens price: the estimate keeps the session (364 tokens of prefill against 1,024 on the idle b). The
+    # guard, blind to tokens, moved it and computed its 960 cached tokens again.
+    policy = policy_cls(S)
+    a = queued(cand("a", cached=60, waiting=5), 300)
+    budget_bound = a._replace(waits_for_room=False)
+    decision = policy.pick(req(session="a"), [budget_bound, cand("b")])
+    assert decision is not None and (decision.engine, decision.reason) == ("a", "session")
+    # Waiting for a slot or for KV memory (or not known to wait for neither): the guard moves it.
+    decision = policy.pick(req(session="a"), [a, cand("b")])
+    assert decision is not None and (decision.engine, decision.reason) == ("b", "moved")
+
+
 def test_a_session_moves_to_recompute_its_prefix_only_if_the_gain_outweighs_the_requests_it_delays() -> None:
     """Staying costs 3,064 tokens of prefill time (a queue of 3,000, then 64 uncached); moving to b costs
     2,024 (a queue of 1,000, then all 1,024 tokens, the 960 cached on a computed again). The gain, 1,040,
@@ -277,7 +295,8 @@ def test_with_peer_keeps_every_other_field() -> None:
     # Built field by field for speed: a field added to Candidate and forgotten there would fail here (every
     # field set, none at its default; typed by hand: compiled, with_peer checks the types it reads).
     fields = {"engine": "e", "region": "r", "healthy": False, "load": 5, "waiting": 2, "cached_tokens": 64,
-              "rtt_s": 0.04, "queued_prefill_tokens": 300, "peer": "p", "peer_tokens": 128}  # fmt: skip
+              "rtt_s": 0.04, "queued_prefill_tokens": 300, "peer": "p", "peer_tokens": 128,
+              "waits_for_room": False}  # fmt: skip
     assert set(fields) == set(Candidate._fields)
     c = Candidate(**fields)
     assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_tokens=3)

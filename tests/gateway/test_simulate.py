@@ -17,6 +17,7 @@ from gateway.routing.base import RoutingSettings
 from gateway.routing.router import Router
 from gateway.simulate import run_simulation, sim_router
 from perfmodel.profiles import profile, with_overrides
+from region_map.simulation.batched import BatchedSimEngine
 from region_map.simulation.simulator import CostModel, SimEngine
 from region_map.simulation.trace import TraceRequest, load_trace
 
@@ -102,6 +103,33 @@ def test_a_routed_prompt_stays_in_its_engines_prefill_queue_until_its_first_toke
     assert queue.computed_blocks([1, 2, 3, 4], 4) == 0
     sim.first_token(1, 0.2)
     assert queue.tokens == 0 and queue.computed_blocks([1, 2, 3, 4], 4) == 4
+
+
+def test_the_simulated_router_reads_a_batching_engines_free_slots_and_kv_as_a_live_one_does() -> None:
+    """A batching engine's load carries its slot limit and free KV (as kvgate's /health does), so the load
+    guard can tell a queue waiting for prefill budget from one waiting for room; the FIFO model says neither,
+    and its queues are always counted."""
+    settings = RoutingSettings(prefill_s_per_token=1e-4)
+    sim = sim_router(POLICIES["default"](settings), settings, regions=["r"], engines_per_region=2,
+                     rtt_s=0.04, uses_sessions=True)  # fmt: skip
+    small = with_overrides(profile("llama3-8b-h100"), max_running=4, kv_capacity_tokens=64 * 512)
+    batched = [BatchedSimEngine(f"r/e{i}", "r", 100, CostModel(), sim.kv_changed, small) for i in range(2)]
+    first = TraceRequest(arrival_s=0.0, input_tokens=4 * 512, output_tokens=1000, blocks=(1, 2, 3, 4),
+                         conversation=7)  # fmt: skip
+    engine, _ = sim.route(first, "r", 0.0, batched)
+    engine.submit("k", 0.0, first)
+    engine.advance(0.5)  # its prefill has run; it decodes
+    second = TraceRequest(arrival_s=0.5, input_tokens=512, output_tokens=8, blocks=(9,), conversation=8)
+    sim.route(second, "r", 0.5, batched)
+    state = sim.fleet.engines[engine.id]
+    # The first request holds 4 x 512 + 1000 tokens of KV, rounded up to whole blocks of the profile's size.
+    held = -(-(4 * 512 + 1000) // small.block_size) * small.block_size
+    assert state.load.running == 1
+    assert (state.load.max_running, state.load.kv_blocks_free) == (4, (64 * 512 - held) // 512)
+    assert not state.waits_for_room(0)
+    fifo = [SimEngine(f"r/e{i}", "r", 100, CostModel(), sim.kv_changed) for i in range(2)]
+    sim.route(second, "r", 0.6, fifo)
+    assert state.load.max_running is None and state.waits_for_room(0)
 
 
 def test_the_cli_prints_the_documented_json(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from cache.tokens import Tokenizer, load_tokenizer, render_messages
 from gateway.http.engine_probe import SAMPLE_PROMPT, check_tokenizer
 from region_map.config import parse_topology
+from region_map.discovery import EngineMetrics
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
 from tests.serving import serve
@@ -193,6 +194,32 @@ async def test_a_vllm_engine_is_discovered_model_block_size_and_load(
     vllm.running, vllm.waiting = 1, 0  # the load is read every poll
     await poller.probe_all()
     assert e.queue_estimate() == (1, 0)
+
+
+def test_a_queue_waits_for_room_unless_the_engine_reports_a_free_slot_and_kv_for_the_queued_tokens() -> None:
+    fleet = fleet_of(
+        {"name": "k", "url": "http://127.0.0.1:9", "block_size": 16},
+        {"name": "v", "url": "http://127.0.0.1:10", "kind": "vllm"},
+    )
+    k, v = fleet.engines["r/k"], fleet.engines["r/v"]
+    assert k.waits_for_room(0)  # nothing reported: the guard counts its queue
+    load = {"running": 2, "waiting": 9, "waiting_tokens": 4_000, "max_running": 4, "kv_blocks_free": 300}
+    k.apply_health({"status": "ok", "load": load})
+    # 2 of 4 slots taken, 300 x 16 = 4,800 free KV tokens: its 9 requests wait for prefill budget.
+    assert not k.waits_for_room(4_000) and not k.waits_for_room(4_800)
+    assert k.waits_for_room(4_801)  # the queued prompts do not all fit: some wait for KV memory
+    k.inflight = 5  # more sent here than it has slots (since its last report)
+    assert k.waits_for_room(0)
+    k.inflight = 0
+    k.apply_health({"status": "ok", "load": load | {"running": 4}})  # every slot taken
+    assert k.waits_for_room(0)
+    k.apply_health({"status": "ok", "load": {"running": 2, "waiting": 9, "max_running": 4}})  # KV not said
+    assert k.waits_for_room(0)
+    # vLLM's metrics give its free KV but no slot limit: its queue is counted.
+    v.apply_metrics(
+        EngineMetrics(running=1, waiting=9, kv_usage=0.1, block_size=16, kv_capacity_blocks=1_000)
+    )
+    assert v.load.kv_blocks_free == 900 and v.waits_for_room(0)
 
 
 async def test_a_configured_model_the_engine_does_not_list_makes_it_unhealthy_at_once(
