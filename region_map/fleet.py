@@ -196,15 +196,19 @@ class EngineState:
     def waits_for_room(self, queued_tokens: int) -> bool:
         """Whether requests queued here may be waiting for a slot or for KV memory that running requests
         hold: waits that ``queued_tokens`` (the prompt tokens queued for prefill) cannot price, so the load
-        guard counts them instead. An engine shows it does not only by reporting its slot limit and its
-        free KV blocks: a slot free and room for all of ``queued_tokens``; its queue then waits for prefill
-        budget, which the tokens price. vLLM's metrics give no slot limit and SGLang's no KV capacity: their
-        queues are always counted."""
+        guard counts them instead. An engine shows it does not only by reporting its slot limit, its free
+        KV blocks and its queued tokens: a slot free and room for all of ``queued_tokens``; its queue then
+        waits for prefill budget, which the tokens price. vLLM's metrics give no slot limit and SGLang's no
+        KV capacity: their queues are always counted."""
         load = self.load
         max_running, free_blocks, block_size = load.max_running, load.kv_blocks_free, self.block_size
         if not self.load_reported or max_running is None or free_blocks is None or block_size is None:
             return True
         if load.running >= max_running or self.inflight > max_running:
+            return True
+        if load.waiting_tokens < load.waiting:
+            # Every waiting request has at least its last prompt token to compute: a report with fewer
+            # queued tokens does not price its queue (an engine that does not say them, or says them wrong).
             return True
         return queued_tokens > free_blocks * block_size
 

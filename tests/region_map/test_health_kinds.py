@@ -215,6 +215,10 @@ def test_a_queue_waits_for_room_unless_the_engine_reports_a_free_slot_and_kv_for
     assert k.waits_for_room(0)
     k.apply_health({"status": "ok", "load": {"running": 2, "waiting": 9, "max_running": 4}})  # KV not said
     assert k.waits_for_room(0)
+    # Free slots and KV, but its queued tokens not said: the 9 waiting prompts (other gateways' among them)
+    # are priced by nothing, and the guard counts them.
+    k.apply_health({"status": "ok", "load": load | {"waiting_tokens": 0}})
+    assert k.waits_for_room(0) and k.waits_for_room(4_000)
     # vLLM's metrics give its free KV but no slot limit: its queue is counted.
     v.apply_metrics(
         EngineMetrics(running=1, waiting=9, kv_usage=0.1, block_size=16, kv_capacity_blocks=1_000)
