@@ -201,7 +201,9 @@ class EngineState:
         waits for prefill budget, which the tokens price. vLLM's metrics give no slot limit and SGLang's no
         KV capacity: their queues are always counted."""
         load = self.load
-        max_running, free_blocks, block_size = load.max_running, load.kv_blocks_free, self.block_size
+        # Its free blocks are counted in its own block size, which a configured one need not be.
+        block_size = self.reported_block_size or self.block_size
+        max_running, free_blocks = load.max_running, load.kv_blocks_free
         if not self.load_reported or max_running is None or free_blocks is None or block_size is None:
             return True
         if load.running >= max_running or self.inflight > max_running:

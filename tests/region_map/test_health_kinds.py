@@ -219,6 +219,10 @@ def test_a_queue_waits_for_room_unless_the_engine_reports_a_free_slot_and_kv_for
     # are priced by nothing, and the guard counts them.
     k.apply_health({"status": "ok", "load": load | {"waiting_tokens": 0}})
     assert k.waits_for_room(0) and k.waits_for_room(4_000)
+    # Its blocks are counted in its own size: configured 16, reporting 32, its 300 free blocks hold 9,600.
+    k.apply_health({"status": "ok", "block_size": 32, "load": load})
+    assert (k.block_size, k.block_size_source) == (16, "config")
+    assert not k.waits_for_room(9_600) and k.waits_for_room(9_601)
     # vLLM's metrics give its free KV but no slot limit: its queue is counted.
     v.apply_metrics(
         EngineMetrics(running=1, waiting=9, kv_usage=0.1, block_size=16, kv_capacity_blocks=1_000)
