@@ -51,9 +51,10 @@ SWEEP: dict[str, list[float]] = {
 
 def scenario_settings(prefill_s: float, **overrides: float) -> RoutingSettings:
     pull_s = prefill_s * PULL_FRACTION
-    return RoutingSettings(
-        prefill_s_per_token=prefill_s, kv_pull=True, kv_pull_s_per_token=pull_s, **overrides
-    )  # type: ignore[arg-type]
+    # Validated as a configuration is (model_validate): the knobs under sweep come by name.
+    return RoutingSettings.model_validate(
+        {"prefill_s_per_token": prefill_s, "kv_pull": True, "kv_pull_s_per_token": pull_s, **overrides}
+    )
 
 
 def run_one(trace: Any, prof_name: str, engines: int, capacity: int, **overrides: float) -> dict[str, float]:
