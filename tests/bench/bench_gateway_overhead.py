@@ -186,7 +186,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def measure(
     ports: dict[str, int], pids: dict[str, int], rounds: int, n: int, concurrency: int, duration_s: float
-) -> dict:
+) -> dict[str, Any]:
     pools = {name: UpstreamPool("127.0.0.1", port) for name, port in ports.items()}
     for pool in pools.values():  # warm up connections, caches and the gateway's view
         for i in range(200):
@@ -218,7 +218,7 @@ async def measure(
     return {"latency": lat, "ttfb": ttfb, "throughput": tput, "cpu_ms": cpu_ms}
 
 
-def report(results: dict, label: str, concurrency: int) -> dict:
+def report(results: dict[str, Any], label: str, concurrency: int) -> dict[str, Any]:
     lat, ttfb, tput = results["latency"], results["ttfb"], results["throughput"]
     p50 = {k: statistics.median(v) * 1e3 for k, v in lat.items()}
     p99 = {k: pct(v, 0.99) * 1e3 for k, v in lat.items()}
