@@ -105,7 +105,6 @@ class SimRouter:
                 max_running=max_running,
                 kv_blocks_free=None if free_tokens is None else free_tokens // self.block_tokens,
             )
-            state.load_reported = True
         session_id = str(request.conversation) if self.uses_sessions else None
         ask = TraceAsk(
             session_id=session_id,

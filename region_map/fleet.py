@@ -204,7 +204,8 @@ class EngineState:
         # Its free blocks are counted in its own block size, which a configured one need not be.
         block_size = self.reported_block_size or self.block_size
         max_running, free_blocks = load.max_running, load.kv_blocks_free
-        if not self.load_reported or max_running is None or free_blocks is None or block_size is None:
+        # (An engine that has not reported its load, or whose metrics could not be read, has no free blocks.)
+        if max_running is None or free_blocks is None or block_size is None:
             return True
         if load.running >= max_running or self.inflight > max_running:
             return True

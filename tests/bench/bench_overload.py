@@ -14,8 +14,8 @@ Policies: ``default`` (kvgate's), ``default, free moves`` (the same with ``sessi
 at 0: a session's move is not charged for the requests its recomputation delays), each ``--variant
 NAME:KEY=VALUE,...`` (the default policy with those routing settings, e.g. ``frac4:session_slack_frac=4``) and
 kvgate's ``cache_aware`` (the same time-to-first-token estimate, without sessions or pulls). The Rust
-routers' rule differs (the best prefix match
-whatever the queues, unless the engines' request counts drift far apart): ``bench_true_time`` runs them live.
+routers' rule differs (the best prefix match whatever the queues, unless the engines' request counts drift
+far apart): ``bench_true_time`` runs them live.
 Each row is the mean over a scenario's windows; ``vs cache_aware`` is the default policy's TTFT p90 over
 cache_aware's, per window, as a geometric mean (below 1: faster).
 
