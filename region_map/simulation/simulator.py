@@ -68,14 +68,20 @@ class LRUBlocks:
                 self._blocks.move_to_end(b, last=False)
 
     def insert(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Touch or add ``blocks`` (in order); returns (newly stored, evicted)."""
+        """Touch or add ``blocks``, a prompt's chain; returns (newly stored, in chain order; evicted).
+
+        The chain is touched tail first, so its head ends up the most recent: eviction then takes a chain's
+        tail before its head, as vLLM and the simulated engine (``engine.sim.prefix_cache``) free blocks.
+        Head first, an evicted head would leave the rest of the chain cached but unreachable (a prefix
+        stops at its first missing block), holding capacity that no prompt can hit."""
         stored, evicted = [], []
-        for b in blocks:
+        for b in reversed(blocks):
             if b in self._blocks:
                 self._blocks.move_to_end(b)
             else:
                 self._blocks[b] = None
                 stored.append(b)
+        stored.reverse()
         while len(self._blocks) > self.capacity:
             old, _ = self._blocks.popitem(last=False)
             evicted.append(old)

@@ -61,12 +61,14 @@ def test_only_the_default_policy_asks_engines_to_pull() -> None:
     trace = load_trace(TRACE, limit=3000)
     runs = {
         (policy, rate): run_simulation(trace, policy=policy, regions=1, engines_per_region=4,
-                                       capacity_blocks=1000, cost=CostModel(kv_pull_tokens_per_s=rate))
+                                       capacity_blocks=2000, cost=CostModel(kv_pull_tokens_per_s=rate))
         for policy, rate in (("default", 85_000.0), ("default", 0.0), ("cache_aware", 85_000.0))
     }  # fmt: skip
     assert runs["default", 85_000.0].pull_share > 0
     assert runs["default", 0.0].pull_share == runs["cache_aware", 85_000.0].pull_share == 0
-    # Pulled blocks are blocks nobody computed: they count as hits, and the pulls find more of them.
+    # Pulled blocks are blocks nobody computed: they count as hits, and the pulls find more of them. (Where
+    # the cache is so small that it evicts within a conversation's turns, about 1000 blocks here, a pulled
+    # copy costs as much capacity as it saves: the two rates then tie within 0.2 points.)
     assert runs["default", 85_000.0].hit_rate > runs["default", 0.0].hit_rate
 
 
@@ -164,13 +166,17 @@ def test_the_shipped_traces_are_the_published_ones() -> None:
 # on purpose: a pull gets only blocks whose prefill has run at the source (its one pull here found the
 # prefix still queued there, so it now pulls less and computes more: hit rate 0.1968 -> 0.1937, p99 +10 ms);
 # and the router keeps each prompt in its engine's prefill queue until its first token, as live, so it no
-# longer asks for that pull at all (pull share 0.0159 -> 0; every other figure unchanged).
+# longer asks for that pull at all (pull share 0.0159 -> 0; every other figure unchanged). Every row changed
+# once more when the engines' LRU came to evict a chain's tail before its head, as vLLM's does: with 20
+# blocks an engine evicts all the time, and no longer keeps tails that no prompt can reach (hit rate
+# 0.1937 -> 0.1968 default, 0.1952 the others; the default policy moves more sessions across regions,
+# 0.103 -> 0.119, and cache_aware's p50 and round_robin's p50 moved by -12 and +10 ms).
 FIFO_FIGURES = {
-    "default": (0.19365079365079366, 0.27959999999999985, 0.9288000000000007, 1.2346000000000004,
-                1.0476190476190477, 0.10317460317460317, 0.0),
-    "cache_aware": (0.19365079365079366, 0.2795999999999994, 0.9288000000000007, 1.2346000000000004,
+    "default": (0.19682539682539682, 0.27959999999999985, 0.9288000000000007, 1.2346000000000004,
+                1.0476190476190477, 0.11904761904761904, 0.0),
+    "cache_aware": (0.19523809523809524, 0.2671999999999999, 0.9288000000000007, 1.2346000000000004,
                     1.0476190476190477, 0.1349206349206349, 0.0),
-    "round_robin": (0.19365079365079366, 0.29720000000000013, 0.8688000000000002, 1.2346000000000004,
+    "round_robin": (0.19523809523809524, 0.28959999999999964, 0.8688000000000002, 1.2346000000000004,
                     1.0476190476190477, 0.20634920634920634, 0.0),
 }  # fmt: skip
 

@@ -44,9 +44,19 @@ def test_bad_lines_name_the_file_and_line(tmp_path: Path, line: str) -> None:
 def test_lru_blocks_evict_the_least_recently_used() -> None:
     lru = LRUBlocks(3)
     assert lru.insert([1, 2, 3]) == ([1, 2, 3], [])
-    lru.insert([1])  # 1 is now the most recent
-    assert lru.insert([4]) == ([4], [2])
-    assert lru.prefix([1, 3, 4, 2]) == 3
+    lru.insert([2])  # 2 is now the most recent
+    assert lru.insert([4]) == ([4], [3])
+    assert lru.prefix([2, 1, 4, 3]) == 3
+
+
+def test_lru_blocks_evict_a_chains_tail_before_its_head_as_the_engines_do() -> None:
+    """A prompt's blocks are a chain: an evicted head would leave its tail cached but unreachable."""
+    lru = LRUBlocks(4)
+    lru.insert([1, 2, 3])
+    assert lru.insert([8, 9]) == ([8, 9], [3])
+    assert lru.prefix([1, 2, 3]) == 2
+    assert lru.insert([5, 6, 7, 8, 9]) == ([5, 6, 7], [2, 1, 9])  # a prompt over capacity keeps its head
+    assert lru.prefix([5, 6, 7, 8, 9]) == 4
 
 
 def test_an_engine_queues_prefills_and_finds_its_cache() -> None:
