@@ -33,7 +33,8 @@ each workload once per router, the routers in a new random order each run (inter
 ...), so that drifts of this machine fall on all alike. The table gives each figure's median over runs and
 its spread (max - min).
 
-Hit rate: the engines' ``cached_tokens`` over prompt tokens; TTFT: time to the first streamed byte; load:
+Hit rate: the engines' ``cached_tokens`` over prompt tokens (above each table, the ceiling: what one engine
+with an unbounded cache would find); TTFT: time to the first streamed byte; load:
 max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
 seconds: the work it was given, which is what makes a queue; prompts differ tenfold in length, so equal
 counts are not equal work). Below each table, per run and peer: the requests whose cached tokens differ from
@@ -57,7 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agreement import LIVE_BLOCK, WORKLOADS, max_over_mean, replay, start_engines, workload
 from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
-from trace_workload import engine_counts, scrape
+from trace_workload import engine_counts, hit_ceiling, scrape
 
 from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
@@ -158,6 +159,9 @@ def print_table(
     print(f"\n{workload_name}: {first} over {span:.0f} s at their own time scale, outputs"
           f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
           f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
+    ceiling = hit_ceiling(trace, LIVE_BLOCK)
+    print(f"hit ceiling (one engine, unbounded cache, {LIVE_BLOCK}-token blocks): {ceiling:.2%};"
+          f" below it, what the engines' bounded caches evict or the routing scatters")  # fmt: skip
     cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "requests max/mean", "busy max/mean")
     print(f"{'router':14s} " + " ".join(f"{c:>17s}" for c in cols))
     for name, s in table.items():

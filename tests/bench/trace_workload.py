@@ -111,19 +111,34 @@ def paired_with(
             "paired_p50_ms": pct(same, 0.5) * 1e3, "paired_p90_ms": pct(same, 0.9) * 1e3}  # fmt: skip
 
 
-def hit_ceiling(trace: list[TraceRequest]) -> float:
-    """Prompt tokens a single engine with an unbounded cache would find cached (full blocks of a prefix)."""
-    seen: set[int] = set()
+def hit_ceiling(trace: list[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS) -> float:
+    """Prompt tokens one engine with an unbounded cache of ``block_tokens``-token blocks would find cached:
+    for each prompt, as replayed (``trace_body``: a trace block is the same 512 tokens wherever it appears,
+    and a prompt's last block is cut at its length), the longest prefix it shares with an earlier prompt, in
+    whole blocks, less its last token (which every engine computes: its logits start the decode). No router
+    in front of engines with bounded caches can do better."""
+    # held[(chain of the blocks before, block)]: the most tokens of that block an earlier prompt had there.
+    held: dict[tuple[int, int], int] = {}
     hit = total = 0
     for r in trace:
-        held = 0
-        for block in r.blocks[: r.input_tokens // TRACE_BLOCK_TOKENS]:
-            if block not in seen:
+        full, tail = divmod(r.input_tokens, TRACE_BLOCK_TOKENS)
+        spans = [(b, TRACE_BLOCK_TOKENS) for b in r.blocks[:full]]
+        if tail and len(r.blocks) > full:
+            spans.append((r.blocks[full], tail))
+        shared, chain, keys = 0, 0, []
+        for block, need in spans:
+            keys.append(((chain, block), need))
+            chain = hash((chain, block))
+        for key, need in keys:
+            have = held.get(key, 0)
+            shared += min(have, need)
+            if have < need:
                 break
-            held += 1
-        hit += held * TRACE_BLOCK_TOKENS
+        usable = min(shared, r.input_tokens - 1)
+        hit += usable - usable % block_tokens
         total += r.input_tokens
-        seen.update(r.blocks)
+        for key, need in keys:
+            held[key] = max(held.get(key, 0), need)
     return hit / total
 
 
