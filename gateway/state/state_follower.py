@@ -137,7 +137,7 @@ class GatewaysFollower:
                         self._on_channel_reconnected
                     )
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8
 
     def _on_channel_reconnected(self, connection: AbstractConnection) -> None:
         """The updates channel's connection came back (and was subscribed again) after a break."""

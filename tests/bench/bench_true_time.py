@@ -33,13 +33,15 @@ each workload once per router, the routers in a new random order each run (inter
 ...), so that drifts of this machine fall on all alike. The table gives each figure's median over runs and
 its spread (max - min).
 
-Hit rate: the engines' ``cached_tokens`` over prompt tokens (above each table, the ceiling: what one engine
-with an unbounded cache would find); TTFT: time to the first streamed byte; load:
-max/mean over the engines of the requests each finished, and of the time each spent in steps (its busy
-seconds: the work it was given, which is what makes a queue; prompts differ tenfold in length, so equal
-counts are not equal work). Below each table, per run and peer: the requests whose cached tokens differ from
-kvgate's for the same request in the same run (on the synthetic trace, whose only repeats are the 6 % of
-requests that are later turns, a hit-rate gap is a handful of long prompts, evicted on one side only).
+Hit rate: the engines' ``cached_tokens`` over prompt tokens. Above each table: the ceiling, what one engine
+with an unbounded cache would find; and what the engines' caches would find pooled as one LRU cache, the
+mark of their evictions, whoever routes (``trace_workload.lru_hit_rate``). TTFT: time to the first
+streamed byte. Load: max/mean over the engines of the requests each finished, and of the time each spent in
+steps (its busy seconds: the work it was given, which is what makes a queue; prompts differ tenfold in
+length, so equal counts are not equal work). Below each table, per run and peer: the requests whose cached
+tokens differ from kvgate's for the same request in the same run (on the synthetic trace, whose only
+repeats are the 6 % of requests that are later turns, a hit-rate gap is a handful of long prompts, evicted
+on one side only).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agreement import LIVE_BLOCK, WORKLOADS, max_over_mean, replay, start_engines, workload
 from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
-from trace_workload import engine_counts, hit_ceiling, scrape
+from trace_workload import engine_counts, hit_ceiling, lru_hit_rate, scrape
 
 from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
@@ -160,8 +162,10 @@ def print_table(
           f" capped at {args.max_output or 'the trace'}; {ENGINES} engines under {args.profile}; medians of "
           f"{args.runs} interleaved runs, spread (max - min) after ±")  # fmt: skip
     ceiling = hit_ceiling(trace, LIVE_BLOCK)
-    print(f"hit ceiling (one engine, unbounded cache, {LIVE_BLOCK}-token blocks): {ceiling:.2%};"
-          f" below it, what the engines' bounded caches evict or the routing scatters")  # fmt: skip
+    pooled = lru_hit_rate(trace, LIVE_BLOCK, ENGINES * CAPACITY_BLOCKS)
+    print(f"hit ceiling (one engine, unbounded cache, {LIVE_BLOCK}-token blocks): {ceiling:.2%}; the"
+          f" {ENGINES} engines' caches pooled as one LRU cache ({ENGINES} x {CAPACITY_BLOCKS:,} blocks):"
+          f" {pooled:.2%}, the mark of their evictions")  # fmt: skip
     cols = ("hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "requests max/mean", "busy max/mean")
     print(f"{'router':14s} " + " ".join(f"{c:>17s}" for c in cols))
     for name, s in table.items():

@@ -14,6 +14,7 @@ import random
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -111,35 +112,66 @@ def paired_with(
             "paired_p50_ms": pct(same, 0.5) * 1e3, "paired_p90_ms": pct(same, 0.9) * 1e3}  # fmt: skip
 
 
-def hit_ceiling(trace: list[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS) -> float:
-    """Prompt tokens one engine with an unbounded cache of ``block_tokens``-token blocks would find cached:
-    for each prompt, as replayed (``trace_body``: a trace block is the same 512 tokens wherever it appears,
-    and a prompt's last block is cut at its length), the longest prefix it shares with an earlier prompt, in
-    whole blocks, less its last token (which every engine computes: its logits start the decode). No router
-    in front of engines with bounded caches can do better."""
-    # held[(chain of the blocks before, block)]: the most tokens of that block an earlier prompt had there.
-    held: dict[tuple[int, int], int] = {}
+def prompt_block_keys(r: TraceRequest, block_tokens: int) -> list[int]:
+    """Chained keys of the whole ``block_tokens``-token blocks of ``r``'s prompt as replayed (``trace_body``:
+    a trace block is the same 512 tokens wherever it appears, and a prompt's last block is cut at its
+    length): two prompts share a key exactly when they share every token up to the end of that block."""
+    full, tail = divmod(r.input_tokens, TRACE_BLOCK_TOKENS)
+    spans = [(b, TRACE_BLOCK_TOKENS) for b in r.blocks[:full]]
+    if tail and len(r.blocks) > full:
+        spans.append((r.blocks[full], tail))
+    keys: list[int] = []
+    chain, filled = 0, 0
+    piece: list[tuple[int, int, int]] = []
+    for block, length in spans:
+        offset = 0
+        while offset < length:
+            take = min(block_tokens - filled, length - offset)
+            piece.append((block, offset, take))
+            filled, offset = filled + take, offset + take
+            if filled == block_tokens:
+                chain = hash((chain, tuple(piece)))
+                keys.append(chain)
+                piece, filled = [], 0
+    return keys
+
+
+def lru_hit_rate(
+    trace: list[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS, capacity_blocks: int | None = None
+) -> float:
+    """Prompt tokens one engine with a cache of ``capacity_blocks`` blocks of ``block_tokens`` tokens
+    (unbounded with None) would find cached, each prompt computed before the next arrives: for each prompt
+    as replayed, the longest prefix it shares with the cache, in whole blocks, less its last token (which
+    every engine computes: its logits start the decode). A bounded cache evicts least recently used first,
+    a prompt's last block before its first, as vLLM's and the simulated engine's do.
+
+    Unbounded, it is the ceiling: no router in front of engines with bounded caches can do better. Bounded
+    by the caches of all the engines together, it is what they would find if they pooled their caches as one
+    (and lost nothing to copies held twice): a router that keeps every prefix in one place, or pulls it
+    from there, comes near it."""
+    lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in trace:
-        full, tail = divmod(r.input_tokens, TRACE_BLOCK_TOKENS)
-        spans = [(b, TRACE_BLOCK_TOKENS) for b in r.blocks[:full]]
-        if tail and len(r.blocks) > full:
-            spans.append((r.blocks[full], tail))
-        shared, chain, keys = 0, 0, []
-        for block, need in spans:
-            keys.append(((chain, block), need))
-            chain = hash((chain, block))
-        for key, need in keys:
-            have = held.get(key, 0)
-            shared += min(have, need)
-            if have < need:
+        keys = prompt_block_keys(r, block_tokens)
+        shared = 0
+        for key in keys:
+            if key not in lru:
                 break
+            shared += block_tokens
         usable = min(shared, r.input_tokens - 1)
         hit += usable - usable % block_tokens
         total += r.input_tokens
-        for key, need in keys:
-            held[key] = max(held.get(key, 0), need)
+        for key in reversed(keys):  # its first block ends up the most recently used
+            lru[key] = None
+            lru.move_to_end(key)
+        while capacity_blocks is not None and len(lru) > capacity_blocks:
+            lru.popitem(last=False)
     return hit / total
+
+
+def hit_ceiling(trace: list[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS) -> float:
+    """What one engine with an unbounded cache would find (``lru_hit_rate``)."""
+    return lru_hit_rate(trace, block_tokens)
 
 
 # -- what the routers' figures are read from ----------------------------------------------------------
