@@ -5,20 +5,19 @@ pseudo-text. What it simulates faithfully is what the gateway cares about: a FIF
 ``max_running`` slots, an LRU prefix cache of block hashes (contract 1) whose changes go out as KV events
 (contract 3), and ``cached_tokens`` in the usage (contract 2).
 
-Cost model per request: wait for a slot; prefill sleeps ``uncached prompt tokens × prefill_s_per_token``;
-then each output token costs ``decode_s_per_token``. With every cost at 0 nothing sleeps, so benchmarks
-measure pure HTTP overhead. With a ``profile`` (``--profile NAME``) requests share one batching step loop
-instead, whose steps cost what ``perfmodel`` says, so they queue behind each other's work
-(``engine/sim/batching_loop.py``).
+Cost model per request (``engine/sim/slot_path.py``): wait for a slot; prefill sleeps ``uncached prompt
+tokens × prefill_s_per_token``; then each output token costs ``decode_s_per_token``. With every cost at 0
+nothing sleeps, so benchmarks measure pure HTTP overhead. With a ``profile`` (``--profile NAME``) requests
+share one batching step loop instead, whose steps cost what ``perfmodel`` says, so they queue behind each
+other's work (``engine/sim/batching_loop.py``). This module holds the state both modes share (prefix cache,
+KV events and pulls, counters) and the HTTP handlers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,12 +32,13 @@ from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_errors import OpenAIError, json_response
-from engine.openai_format import SseFormatter, models_body, response_body, sse_response, usage
+from engine.openai_format import models_body
 from engine.sim.batching_loop import BatchingLoop, generate_batched
 from engine.sim.config import SimEngineConfig
 from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
 from engine.sim.pseudo_text import cut_at_stop, pseudo_text
+from engine.sim.slot_path import SlotQueue, generate_per_request
 
 __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
@@ -54,14 +54,6 @@ def _namespace_seed(model: str, cache_salt: str) -> int:
 # ------------------------------------------------------------------------------------------- engine
 
 
-class _Waiter:
-    __slots__ = ("future", "tokens")
-
-    def __init__(self, future: asyncio.Future[None], tokens: int) -> None:
-        self.future = future
-        self.tokens = tokens
-
-
 class SimEngine:
     """The simulator's state and HTTP handlers; :func:`build_app` wires them into an application."""
 
@@ -73,10 +65,7 @@ class SimEngine:
         )
         self.cache = PrefixCache(config.capacity_blocks, on_events=self.publisher.publish)
         self.created = int(time.time())
-        self._zero_cost = config.prefill_s_per_token == 0 and config.decode_s_per_token == 0
-        self._running = 0  # requests holding a slot (per-request mode)
-        self._waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
-        self._waiters: deque[_Waiter] = deque()
+        self.slots = SlotQueue(config.max_running)  # the per-request mode's admission
         self.counters = EngineCounters()
         profile = config.engine_profile()
         self.batching = None if profile is None else BatchingLoop(profile, self.counters)
@@ -114,51 +103,19 @@ class SimEngine:
 
     @property
     def running(self) -> int:
-        return self._running if self.batching is None else self.batching.running
+        return self.slots.running if self.batching is None else self.batching.running
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters) if self.batching is None else self.batching.waiting
+        return self.slots.waiting if self.batching is None else self.batching.waiting
 
     @property
     def waiting_tokens(self) -> int:
-        return self._waiting_tokens if self.batching is None else self.batching.waiting_tokens
-
-    # ------------------------------------------------------------------------------------ admission
-
-    async def _admit(self, tokens: int) -> None:
-        """Take a running slot, queueing FIFO behind earlier requests while all are taken."""
-        if self._running < self.config.max_running and not self._waiters:
-            self._running += 1
-            return
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), tokens)
-        self._waiters.append(waiter)
-        self._waiting_tokens += tokens
-        try:
-            await waiter.future
-        except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._release_slot()  # granted a slot just as the client left: pass it on
-            else:
-                try:
-                    self._waiters.remove(waiter)
-                except ValueError:
-                    pass  # already dequeued (and skipped) by _release_slot
-                else:
-                    self._waiting_tokens -= tokens
-            raise
-
-    def _release_slot(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            self._waiting_tokens -= waiter.tokens
-            if not waiter.future.done():  # a cancelled waiter is skipped
-                waiter.future.set_result(None)  # the slot passes on: running stays the same
-                return
-        self._running -= 1
+        return self.slots.waiting_tokens if self.batching is None else self.batching.waiting_tokens
 
     @contextlib.contextmanager
-    def _busy(self, stage: str) -> Iterator[None]:
+    def busy(self, stage: str) -> Iterator[None]:
+        """Count the time inside as this engine's busy seconds of ``stage``."""
         clock = self.counters.busy[stage]
         clock.enter()
         try:
@@ -250,87 +207,7 @@ class SimEngine:
 
         if self.batching is not None:
             return await generate_batched(self, request, req, headers)
-        await self._admit(req.prompt_tokens)
-        pinned: list[int] = []
-        try:
-            ids = req.prompt_token_ids
-            ns_seed = _namespace_seed(cfg.model, req.cache_salt)
-            hashes = self.prompt_hashes(ids, req.cache_salt, req.cache_shared_blocks)
-            n_cached = await self.cached_blocks(req, hashes)
-            cached_tokens = n_cached * cfg.block_size
-            if not self._zero_cost:
-                # With every cost at zero nothing below awaits before _store_answer() stores the prompt
-                # and the answer at once, so no other request can evict these blocks meanwhile: pins
-                # would protect nothing, and skipping them keeps the benchmark path lean.
-                pinned = self.cache.acquire(hashes[:n_cached])
-                uncached = req.prompt_tokens - cached_tokens
-                if uncached and cfg.prefill_s_per_token > 0:
-                    with self._busy("prefill"):
-                        await asyncio.sleep(uncached * cfg.prefill_s_per_token)
-                if n_cached < len(hashes):
-                    self.cache.store(hashes)
-                    pinned += self.cache.acquire(hashes[n_cached:])
-
-            text, finish = self.answer(req)
-            usage_obj = usage(req.prompt_tokens, len(text), cached_tokens)
-            self.counters.finished(req.prompt_tokens, cached_tokens, len(text))
-
-            if req.stream:
-                return await self._stream(request, req, hashes, text, finish, usage_obj, headers)
-            if text and cfg.decode_s_per_token > 0:
-                with self._busy("decode"):
-                    await asyncio.sleep(len(text) * cfg.decode_s_per_token)
-            # Stored before the answer leaves, so a client's next turn is sure to find it.
-            self._store_answer(ids, hashes, text, ns_seed, req.cache_shared_blocks)
-            return json_response(response_body(req, text, finish, usage_obj), headers=headers)
-        finally:
-            # Also on cancellation (client gone, with handler_cancellation) and errors: never leak a slot.
-            if pinned:
-                self.cache.release(pinned)
-            self._release_slot()
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: GenerationRequest,
-        hashes: list[int],
-        text: str,
-        finish: FinishReason,
-        usage_obj: dict[str, Any],
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        resp = sse_response(headers)
-        fmt = SseFormatter(req)
-        decode_s = self.config.decode_s_per_token
-        ns_seed = _namespace_seed(self.config.model, req.cache_salt)
-        try:
-            if decode_s <= 0:
-                # No decode cost: one write for the whole answer, still one SSE chunk per token.
-                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
-                await resp.prepare(request)
-                await resp.write(
-                    fmt.start() + b"".join([fmt.token(ch) for ch in text]) + fmt.finish(finish, usage_obj)
-                )
-            else:
-                await resp.prepare(request)
-                start = fmt.start()
-                if start:
-                    await resp.write(start)
-                loop = asyncio.get_running_loop()
-                t0 = loop.time()
-                with self._busy("decode"):
-                    for i, ch in enumerate(text):
-                        # Sleep to a deadline rather than a fixed delay so timer overshoot does not add up.
-                        delay = t0 + (i + 1) * decode_s - loop.time()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        await resp.write(fmt.token(ch))
-                self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
-                await resp.write(fmt.finish(finish, usage_obj))
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass  # the client went away mid-stream; the caller's finally frees its slot and pins
-        return resp
+        return await generate_per_request(self, request, req, headers)
 
     async def cached_blocks(self, req: GenerationRequest, hashes: list[int]) -> int:
         """How many of the prompt's blocks need no prefill: in the prefix cache or pulled from a peer."""
@@ -348,17 +225,13 @@ class SimEngine:
         return cut_at_stop(pseudo_text(seed, req.max_tokens), req.stop)
 
     def store_answer(self, req: GenerationRequest, hashes: list[int], text: str) -> None:
-        ns_seed = _namespace_seed(self.config.model, req.cache_salt)
-        self._store_answer(req.prompt_token_ids, hashes, text, ns_seed, req.cache_shared_blocks)
-
-    def _store_answer(
-        self, ids: np.ndarray, hashes: list[int], text: str, ns_seed: int, shared_blocks: int = 0
-    ) -> None:
         """Cache the full blocks of prompt + answer: a chat's next turn starts with exactly those tokens.
 
         The whole chain is stored, not just the answer's blocks, so that under pressure the answer cannot
         evict its own prompt and be left hanging on a missing parent.
         """
+        ids, shared_blocks = req.prompt_token_ids, req.cache_shared_blocks
+        ns_seed = _namespace_seed(self.config.model, req.cache_salt)
         bs = self.config.block_size
         tail_start = len(hashes) * bs
         chain = hashes

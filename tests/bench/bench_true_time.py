@@ -59,7 +59,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agreement import LIVE_BLOCK, WORKLOADS, max_over_mean, replay, start_engines, workload
-from bench_routers import Router, byte_tokenizer_dir, peer_commands, start_kvgate, start_peer, wait_ready
+from bench_routers import (
+    PULL_FRACTION,  # start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
+    Router,
+    byte_tokenizer_dir,
+    peer_commands,
+    start_kvgate,
+    start_peer,
+    wait_ready,
+)
 from trace_workload import engine_counts, hit_ceiling, lru_hit_rate, scrape
 
 from gateway.demo import EngineProcess, stop_engines, wait_healthy
@@ -69,7 +77,6 @@ from region_map.simulation.trace import TraceRequest
 
 ENGINES = 4
 CAPACITY_BLOCKS = 64_000  # 16-token blocks per engine: 2000 of the trace's 512-token blocks
-PULL_FRACTION = 0.24  # bench_routers.start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
 FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "load_max_over_mean", "busy_max_over_mean")
 BUSY = "kvgate_engine_busy_seconds_total"  # the engine's step time, prefill and decode
 

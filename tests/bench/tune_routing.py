@@ -30,13 +30,11 @@ from perfmodel.profiles import profile
 from region_map.simulation.simulator import CostModel
 from region_map.simulation.trace import load_trace
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-WORKLOADS = {
-    "conversation": DATA / "mooncake_conversation_trace.jsonl.gz",
-    "synthetic": DATA / "mooncake_synthetic_trace.jsonl.gz",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_agreement import WORKLOADS
+from bench_routers import PULL_FRACTION
+
 PROFILES = ("llama3-8b-h100", "llama3-70b-h100")
-PULL_FRACTION = 0.24
 
 # One constant at a time; the first value of each is the current default.
 SWEEP: dict[str, list[float]] = {
