@@ -99,20 +99,30 @@ def body(r: TraceRequest) -> bytes:
 
 
 def simulated(
-    trace: list[TraceRequest], engines: int, capacity: int, prof: EngineProfile, pull_s: float
+    trace: list[TraceRequest],
+    engines: int,
+    capacity: int,
+    prof: EngineProfile,
+    pull_s: float,
+    policy: str = "default",
 ) -> dict[str, Any]:
     cached_read = 0
+    busy: dict[str, float] = {}  # seconds each engine spent in steps
 
-    def on_step(_engine: str, record: StepRecord) -> None:
+    def on_step(engine: str, record: StepRecord) -> None:
         nonlocal cached_read
         cached_read += record.cached_tokens_read
+        busy[engine] = busy.get(engine, 0.0) + record.duration_s
 
     cost = CostModel(kv_pull_tokens_per_s=1.0 / pull_s if pull_s > 0 else 0.0)
-    result = run_simulation(trace, policy="default", regions=1, engines_per_region=engines,
+    result = run_simulation(trace, policy=policy, regions=1, engines_per_region=engines,
                             capacity_blocks=capacity, cost=cost, profile=prof, on_step=on_step)  # fmt: skip
     prompt = sum(max(1, r.input_tokens) for r in trace)
     counts = list(result.per_engine_requests.values())
+    # Every engine is listed in per_engine_requests; one that never stepped did no work.
+    seconds = [busy.get(e, 0.0) for e in result.per_engine_requests]
     return {
+        "busy_max_over_mean": max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else 0.0,
         "hit_rate": cached_read / prompt,
         "hit_rate_blocks": result.hit_rate,
         "ttft_p50_s": result.ttft_p50_s,

@@ -26,13 +26,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agreement import WORKLOADS, workload
+from bench_agreement import WORKLOADS, simulated, workload
 from bench_routers import PULL_FRACTION
 
-from gateway.simulate import run_simulation
-from perfmodel.batching import StepRecord
 from perfmodel.profiles import EngineProfile, profile
-from region_map.simulation.simulator import CostModel
 from region_map.simulation.trace import TraceRequest
 
 ENGINES = 4
@@ -52,34 +49,10 @@ def jittered(trace: list[TraceRequest], jitter_s: float, seed: int) -> list[Trac
     return sorted(moved, key=lambda r: r.arrival_s)
 
 
-def max_over_mean(values: list[float]) -> float:
-    """The largest over the mean, an engine that did nothing (and so is not listed) counting as 0."""
-    padded = values + [0.0] * (ENGINES - len(values))
-    return max(padded) / (sum(padded) / ENGINES) if sum(padded) else 0.0
-
-
 def replay(trace: list[TraceRequest], prof: EngineProfile, policy: str) -> dict[str, float]:
-    busy: dict[str, float] = {}
-    cached_read = 0
-
-    def on_step(engine: str, record: StepRecord) -> None:
-        nonlocal cached_read
-        busy[engine] = busy.get(engine, 0.0) + record.duration_s
-        cached_read += record.cached_tokens_read
-
-    cost = CostModel(kv_pull_tokens_per_s=1.0 / (prof.prefill_s_per_token * PULL_FRACTION))
-    result = run_simulation(trace, policy=policy, regions=1, engines_per_region=ENGINES,
-                            capacity_blocks=CAPACITY_TRACE_BLOCKS, cost=cost, profile=prof,
-                            on_step=on_step)  # fmt: skip
-    counts = list(result.per_engine_requests.values())
-    return {
-        "load_max_over_mean": max_over_mean([float(c) for c in counts]),
-        "busy_max_over_mean": max_over_mean(list(busy.values())),
-        "hit_rate": cached_read / sum(max(1, r.input_tokens) for r in trace),
-        "ttft_p50_s": result.ttft_p50_s,
-        "ttft_p90_s": result.ttft_p90_s,
-        "ttft_p99_s": result.ttft_p99_s,
-    }
+    pull_s = prof.prefill_s_per_token * PULL_FRACTION
+    figures = simulated(trace, ENGINES, CAPACITY_TRACE_BLOCKS, prof, pull_s, policy)
+    return {key: figures[key] for key in FIGURES}
 
 
 def spread(values: list[float]) -> dict[str, float]:
