@@ -56,6 +56,7 @@ HOT_MODULES = (
     "gateway/routing/default.py",
     "gateway/routing/disaggregation.py",
     "gateway/routing/regional.py",
+    "gateway/routing/route.py",
     "gateway/routing/router.py",
     "gateway/routing/session.py",
     "gateway/service.py",

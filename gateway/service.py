@@ -30,7 +30,8 @@ from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
 from gateway.routing import RoutingPolicy
-from gateway.routing.router import Route, Router
+from gateway.routing.route import Route
+from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
 from gateway.tenancy.accounting import RequestAccount
 from gateway.tenancy.billing import Billing, Caller

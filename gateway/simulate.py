@@ -26,7 +26,8 @@ from gateway.config import GatewaySettings, ResilienceSettings
 from gateway.http.errors import GatewayError
 from gateway.routing import POLICIES, RoutingPolicy
 from gateway.routing.base import RoutingSettings, route_key
-from gateway.routing.router import Route, Router
+from gateway.routing.route import Route
+from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
 from gateway.user_errors import UserError
 from region_map.config import EngineConfig, RegionConfig, TopologyConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gateway.routing.base import route_key
 from gateway.routing.default import DefaultPolicy
-from gateway.routing.router import Route
+from gateway.routing.route import Route
 from gateway.routing.settings import RoutingSettings
 from gateway.simulate import TENANT, SimRouter, TraceAsk, sim_router
 from region_map.fleet import ChainKey
