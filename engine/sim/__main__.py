@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import sim_engine_main
+from engine.sim.cli import sim_engine_main
 
 if __name__ == "__main__":
     sys.exit(sim_engine_main())

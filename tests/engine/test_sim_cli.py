@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import register, run_sim_engine
+from engine.cli import register
+from engine.sim.cli import run_sim_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,8 @@ import pytest
 import trustme
 from aiohttp import web
 
-from engine.cli import register, tls_context
+from engine.cli import register
+from engine.cli_tls import tls_context
 from engine.sim.server import SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
 from gateway.app import GATEWAY, build_app
