@@ -144,13 +144,16 @@ def build_app(config: KvgateConfig) -> web.Application:
             "sessions": ("Live session bindings in this gateway's view.", float(sessions())),
             "residency_entries": ("(block, engine) entries in this gateway's view.", float(len(state.index))),
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
-            "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
             "ledger_backlog": ("Usage records waiting to be written.", float(billing.writer.pending)),
+            "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
+        },
+        # Counts since the start that never go down: counters, so that rate() and increase() apply.
+        lambda: {
+            "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
             "ledger_spooled_records": (
                 "Usage records written to the local spool while the ledger was away.",
                 float(billing.writer.spooled),
             ),
-            "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
         },
     )
     if not settings.lean_http:
