@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -251,8 +251,11 @@ async def _check_redis(state: SharedState, url: str) -> str:
 
 def _metrics_handler(metrics: GatewayMetrics) -> LeanHandler:
     async def handler(request: LeanRequest) -> web.Response:
-        response = web.Response(body=generate_latest(metrics.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        # As prometheus_client's own servers: OpenMetrics to a scraper that asks for it (Prometheus does),
+        # else the classic text format under the name of the version that the body is written in.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encode(metrics.registry))
+        response.headers["Content-Type"] = content_type
         return response
 
     return handler

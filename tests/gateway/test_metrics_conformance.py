@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+from prometheus_client.core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import MODEL, Cluster, ClusterFactory
@@ -55,3 +57,39 @@ async def test_counts_that_only_grow_are_counters_named_total(make_cluster: Clus
         assert samples[f"{name}_total[]"] > 0, samples
     assert "kvgate_ledger_degraded" in text  # (a state: stays a gauge)
     assert found["kvgate_ledger_degraded"][0] == "gauge"
+
+
+# What Prometheus 2.x sends when it scrapes (3.x lists text/plain;version=1.0.0 too, behind OpenMetrics).
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def test_metrics_say_the_format_the_scraper_asked_for(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster({"eu-west": 1})
+    assert cluster.session is not None
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    body = {"model": MODEL, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with cluster.session.post(cluster.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        await r.read()
+    openmetrics: dict[str, dict[str, Metric]] = {}
+    for who, url in (("gateway", cluster.url), ("engine", cluster.engines["eu-west/e0"][1])):
+        # curl, or a scraper that knows only the classic text format: that format, under its own name.
+        for accept in ("", "*/*", "text/plain;version=0.0.4"):
+            async with cluster.session.get(url + "/metrics", headers={"Accept": accept}) as r:
+                assert r.headers["Content-Type"] == TEXT_0_0_4, (who, accept)
+                families(await r.text())
+        # Prometheus: OpenMetrics, which its strict parser reads whole (ending in # EOF).
+        async with cluster.session.get(url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}) as r:
+            content_type, text = r.headers["Content-Type"], await r.text()
+        assert content_type.startswith("application/openmetrics-text; version=1.0.0"), (who, content_type)
+        assert text.endswith("# EOF\n")
+        openmetrics[who] = {f.name: f for f in openmetrics_families(text)}
+    ttft = openmetrics["gateway"]["kvgate_time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    assert {s.name for s in ttft.samples} >= {f"{ttft.name}_{s}" for s in ("bucket", "count", "sum")}
+    assert openmetrics["gateway"]["kvgate_requests"].type == "counter"
+    assert openmetrics["engine"]["kvgate_engine_busy_seconds"].type == "counter"
