@@ -3,6 +3,7 @@ named ``_total``, histograms hold together, after real traffic through a real ga
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 from prometheus_client.core import Metric
@@ -12,12 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 
-async def scrape(cluster: Cluster, headers: dict[str, str] | None = None) -> tuple[str, str]:
-    """(Content-Type, body) of the gateway's ``/metrics``."""
+async def scrape(cluster: Cluster) -> str:
+    """The gateway's ``/metrics``."""
     assert cluster.session is not None
-    async with cluster.session.get(cluster.url + "/metrics", headers=headers) as r:
+    async with cluster.session.get(cluster.url + "/metrics") as r:
         assert r.status == 200
-        return r.headers["Content-Type"], await r.text()
+        return await r.text()
 
 
 def families(text: str) -> dict[str, tuple[str, dict[str, float]]]:
@@ -30,6 +31,33 @@ def families(text: str) -> dict[str, tuple[str, dict[str, float]]]:
             {f"{s.name}{sorted(s.labels.items())}": s.value for s in family.samples},
         )
     return found
+
+
+def check_histograms(text: str) -> int:
+    """Every histogram series: buckets cumulative in ``le``, ``+Inf`` equal to ``_count``, a ``_sum``.
+    Returns how many series were checked."""
+    checked = 0
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        series: dict[tuple[tuple[str, str], ...], dict[str, list[tuple[float, float]]]] = {}
+        for s in family.samples:
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            bound = float(s.labels.get("le", "nan"))
+            series.setdefault(key, {}).setdefault(s.name.removeprefix(family.name), []).append(
+                (bound, s.value)
+            )
+        for key, parts in series.items():
+            buckets = parts["_bucket"]
+            assert [b for b, _ in buckets] == sorted(b for b, _ in buckets), (family.name, key)
+            assert all(a[1] <= b[1] for a, b in itertools.pairwise(buckets)), (family.name, key)
+            assert buckets[-1][0] == float("inf") and buckets[-1][1] == parts["_count"][0][1], (
+                family.name,
+                key,
+            )
+            assert len(parts["_sum"]) == 1, (family.name, key)
+            checked += 1
+    return checked
 
 
 def closed_port() -> int:
@@ -49,7 +77,7 @@ async def test_counts_that_only_grow_are_counters_named_total(make_cluster: Clus
         assert (await cluster.post("/v1/chat/completions", body))[0] == 200
     writer = cluster.gateway.billing.writer
     await cluster.wait_for(lambda: writer.spooled >= 3 and cluster.gateway.state.writer.failed > 0)
-    _, text = await scrape(cluster)
+    text = await scrape(cluster)
     found = families(text)
     for name in ("kvgate_redis_write_failures", "kvgate_ledger_spooled_records"):
         kind, samples = found[name]
@@ -81,7 +109,10 @@ async def test_metrics_say_the_format_the_scraper_asked_for(make_cluster: Cluste
         for accept in ("", "*/*", "text/plain;version=0.0.4"):
             async with cluster.session.get(url + "/metrics", headers={"Accept": accept}) as r:
                 assert r.headers["Content-Type"] == TEXT_0_0_4, (who, accept)
-                families(await r.text())
+                text = await r.text()
+            families(text)
+            if who == "gateway":  # (the stream was observed: TTFT, ITL, duration and routing overhead)
+                assert check_histograms(text) >= 4
         # Prometheus: OpenMetrics, which its strict parser reads whole (ending in # EOF).
         async with cluster.session.get(url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}) as r:
             content_type, text = r.headers["Content-Type"], await r.text()
