@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 STAGES = ("prefill", "decode")
@@ -163,8 +164,10 @@ def metrics_handler(
     registry.register(_Collector(engine_id, counters, gauges))
 
     async def handler(request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        # OpenMetrics to a scraper that asks for it, else the classic text format (as the gateway does).
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encode(registry))
+        response.headers["Content-Type"] = content_type
         return response
 
     return handler

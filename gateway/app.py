@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -144,13 +144,16 @@ def build_app(config: KvgateConfig) -> web.Application:
             "sessions": ("Live session bindings in this gateway's view.", float(sessions())),
             "residency_entries": ("(block, engine) entries in this gateway's view.", float(len(state.index))),
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
-            "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
             "ledger_backlog": ("Usage records waiting to be written.", float(billing.writer.pending)),
+            "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
+        },
+        # Counts since the start that never go down: counters, so that rate() and increase() apply.
+        lambda: {
+            "redis_write_failures": ("Writes to Redis that failed.", float(state.writer.failed)),
             "ledger_spooled_records": (
                 "Usage records written to the local spool while the ledger was away.",
                 float(billing.writer.spooled),
             ),
-            "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
         },
     )
     if not settings.lean_http:
@@ -248,8 +251,11 @@ async def _check_redis(state: SharedState, url: str) -> str:
 
 def _metrics_handler(metrics: GatewayMetrics) -> LeanHandler:
     async def handler(request: LeanRequest) -> web.Response:
-        response = web.Response(body=generate_latest(metrics.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        # As prometheus_client's own servers: OpenMetrics to a scraper that asks for it (Prometheus does),
+        # else the classic text format under the name of the version that the body is written in.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encode(metrics.registry))
+        response.headers["Content-Type"] = content_type
         return response
 
     return handler

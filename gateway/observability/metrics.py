@@ -220,9 +220,15 @@ class GatewayMetrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def watch(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
-        """Engine health and in-flight requests, and the given process gauges, read at scrape time."""
-        self.registry.register(_LiveCollector(fleet, gauges))
+    def watch(
+        self,
+        fleet: Fleet,
+        gauges: Callable[[], dict[str, tuple[str, float]]],
+        counters: Callable[[], dict[str, tuple[str, float]]] = dict,
+    ) -> None:
+        """Engine health and in-flight requests, and the given process gauges and counters (counts that
+        only grow: exposed as ``kvgate_<name>_total``), read at scrape time."""
+        self.registry.register(_LiveCollector(fleet, gauges, counters))
 
 
 class EventFollower(Protocol):
@@ -284,9 +290,15 @@ class _CallbackGauge(Collector):
 
 
 class _LiveCollector(Collector):
-    def __init__(self, fleet: Fleet, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        gauges: Callable[[], dict[str, tuple[str, float]]],
+        counters: Callable[[], dict[str, tuple[str, float]]],
+    ) -> None:
         self._fleet = fleet
         self._gauges = gauges
+        self._counters = counters
 
     def collect(self) -> Iterable[Metric]:
         healthy = GaugeMetricFamily(
@@ -318,6 +330,8 @@ class _LiveCollector(Collector):
         yield load
         for name, (help_text, value) in self._gauges().items():
             yield GaugeMetricFamily(f"kvgate_{name}", help_text, value=value)
+        for name, (help_text, value) in self._counters().items():
+            yield CounterMetricFamily(f"kvgate_{name}", help_text, value=value)  # (adds the _total)
 
     def describe(self) -> Iterable[Metric]:
         return []
