@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from tests.conftest import ThirdPartyFleet
+from tests.harness import MODEL, ClusterFactory
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
@@ -28,3 +29,26 @@ async def test_an_engines_refusal_reaches_the_sdk_as_that_engines_error(
         "code": 400,
     }
     assert raised.value.message == "Error code: 400 - " + str(raised.value.body["message"])  # type: ignore[index]
+
+
+async def test_the_gateways_own_errors_carry_the_request_id(make_cluster: ClusterFactory) -> None:
+    # The SDK reads x-request-id into every APIStatusError (exc.request_id): what a client quotes to find its
+    # request in the gateway's and the engines' logs. The gateway's own refusals sent none.
+    cluster = await make_cluster({"eu-west": 1})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "hello"}]
+    mine = {"x-request-id": "client-chosen-1"}
+    with pytest.raises(openai.NotFoundError) as not_found:  # refused while preparing
+        await client.chat.completions.create(model="gpt-17", messages=hello, extra_headers=mine)
+    assert not_found.value.request_id == "client-chosen-1"
+    with pytest.raises(openai.BadRequestError) as invalid:  # refused by validation, no id of the client's
+        await client.chat.completions.create(model=MODEL, messages=hello, temperature=7)
+    assert invalid.value.request_id is not None and invalid.value.request_id.startswith("req-")
+    with pytest.raises(openai.BadRequestError) as another:  # each refusal gets an id of its own
+        await client.completions.create(model=MODEL, prompt="hi", extra_body={"max_tokens": "a lot"})
+    assert another.value.request_id not in (None, invalid.value.request_id)
+    await cluster.stop_engine("eu-west/e0")  # refused after routing: the id the engine was sent
+    with pytest.raises(openai.APIStatusError) as failed:
+        await client.chat.completions.create(model=MODEL, messages=hello, extra_headers=mine)
+    assert failed.value.status_code in (502, 503) and failed.value.request_id == "client-chosen-1"
+    await client.close()
