@@ -28,7 +28,7 @@ async def test_an_engines_refusal_reaches_the_sdk_as_that_engines_error(
         "param": "prompt",
         "code": 400,
     }
-    assert raised.value.message == "Error code: 400 - " + str(raised.value.body["message"])  # type: ignore[index]
+    assert raised.value.message == "Error code: 400 - " + str(raised.value.body["message"])
 
 
 async def test_the_gateways_own_errors_carry_the_request_id(make_cluster: ClusterFactory) -> None:
@@ -51,4 +51,32 @@ async def test_the_gateways_own_errors_carry_the_request_id(make_cluster: Cluste
     with pytest.raises(openai.APIStatusError) as failed:
         await client.chat.completions.create(model=MODEL, messages=hello, extra_headers=mine)
     assert failed.value.status_code in (502, 503) and failed.value.request_id == "client-chosen-1"
+    await client.close()
+
+
+async def test_a_text_part_without_its_text_is_refused_for_what_it_lacks(
+    make_cluster: ClusterFactory,
+) -> None:
+    # It was refused as "content part of type 'text' is not supported; only text is": the client is told the
+    # type it used is unsupported, and that the same type is the one supported.
+    cluster = await make_cluster({"eu-west": 1})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    for part in ({"type": "text"}, {"type": "text", "text": None}):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [part]}],
+            )
+        assert raised.value.body == {
+            "message": "a content part of type 'text' needs its text, a string",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": None,
+        }
+    with pytest.raises(openai.BadRequestError) as image:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        )
+    assert image.value.message.endswith("content part of type 'image_url' is not supported; only text is")
     await client.close()
