@@ -287,11 +287,12 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text":
                 raise ChatContentError(f"content part of type {kind!r} is not supported; only text is")
+            if not isinstance(part.get("text"), str):  # (not "only text is supported": it is text)
+                raise ChatContentError("a content part of type 'text' needs its text, a string")
+            parts.append(part["text"])
         return "".join(parts)
     raise ChatContentError("message content must be a string or an array of content parts")
 

@@ -234,7 +234,7 @@ class RequestPreparer:
             )
         cache_salt = _cache_salt(tenant, parsed)
         shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
-        record_id = f"{self._record_prefix}{next(self._record_seq):x}"
+        record_id = self._new_record_id()
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id"), record_id),
             tenant=tenant.name,
@@ -263,6 +263,13 @@ class RequestPreparer:
             choices=_choices(body),
             tools=tools_field is not None,
         )
+
+    def _new_record_id(self) -> str:
+        return f"{self._record_prefix}{next(self._record_seq):x}"
+
+    def refused_request_id(self, request: ClientRequest) -> str:
+        """The id of a request refused before it was prepared: the client's ``x-request-id``, or a new one."""
+        return request_id(request.headers.get("x-request-id"), self._new_record_id())
 
     def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str]:
         """(tokens per choice the engine will generate at most, the parameter that says so), read as the

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
 from gateway.tenancy.accounting import RequestAccount
 from gateway.tenancy.billing import Billing, Caller
+from gateway.tenancy.tenants import Tenant
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
@@ -91,21 +93,28 @@ class Gateway:
     # -- endpoints -------------------------------------------------------------------------------------
 
     async def chat_completions(self, request: LeanRequest) -> Answer:
-        received = time.perf_counter()
-        caller = await self._caller(request)
-        await self.billing.admit_request(caller)
-        body = await self.prepare.read_json(request)
-        return await self._admit_and_serve(
-            request, received, caller, await self.prepare.chat(request, body, caller.tenant)
-        )
+        return await self._complete(request, self.prepare.chat)
 
     async def completions(self, request: LeanRequest) -> Answer:
+        return await self._complete(request, self.prepare.completion)
+
+    async def _complete(
+        self, request: LeanRequest, prepare: Callable[[LeanRequest, Any, Tenant], Awaitable[Prepared]]
+    ) -> Answer:
+        """Admit, prepare and serve a completion. Its errors name the request (``x-request-id``) as its
+        answers do: the OpenAI SDKs read it into every error they raise, and clients quote it."""
         received = time.perf_counter()
-        caller = await self._caller(request)
-        await self.billing.admit_request(caller)
-        body = await self.prepare.read_json(request)
-        p = await self.prepare.completion(request, body, caller.tenant)
-        return await self._admit_and_serve(request, received, caller, p)
+        p: Prepared | None = None
+        try:
+            caller = await self._caller(request)
+            await self.billing.admit_request(caller)
+            body = await self.prepare.read_json(request)
+            p = await prepare(request, body, caller.tenant)
+            return await self._admit_and_serve(request, received, caller, p)
+        except GatewayError as exc:
+            rid = p.request_id if p is not None else self.prepare.refused_request_id(request)
+            exc.headers["x-request-id"] = rid
+            raise
 
     async def _caller(self, request: LeanRequest) -> Caller:
         """Who sent the request, known before its body is read: gateway.http.lean_http checks the key once the

@@ -150,29 +150,49 @@ async def relay_stream(
     return response
 
 
+def error_object(data: bytes) -> dict[str, Any] | None:
+    """An engine's error body as OpenAI's error object: vLLM's ``{"error": {...}}``, or SGLang's flat
+    ``{"object": "error", "message", "type", "param", "code"}``; None for any other body."""
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error") if body.get("object") != "error" else body
+    if not isinstance(error, dict) or "message" not in error:
+        return None
+    return error
+
+
 def error_fields(data: bytes, status: int) -> tuple[bool, str | None, str]:
     """(is OpenAI-shaped, code, message) of an engine's error body; any other body gives its first 200
     characters (or the status) as the message."""
-    try:
-        error = orjson.loads(data)["error"]
-        return True, error.get("code"), str(error["message"])
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+    error = error_object(data)
+    if error is None:
         return False, None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
+    code = error.get("code")
+    return True, None if code is None else str(code), str(error["message"])
 
 
 def engine_error(
     engine_id: str, status: int, data: bytes, headers: dict[str, str], metrics: GatewayMetrics
 ) -> web.Response:
-    """An engine's own error: its 4xx pass through (they are about the request); a 5xx becomes a 502."""
-    openai_shaped, _, message = error_fields(data, status)
-    if 400 <= status < 500 and openai_shaped:
+    """An engine's own error: its 4xx pass through (they are about the request), in OpenAI's nesting when
+    the engine's is flat (SGLang); a 5xx becomes a 502."""
+    error = error_object(data)
+    if 400 <= status < 500 and error is not None:
+        if error.get("object") == "error":  # flat: what clients parse is {"error": {...}}
+            fields = ("message", "type", "param", "code")
+            data = orjson.dumps({"error": {k: error.get(k) for k in fields}})
         return web.Response(body=data, status=status, content_type="application/json", headers=headers)
+    _, _, message = error_fields(data, status)
     metrics.upstream_error(engine_id, f"http_{status}")
-    error = UpstreamFailed(f"engine {engine_id} answered {status}: {message}")
+    error_out = UpstreamFailed(f"engine {engine_id} answered {status}: {message}")
     if 400 <= status < 500:
-        error.status = status
-        error.type = "invalid_request_error"
-    response = error.response()
+        error_out.status = status
+        error_out.type = "invalid_request_error"
+    response = error_out.response()
     response.headers.update(headers)
     return response
 
