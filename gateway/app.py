@@ -13,6 +13,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,6 +36,7 @@ from gateway.http.upstream_tls import engine_tls_context
 from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
+from gateway.observability.worker_metrics import WorkerMetrics
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.state.kv_events import KvEventConsumer
@@ -58,6 +60,7 @@ MODEL_PATH = "/v1/models/{model:path}"  # (model ids may hold slashes: meta-llam
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 ROUTES = web.AppKey("routes", Routes)  # the public port's
 OPERATOR_ROUTES = web.AppKey("operator_routes", Routes)  # served on gateway.operator_port, when set
+WORKER_METRICS = web.AppKey("worker_metrics", WorkerMetrics)  # kvgate serve --workers N, no operator port
 REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
 REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
@@ -172,7 +175,11 @@ def build_app(config: KvgateConfig) -> web.Application:
         ("/v1/admin/usage", usage.admin_usage),
         ("/health", public_health(gateway)),
     ]
-    operator = [("/metrics", _metrics_handler(gateway.metrics)), *dashboard_routes(dashboard)]
+    scraped: Collector = metrics.registry
+    if config.worker_metrics_dir is not None and settings.operator_port is None:
+        # One public port for N workers: any of them answers for all (an operator port is each one's own).
+        scraped = app[WORKER_METRICS] = WorkerMetrics(config.worker_metrics_dir, config.gateway_id, scraped)
+    operator = [("/metrics", _metrics_handler(scraped)), *dashboard_routes(dashboard)]
     if settings.operator_port is None:
         public += [(path, guarded(billing, path, handler)) for path, handler in operator]
     else:  # (the Prometheus convention: the operator's endpoints on a port of their own, without keys)
@@ -249,12 +256,12 @@ async def _check_redis(state: SharedState, url: str) -> str:
     return f"on ({without_credentials(url)})"
 
 
-def _metrics_handler(metrics: GatewayMetrics) -> LeanHandler:
+def _metrics_handler(scraped: Collector) -> LeanHandler:
     async def handler(request: LeanRequest) -> web.Response:
         # As prometheus_client's own servers: OpenMetrics to a scraper that asks for it (Prometheus does),
         # else the classic text format under the name of the version that the body is written in.
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-        response = web.Response(body=encode(metrics.registry))
+        response = web.Response(body=encode(scraped))
         response.headers["Content-Type"] = content_type
         return response
 
@@ -293,6 +300,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             redis_said = await _check_redis(state, settings.redis_url or "")
         await billing.writer.start(billing.cost_picodollars)
         app[DASHBOARD].start()
+        if WORKER_METRICS in app:
+            app[WORKER_METRICS].start()
         await state.start([e.id for e in fleet])
         await poller.probe_all()
         poller.start()
@@ -333,6 +342,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             await operator.close(gateway.resilience.drain_timeout_s)
         await app[DASHBOARD].stop()
         await billing.writer.stop()  # every record is in the ledger or the spool
+        if WORKER_METRICS in app:
+            await app[WORKER_METRICS].stop()  # (after the last request's counts)
         await state.stop()
         gateway.clients.close()
         await session.close()

@@ -317,6 +317,9 @@ class KvgateConfig:
     gateway: GatewaySettings
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     prices: dict[str, PriceConfig] = field(default_factory=dict)
+    # Set by ``kvgate serve --workers N`` when no operator port is: where the workers share their metrics,
+    # so that the public port's /metrics speaks for all of them (gateway.observability.worker_metrics).
+    worker_metrics_dir: Path | None = None
 
     @property
     def gateway_id(self) -> str:

@@ -1,5 +1,6 @@
 """``kvgate serve --workers N``: N gateway processes sharing the public port (SO_REUSEPORT), each with its
-own gateway id, spool and operator port, stopped together."""
+own gateway id, spool and operator port, stopped together. Without operator ports, the public port's
+``/metrics`` answers for all of them (gateway.observability.worker_metrics)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cache.parent_death import die_with_parent
 from gateway.config import KvgateConfig
 from gateway.http.listening import check_can_listen
 from gateway.http.server import run_gateway
+from gateway.observability.worker_metrics import clear_snapshots
 from gateway.state.private_redis import PrivateRedis
 from gateway.tenancy.billing import spool_path
 from gateway.user_errors import UserError
@@ -51,7 +53,9 @@ def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
     if config.gateway.operator_port:
         update["operator_port"] = config.gateway.operator_port + index
     gateway = config.gateway.model_copy(update=update)
-    return dataclasses.replace(config, gateway=gateway)
+    # Without operator ports, a scrape of the public port reaches any worker: each answers for all.
+    shared = None if config.gateway.operator_port else worker_metrics_dir(config)
+    return dataclasses.replace(config, gateway=gateway, worker_metrics_dir=shared)
 
 
 def run_workers(config: KvgateConfig, workers: int) -> int:
@@ -61,6 +65,8 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     private redis-server (``gateway.state.private_redis``) that lives as long as the workers. Stops all
     when one stops or on SIGINT/SIGTERM."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
+    if not config.gateway.operator_port:
+        clear_snapshots(worker_metrics_dir(config))  # (an earlier run's counts are not this one's)
     if config.gateway.redis_url is not None:
         return _run_children(config, workers)
     private = PrivateRedis(private_redis_dir(config))
@@ -71,6 +77,12 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
         return _run_children(dataclasses.replace(config, gateway=gateway), workers)
     finally:
         private.stop()
+
+
+def worker_metrics_dir(config: KvgateConfig) -> Path:
+    """Where the workers share their metrics (gateway.observability.worker_metrics): beside their private
+    Redis's directory, one per region and port."""
+    return private_redis_dir(config).with_name(private_redis_dir(config).name + "-metrics")
 
 
 def private_redis_dir(config: KvgateConfig) -> Path:

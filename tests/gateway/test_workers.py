@@ -138,3 +138,77 @@ def _engines_healthy(operator_port: int) -> int:
     except urllib.error.HTTPError as exc:
         body = exc.read()
     return int(json.loads(body).get("engines_healthy", 0))
+
+
+def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The public port's /metrics (a new connection: the kernel picks the worker), parsed as Prometheus
+    does: sample name -> labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = tuple(sorted(s.labels.items()))
+            assert key not in samples.get(s.name, {}), f"{s.name}{s.labels} twice"
+            samples.setdefault(s.name, {})[key] = s.value
+    return samples
+
+
+def _completions_answered(samples: dict[str, dict[tuple[tuple[str, str], ...], float]]) -> float:
+    return sum(
+        value
+        for labels, value in samples.get("kvgate_requests_total", {}).items()
+        if ("endpoint", "/v1/completions") in labels and ("status", "200") in labels
+    )
+
+
+def test_the_public_metrics_of_workers_count_every_workers_requests(
+    tmp_path: Path, two_sim_engines: list[int]
+) -> None:
+    """Without operator ports a scrape of the public port reaches either worker; each answers for both, so
+    the counts neither split between scrapes nor go back, and an earlier run's counts are not added in."""
+    _, port, _ = _distinct_ports()
+    engines = ", ".join(
+        f'{{ name = "e{i}", url = "http://127.0.0.1:{p}" }}' for i, p in enumerate(two_sim_engines)
+    )
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{engines}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\n'
+    )
+    earlier = tmp_path / f"workers-r-{port}-metrics"  # (beside the spool, as the workers' Redis directory)
+    earlier.mkdir()
+    old = [{"name": "kvgate_requests", "type": "counter", "help": "h", "unit": "", "samples": [
+        ["kvgate_requests_total", {"endpoint": "/v1/completions", "status": "200"}, 1000.0]]}]  # fmt: skip
+    (earlier / "r-old-w0.metrics.json").write_text(json.dumps(old))
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=log_file
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not _port_open(port) or any(_engines_healthy(port) != 2 for _ in range(8)):
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        seen, sent = 0.0, 0
+        for n in range(24):  # interleaved: a scrape after each request, on either worker
+            _post(port, f"prompt {n}", f"s{n}")
+            sent += 1
+            count = _completions_answered(_scrape(port))
+            assert seen <= count <= sent, (n, seen, count)
+            seen = count
+        time.sleep(1.5)  # every worker has written its snapshot since its last request
+        workers = set()
+        for _ in range(8):
+            samples = _scrape(port)
+            assert _completions_answered(samples) == sent
+            assert sum(samples["kvgate_request_duration_seconds_count"].values()) == sent  # (summed too)
+            for labels in samples["kvgate_sessions"]:  # a gauge: each worker's own view, labelled
+                workers.add(dict(labels)["worker"])
+        assert len(workers) == 2, workers
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
