@@ -107,7 +107,12 @@ class WorkerMetrics:
     def write(self) -> None:
         """This worker's snapshot, replaced whole (written beside it, then renamed over it)."""
         partial = self._path.with_name(f"{self._path.name}.{os.getpid()}.tmp")
-        partial.write_bytes(snapshot(self.own))
+        data = snapshot(self.own)
+        try:
+            partial.write_bytes(data)
+        except FileNotFoundError:  # (the directory was removed under a running gateway: made again)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(data)
         os.replace(partial, self._path)
 
     def read_all(self) -> dict[str, list[dict[str, Any]]]:
@@ -120,11 +125,11 @@ class WorkerMetrics:
 
     def collect(self) -> Iterator[Metric]:
         """Write this worker's snapshot first, then merge: a scrape sees this worker's counts of now."""
-        self.write()
+        self._try_write()
         yield from merge(self.read_all())
 
     def start(self) -> None:
-        self.write()
+        self._try_write()
         self._task = asyncio.create_task(self._write_forever(), name="kvgate-worker-metrics")
 
     async def stop(self) -> None:
@@ -134,13 +139,15 @@ class WorkerMetrics:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        with contextlib.suppress(OSError):
-            self.write()
+        self._try_write()
 
     async def _write_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                self.write()
-            except OSError as exc:  # a full or vanished directory: the scrapes read the last snapshot
-                log.warning("cannot write this worker's metrics to %s: %s", self.directory, exc)
+            self._try_write()
+
+    def _try_write(self) -> None:
+        try:
+            self.write()
+        except OSError as exc:  # a full or vanished directory: scrapes read the snapshots that are there
+            log.warning("cannot write this worker's metrics to %s: %s", self.directory, exc)
