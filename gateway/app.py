@@ -111,7 +111,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     state = SharedState(
         gateway_id=config.gateway_id,
         redis=redis,
-        keys=RedisKeys(settings.redis_prefix),
+        keys=RedisKeys(settings.redis_prefix, db=redis_db(redis)),
         session_ttl_s=settings.session_ttl_s,
         max_approximate_per_engine=settings.redis_max_approximate_per_engine,
         redis_sweep_every_s=settings.redis_sweep_interval_s,
@@ -198,6 +198,13 @@ def redis_client(url: str, max_connections: int) -> aioredis.Redis:
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+
+
+def redis_db(redis: aioredis.Redis | None) -> int:
+    """The database number ``redis`` selects (0 without Redis)."""
+    if redis is None:
+        return 0
+    return int(redis.connection_pool.connection_kwargs.get("db") or 0)
 
 
 def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
