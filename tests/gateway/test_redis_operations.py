@@ -5,7 +5,13 @@ given. Every Redis here is a real ``redis-server`` (the tests' own where it is s
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+from cache.ledger import UsageRecord
+from cache.ledger_redis import RedisLedger
+from cache.spool import Spool
+from gateway.app import redis_client
+from gateway.tenancy.ledger_writer import LedgerWriter
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_process import RedisProcess
 
@@ -36,3 +42,38 @@ async def test_deployments_in_two_databases_of_one_redis_do_not_hear_each_other(
     await cluster.wait_for(lambda: witness.state.sessions.peek_now("default", "conversation-1") is not None)
     await asyncio.sleep(0.2)  # (the same publish reached every subscriber of the channel)
     assert other.state.sessions.peek_now("default", "conversation-1") is None
+
+
+# -- the ledger's spool across a crash and a restart ------------------------------------------------------
+
+
+def usage(i: int) -> UsageRecord:
+    return UsageRecord(f"r{i}", "acme", MODEL, 100, 20, 10, 1000 + i)
+
+
+async def test_records_spooled_after_a_crash_tore_the_spool_are_billed(
+    private_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """A gateway killed while it appended to its spool (Redis away) leaves a torn last record; the gateway
+    started after it, with Redis still away, spools behind that tail. Once Redis answers, every whole
+    record is billed: none appended after the tear is read as its rest and lost."""
+    path = tmp_path / "ledger.spool"
+    Spool(path).append([usage(1), usage(2)])
+    with path.open("ab") as f:
+        f.write(b"\x8f\xa9record_id")  # the killed process's next append, cut short
+    private_redis.stop()
+    client = redis_client(private_redis.url, 4)
+    writer = LedgerWriter(RedisLedger(client, "kvgate-spool"), Spool(path), retry_s=0.05)
+    await writer.start()  # the restart: Redis is still away
+    assert writer.degraded
+    for i in (3, 4):
+        writer.submit(usage(i))
+    await writer.stop()
+    private_redis.start()
+    writer = LedgerWriter(RedisLedger(client, "kvgate-spool"), Spool(path))
+    await writer.start()  # the next start, Redis back: the spool is replayed
+    await writer.stop()
+    ledger = RedisLedger(client, "kvgate-spool")
+    assert sorted(r.record_id for r in await ledger.records()) == ["r1", "r2", "r3", "r4"]
+    assert Spool(path).read() == []
+    await client.aclose()
