@@ -14,10 +14,13 @@ import xxhash
 
 
 class RedisKeys:
-    def __init__(self, prefix: str = "kvgate") -> None:
+    def __init__(self, prefix: str = "kvgate", *, db: int = 0) -> None:
+        """``db``: the database the keys live in; only the pub/sub channel, which no database holds, names
+        it."""
         if not prefix or any(c in prefix for c in "{} "):
             raise ValueError("redis key prefix must be non-empty without braces or spaces")
         self.prefix = prefix
+        self.db = db
         self._kv = f"{{{prefix}:kv}}"
 
     @property
@@ -60,5 +63,7 @@ class RedisKeys:
 
     @property
     def updates_channel(self) -> str:
-        """Pub/sub channel on which gateways announce writes the others' views should follow."""
-        return f"{self.prefix}:updates"
+        """Pub/sub channel on which gateways announce writes the others' views should follow. Channels are
+        global to a Redis server, whatever the database: a deployment in database N > 0 has its own (database
+        0 keeps the name it always had)."""
+        return f"{self.prefix}:updates" if self.db == 0 else f"{self.prefix}:updates:db{self.db}"

@@ -16,8 +16,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
@@ -114,7 +114,7 @@ def build_app(config: KvgateConfig) -> web.Application:
     state = SharedState(
         gateway_id=config.gateway_id,
         redis=redis,
-        keys=RedisKeys(settings.redis_prefix),
+        keys=RedisKeys(settings.redis_prefix, db=redis_db(redis)),
         session_ttl_s=settings.session_ttl_s,
         max_approximate_per_engine=settings.redis_max_approximate_per_engine,
         redis_sweep_every_s=settings.redis_sweep_interval_s,
@@ -210,6 +210,13 @@ def redis_client(url: str, max_connections: int) -> aioredis.Redis:
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 
 
+def redis_db(redis: aioredis.Redis | None) -> int:
+    """The database number ``redis`` selects (0 without Redis)."""
+    if redis is None:
+        return 0
+    return int(redis.connection_pool.connection_kwargs.get("db") or 0)
+
+
 def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
     """Keys, ledger and rate-limit buckets: in Redis when the gateway has it, else in process."""
     settings = config.gateway
@@ -238,12 +245,17 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
 async def _check_redis(state: SharedState, url: str) -> str:
     """One PING at start, so that the start is told the truth: "on (URL)", or "unreachable at URL". An
     unreachable Redis marks the shared-state writer failing: it then PINGs every second, and ``/health``
-    says "unreachable" until Redis answers."""
+    says "unreachable" until Redis answers. A Redis that answers and refuses the URL stops the start."""
     assert state.redis is not None
     try:
         async with asyncio.timeout(REDIS_START_PING_S):
             await state.redis.ping()
     except (RedisError, OSError, TimeoutError) as exc:
+        if _refuses_url(exc):
+            raise ConfigError(
+                f"gateway.redis_url / --redis: Redis at {without_credentials(url)} refuses it: "
+                f"{str(exc).rstrip('.')}"
+            ) from None
         state.writer.failing = True
         reason = str(exc).rstrip(".") or f"no answer within {REDIS_START_PING_S:g} s"
         log.warning(
@@ -254,6 +266,15 @@ async def _check_redis(state: SharedState, url: str) -> str:
         )
         return f"unreachable at {without_credentials(url)}"
     return f"on ({without_credentials(url)})"
+
+
+def _refuses_url(exc: BaseException) -> bool:
+    """Whether Redis answered and refused the URL itself (a wrong password or user, a database it does not
+    have): no waiting fixes that, and a gateway serving meanwhile would only spool its usage. A busy or full
+    Redis, or one that does not answer, is waited for."""
+    if isinstance(exc, AuthenticationError | NoPermissionError):
+        return True
+    return isinstance(exc, ResponseError) and "DB index" in str(exc)  # (SELECT's "DB index is out of range")
 
 
 def _metrics_handler(scraped: Collector) -> LeanHandler:

@@ -10,6 +10,7 @@ import ipaddress
 import os
 import re
 import socket
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -22,6 +23,7 @@ from cache.ledger import PRICE_DECIMALS, Prices
 from gateway.routing.base import RoutingSettings
 from gateway.routing.home import HomeSettings
 from gateway.tenancy.tenants import TENANT_PATTERN, TenantConfig
+from gateway.user_errors import without_credentials
 from region_map.config import (
     ConfigError,
     TopologyConfig,
@@ -172,6 +174,27 @@ class EdgeSettings(BaseModel):
         return value
 
 
+def check_redis_url(url: str) -> str:
+    """``url`` if it is a Redis URL that means what it says, else ValueError: redis-py takes other schemes
+    for a bug of ours, and a database that is not a number for database 0."""
+    shown = without_credentials(url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"{shown!r} is not a Redis URL: redis://[[user]:password@]host[:port][/db], rediss://... (TLS) "
+            "or unix:///path/to/redis.sock?db=N"
+        )
+    try:
+        parts.port  # noqa: B018  (raises ValueError for a port that is not a number)
+    except ValueError:
+        raise ValueError(f"{shown!r}: the port is not a number") from None
+    path_db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    db = urllib.parse.parse_qs(parts.query).get("db", [path_db])[0]
+    if db and not db.isdigit():
+        raise ValueError(f"{shown!r}: the database {db!r} is not a number (redis://host:6379/0)")
+    return url
+
+
 class PriceConfig(BaseModel):
     """``[prices."model"]``: dollars per million tokens."""
 
@@ -285,6 +308,11 @@ class GatewaySettings(BaseModel):
         default=None,
         description="ledger spool while Redis is away; default: ledger-<region>-<port>.spool, state dir",
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_redis_url(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:

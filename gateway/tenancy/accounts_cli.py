@@ -79,6 +79,13 @@ def _store_options(parser: argparse.ArgumentParser, *, keys_file: bool = True) -
 def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
     """(redis url, keys file, prefix) from the flags, then the deployment file."""
     redis_url, keys_file, prefix = args.redis, getattr(args, "keys_file", None), args.redis_prefix
+    if redis_url is not None:
+        from gateway.config import check_redis_url
+
+        try:
+            check_redis_url(redis_url)
+        except ValueError as exc:
+            raise ConfigError(f"--redis: {exc}") from None
     if args.config:
         from gateway.config import load_config
 

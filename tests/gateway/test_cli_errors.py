@@ -20,8 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import redis
 
 from gateway.demo import free_port
+from tests.redis_process import RedisProcess
 
 KVGATE = [sys.executable, "-m", "gateway.cli"]
 UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"
@@ -112,6 +114,47 @@ def test_usage_with_redis_away() -> None:
 
 def test_keys_with_redis_away() -> None:
     said_in_one_line(run("keys", "list", "--redis", UNREACHABLE_REDIS), "cannot reach Redis", "start Redis")
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://127.0.0.1:1/0", "is not a Redis URL: redis://"),
+        ("redis://127.0.0.1:1/O", "the database 'O' is not a number"),  # (the letter O: else database 0)
+        ("unix:///run/redis.sock?db=x", "the database 'x' is not a number"),
+        ("redis://127.0.0.1:63 79/0", "the port is not a number"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "usage"])
+def test_a_malformed_redis_url_is_a_configuration_error(
+    tmp_path: Path, command: str, url: str, said: str
+) -> None:
+    config = deployment(tmp_path, free_port(), engine_url="http://127.0.0.1:9")
+    result = run(command, "--config", str(config), "--redis", url)
+    said_in_one_line(result, "configuration error", "--redis" if command == "usage" else "redis_url", said)
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("credentials", "db", "said"),
+    [
+        (":wrong@", "0", "invalid username-password pair"),
+        ("", "0", "authenticated"),  # no password given
+        (":s3cret@", "99", "DB index is out of range"),
+    ],
+)
+def test_serve_with_a_redis_that_refuses_its_url_stops_in_one_line(
+    tmp_path: Path, private_redis: RedisProcess, credentials: str, db: str, said: str
+) -> None:
+    """Redis answers and says no (a wrong password, a database it does not have): no waiting fixes that, so
+    the gateway does not start (a Redis that is away is waited for: above)."""
+    redis.Redis(port=private_redis.port).config_set("requirepass", "s3cret")
+    url = f"redis://{credentials}127.0.0.1:{private_redis.port}/{db}"
+    config = deployment(tmp_path, free_port(), engine_url="http://127.0.0.1:9")
+    result = run("serve", "--config", str(config), "--redis", url)
+    line = said_in_one_line(result, "configuration error", f"Redis at redis://127.0.0.1:{private_redis.port}")
+    assert said in line and "wrong" not in line and "s3cret" not in line
+    assert result.returncode == 2
 
 
 class _Refusing(BaseHTTPRequestHandler):
