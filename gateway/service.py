@@ -110,7 +110,9 @@ class Gateway:
             await self.billing.admit_request(caller)
             body = await self.prepare.read_json(request)
             p = await prepare(request, body, caller.tenant)
-            return await self._admit_and_serve(request, received, caller, p)
+            p.key_id = caller.key_id
+            await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
+            return await self._serve(request, received, p)
         except GatewayError as exc:
             rid = p.request_id if p is not None else self.prepare.refused_request_id(request)
             exc.headers["x-request-id"] = rid
@@ -124,13 +126,6 @@ class Gateway:
         if known is None:
             return await self.billing.identify(request.headers.get("Authorization"))
         return known if isinstance(known, Caller) else await known
-
-    async def _admit_and_serve(
-        self, request: LeanRequest, received: float, caller: Caller, p: Prepared
-    ) -> Answer:
-        p.key_id = caller.key_id
-        await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
-        return await self._serve(request, received, p)
 
     async def models(self, request: LeanRequest) -> web.Response:
         return _json({"object": "list", "data": [self._model_object(m) for m in self.fleet.models()]})
