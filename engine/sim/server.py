@@ -15,6 +15,7 @@ KV events and pulls, counters) and the HTTP handlers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -43,6 +44,7 @@ from engine.sim.slot_path import SlotQueue, generate_per_request
 __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
+SERVED_KEPT = 2**20
 _MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
 
 
@@ -52,6 +54,12 @@ def _namespace_seed(model: str, cache_salt: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------- engine
+
+
+def prompt_key(token_ids: np.ndarray) -> int:
+    """A prompt's key in ``/debug/served``: the same for its text and for its ids (the gateway's), which the
+    engine tokenizes to the same array."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(token_ids, dtype=np.uint32).tobytes())
 
 
 class SimEngine:
@@ -65,6 +73,10 @@ class SimEngine:
         )
         self.cache = PrefixCache(config.capacity_blocks, on_events=self.publisher.publish)
         self.created = int(time.time())
+        # Each prompt it was sent (xxh3-64 of its token ids), in arrival order: where a router placed each
+        # request of a replay, read back by the benches (GET /debug/served) whatever the router forwards.
+        # The last million only: a simulator left running keeps no more than ~40 MB of them.
+        self.served: collections.deque[int] = collections.deque(maxlen=SERVED_KEPT)
         self.slots = SlotQueue(config.max_running)  # the per-request mode's admission
         self.counters = EngineCounters()
         profile = config.engine_profile()
@@ -157,6 +169,10 @@ class SimEngine:
         body = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
         return json_response(orjson.dumps(body))
 
+    async def handle_served(self, request: web.Request) -> web.Response:
+        """``GET /debug/served``: the prompts this engine was sent (``prompt_key``), in arrival order."""
+        return json_response(orjson.dumps({"engine_id": self.config.engine_id, "prompts": list(self.served)}))
+
     async def handle_health(self, request: web.Request) -> web.Response:
         return json_response(orjson.dumps(self.health()))
 
@@ -204,7 +220,7 @@ class SimEngine:
             )
         except OpenAIError as exc:
             return exc.to_response(headers)
-
+        self.served.append(prompt_key(req.prompt_token_ids))
         if self.batching is not None:
             return await generate_batched(self, request, req, headers)
         return await generate_per_request(self, request, req, headers)
@@ -260,6 +276,7 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
     app.router.add_get("/v1/models", engine.handle_models)
     app.router.add_get("/health", engine.handle_health)
+    app.router.add_get("/debug/served", engine.handle_served)
     app.router.add_get("/model_info", engine.handle_model_info)
     app.router.add_get("/server_info", engine.handle_model_info)
     app.router.add_post("/tokenize", engine.handle_tokenize)

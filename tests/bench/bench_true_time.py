@@ -57,8 +57,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agreement import LIVE_BLOCK, WORKLOADS, max_over_mean, replay, start_engines, workload
+from bench_agreement import LIVE_BLOCK, WORKLOADS, body, max_over_mean, replay, start_engines, workload
 from bench_routers import (
     PULL_FRACTION,  # start_kvgate's kv_pull_s_per_token ratio; the engines are told the same
     Router,
@@ -68,8 +70,18 @@ from bench_routers import (
     start_peer,
     wait_ready,
 )
-from trace_workload import engine_counts, hit_ceiling, lru_hit_rate, scrape
+from trace_workload import (
+    engine_counts,
+    hit_ceiling,
+    lru_hit_rate,
+    placements,
+    same_placements,
+    scrape,
+    served_prompts,
+)
 
+from cache.tokens import load_tokenizer
+from engine.sim.server import prompt_key
 from gateway.demo import EngineProcess, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
 from perfmodel.profiles import EngineProfile, profile
@@ -89,12 +101,14 @@ async def one(
     name: str,
     command: list[str] | Path | None,
     trace: list[TraceRequest],
+    prompt_keys: list[int],
     prof_name: str,
     prof: EngineProfile,
     tmp: Path,
 ) -> dict[str, Any]:
     """``name`` in front of fresh engines, ``trace`` replayed at its own time scale. ``command`` starts a
-    peer; None starts this kvgate, a path the kvgate of that checkout."""
+    peer; None starts this kvgate, a path the kvgate of that checkout. ``engine``: where each request went
+    (the engines' record of the prompts they were sent: ``prompt_keys``, the trace's in order)."""
     tok = tmp / "tokenizer"
     engines = start_engines(
         ENGINES, tok, prof_name, "", CAPACITY_BLOCKS, prof.prefill_s_per_token * PULL_FRACTION
@@ -112,6 +126,7 @@ async def one(
         figures = await replay(router.port, trace)
         figures["load_max_over_mean"] = max_over_mean(before, await engine_counts(engines))
         figures["busy_max_over_mean"] = max_over_mean(busy_before, await engine_busy(engines))
+        figures["engine"] = placements(prompt_keys, [await served_prompts(e.port) for e in engines])
         return figures
     finally:
         if router is not None:
@@ -145,6 +160,22 @@ def hit_differences(workload_name: str, runs: dict[str, list[dict[str, Any]]], p
             cells.append(f"{len(more)}, {sum(more) / prompt_tokens * 100:+.2f}pt | {len(fewer)}, "
                          f"{-sum(fewer) / prompt_tokens * 100:+.2f}pt")  # fmt: skip
         print(f"{name:14s} " + "; ".join(cells))
+
+
+def placement_repeats(workload_name: str, runs: dict[str, list[dict[str, Any]]]) -> None:
+    """How far each router's placements repeat from run to run: for every two runs, the share of requests
+    it sent to the same engine both times. A router that reads only prefixes and its own view of the caches
+    repeats itself; one that reads live queues follows their milliseconds."""
+    print(f"\n{workload_name}: requests each router sent to the same engine in two runs "
+          f"(median [min-max] over pairs of runs)")  # fmt: skip
+    for name, router_runs in runs.items():
+        shares = [
+            same_placements(a["engine"], b["engine"])
+            for i, a in enumerate(router_runs)
+            for b in router_runs[i + 1 :]
+        ]
+        if shares:
+            print(f"{name:14s} {statistics.median(shares):6.1%} [{min(shares):.1%}-{max(shares):.1%}]")
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -203,6 +234,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     shuffle = random.Random(args.seed).shuffle
     with tempfile.TemporaryDirectory() as tmp:
         byte_tokenizer_dir(Path(tmp) / "tokenizer")
+        tokenizer = load_tokenizer(Path(tmp) / "tokenizer")  # (the engines' own: their keys of the prompts)
+        keys = {
+            w: [prompt_key(tokenizer.encode(orjson.loads(body(r))["prompt"])) for r in trace]
+            for w, trace in traces.items()
+        }
         for run_index in range(args.runs):
             for w, trace in traces.items():
                 order = list(routers)
@@ -210,7 +246,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in order:
                     print(f"run {run_index + 1}/{args.runs}, {w}: {name}", file=sys.stderr, flush=True)
                     try:
-                        figures = await one(name, routers[name], trace, args.profile, prof, Path(tmp))
+                        figures = await one(
+                            name, routers[name], trace, keys[w], args.profile, prof, Path(tmp)
+                        )
                     except RuntimeError as exc:
                         print(f"{name}: {exc}; skipped in this run", file=sys.stderr)
                         continue
@@ -270,6 +308,7 @@ def main() -> int:
         print_table(w, out["traces"][w], args, table)
         prompt_tokens = sum(r.input_tokens for r in out["traces"][w])
         hit_differences(w, out["runs"][w], prompt_tokens)
+        placement_repeats(w, out["runs"][w])
     if args.json:
         print(json.dumps({"tables": out["tables"], "runs": out["runs"]}, indent=1))
     return 0

@@ -192,6 +192,32 @@ async def scrape(port: int, *names: str) -> list[float]:
     return [totals[name] for name in names]  # a series it does not export is a KeyError
 
 
+async def served_prompts(port: int) -> list[int]:
+    """The prompts a simulated engine was sent, in arrival order (``engine.sim.server.prompt_key``)."""
+    pool = UpstreamPool("127.0.0.1", port)
+    r = await pool.request("GET", "/debug/served")
+    prompts: list[int] = orjson.loads(await r.read(10))["prompts"]
+    pool.close()
+    return prompts
+
+
+def placements(prompt_keys: list[int], served: list[list[int]]) -> list[int]:
+    """Which engine (its index in ``served``, each engine's ``served_prompts``) each prompt of a replay went
+    to, in the replay's order; -1 for one no engine was sent. A prompt sent twice takes its engines in the
+    order of the engines' lists (the replay cannot tell two equal prompts apart)."""
+    where: dict[int, list[int]] = {}
+    for engine, keys in enumerate(served):
+        for key in keys:
+            where.setdefault(key, []).append(engine)
+    return [where[key].pop(0) if where.get(key) else -1 for key in prompt_keys]
+
+
+def same_placements(a: list[int], b: list[int]) -> float:
+    """The share of the requests placed in both replays that went to the same engine both times."""
+    both = [(x, y) for x, y in zip(a, b, strict=True) if x >= 0 and y >= 0]
+    return sum(x == y for x, y in both) / len(both) if both else float("nan")
+
+
 async def engine_counts(engines: list[EngineProcess]) -> list[float]:
     return [(await scrape(e.port, "kvgate_engine_requests_finished_total"))[0] for e in engines]
 
