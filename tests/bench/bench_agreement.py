@@ -138,11 +138,18 @@ def simulated(
 
 
 def start_engines(
-    count: int, tokenizer: Path, name: str, overrides: str, capacity_blocks: int, pull_s: float
+    count: int,
+    tokenizer: Path,
+    name: str,
+    overrides: str,
+    capacity_blocks: int,
+    pull_s: float,
+    ports: list[int] | None = None,
 ) -> list[EngineProcess]:
+    """``count`` simulated batching engines, on ``ports`` (default: free ones)."""
     engines = []
     for i in range(count):
-        port = free_port()
+        port = ports[i] if ports else free_port()
         cmd = [sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL,
                "--engine-id", f"bench/e{i}", "--tokenizer", str(tokenizer), "--profile", name,
                "--block-size", str(LIVE_BLOCK), "--capacity-blocks", str(capacity_blocks),
@@ -156,12 +163,16 @@ def start_engines(
 
 async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
     """Every request at its arrival time (the trace's own clock), streamed; TTFT and cached tokens, overall
-    and per request (``cached``: each request's cached tokens, in trace order; -1 for a failed one)."""
+    and per request (``cached``: each request's cached tokens, in trace order; -1 for a failed one; behind
+    kvgate also ``route``, the reason it gave, and ``predicted``, the cached tokens it expected: "" and -1
+    behind the peers, which say neither)."""
     pool = UpstreamPool("127.0.0.1", port, max_idle=512)
     bodies = [body(r) for r in trace]  # built before the clock starts
     ttft: list[float] = []
     per_request = [-1] * len(trace)
     per_ttft = [-1.0] * len(trace)  # each request's TTFT in s (-1: failed), for per-request comparisons
+    routes = [""] * len(trace)
+    predicted = [-1] * len(trace)
     late: list[float] = []  # how far behind its arrival time each request was sent
     prompt = cached = errors = 0
     bar = tqdm(total=len(trace), desc="live replay", file=sys.stderr, leave=False)
@@ -177,6 +188,8 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
             resp = await pool.request("POST", "/v1/completions", bodies[i], headers, header_timeout=300)
             first = await resp.next_batch(300)
             elapsed = time.perf_counter() - start
+            routes[i] = (resp.header(b"x-kvgate-route") or b"").decode()
+            predicted[i] = int(resp.header(b"x-kvgate-predicted-cached-tokens") or -1)
             data = (first or b"") + await resp.read(300)
             usage = None
             for line in data.split(b"\n"):
@@ -207,6 +220,8 @@ async def replay(port: int, trace: list[TraceRequest]) -> dict[str, Any]:
         "errors": errors,
         "cached": per_request,
         "ttft_s": per_ttft,
+        "route": routes,
+        "predicted": predicted,
     }
 
 

@@ -82,7 +82,7 @@ from trace_workload import (
 
 from cache.tokens import load_tokenizer
 from engine.sim.server import prompt_key
-from gateway.demo import EngineProcess, stop_engines, wait_healthy
+from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from gateway.http.loop import install_best_loop, raise_open_file_limit
 from perfmodel.profiles import EngineProfile, profile
 from region_map.simulation.trace import TraceRequest
@@ -102,16 +102,18 @@ async def one(
     command: list[str] | Path | None,
     trace: list[TraceRequest],
     prompt_keys: list[int],
+    ports: list[int],
     prof_name: str,
     prof: EngineProfile,
     tmp: Path,
 ) -> dict[str, Any]:
     """``name`` in front of fresh engines, ``trace`` replayed at its own time scale. ``command`` starts a
-    peer; None starts this kvgate, a path the kvgate of that checkout. ``engine``: where each request went
+    peer; None starts this kvgate, a path the kvgate of that checkout. The engines listen on ``ports``.
+    ``engine``: where each request went
     (the engines' record of the prompts they were sent: ``prompt_keys``, the trace's in order)."""
     tok = tmp / "tokenizer"
     engines = start_engines(
-        ENGINES, tok, prof_name, "", CAPACITY_BLOCKS, prof.prefill_s_per_token * PULL_FRACTION
+        ENGINES, tok, prof_name, "", CAPACITY_BLOCKS, prof.prefill_s_per_token * PULL_FRACTION, ports
     )
     router: Router | None = None
     try:
@@ -148,7 +150,7 @@ def hit_differences(workload_name: str, runs: dict[str, list[dict[str, Any]]], p
     for name, peer_runs in runs.items():
         if name == "kvgate":
             continue
-        cells = []
+        cells, lost = [], []
         for theirs in peer_runs:
             ours = ours_by_run.get(theirs["run"])
             if ours is None:
@@ -159,7 +161,27 @@ def hit_differences(workload_name: str, runs: dict[str, list[dict[str, Any]]], p
             fewer = [a - b for a, b in pairs if a > b]
             cells.append(f"{len(more)}, {sum(more) / prompt_tokens * 100:+.2f}pt | {len(fewer)}, "
                          f"{-sum(fewer) / prompt_tokens * 100:+.2f}pt")  # fmt: skip
+            lost.append(kvgate_side(ours, theirs))
         print(f"{name:14s} " + "; ".join(cells))
+        print(f"{'':14s} where the peer found more, kvgate's route: " + "; ".join(lost))
+
+
+def kvgate_side(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """kvgate's decisions on the requests where a peer's engines found more cached tokens: the reason it
+    routed them by, and whether it expected as much as the peer found (then its engine had evicted what its
+    view still held) or less (it chose an engine known to hold less, or knew of no engine holding it)."""
+    reasons: dict[str, int] = {}
+    expected = knowingly = 0
+    for i, (a, b) in enumerate(zip(ours["cached"], theirs["cached"], strict=True)):
+        if a < 0 or b <= a:
+            continue
+        reasons[ours["route"][i] or "?"] = reasons.get(ours["route"][i] or "?", 0) + 1
+        if ours["predicted"][i] >= b:
+            expected += 1
+        else:
+            knowingly += 1
+    said = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
+    return f"{said or 'none'} (expected as much: {expected}, less: {knowingly})"
 
 
 def placement_repeats(workload_name: str, runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -232,6 +254,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {n: [] for n in routers} for w in traces}
     shuffle = random.Random(args.seed).shuffle
+    # The same ports in every run: a router that hashes its engines' addresses sees the same fleet each time.
+    ports: list[int] = []
+    while len(ports) < ENGINES:
+        if (port := free_port()) not in ports:
+            ports.append(port)
     with tempfile.TemporaryDirectory() as tmp:
         byte_tokenizer_dir(Path(tmp) / "tokenizer")
         tokenizer = load_tokenizer(Path(tmp) / "tokenizer")  # (the engines' own: their keys of the prompts)
@@ -247,7 +274,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"run {run_index + 1}/{args.runs}, {w}: {name}", file=sys.stderr, flush=True)
                     try:
                         figures = await one(
-                            name, routers[name], trace, keys[w], args.profile, prof, Path(tmp)
+                            name, routers[name], trace, keys[w], ports, args.profile, prof, Path(tmp)
                         )
                     except RuntimeError as exc:
                         print(f"{name}: {exc}; skipped in this run", file=sys.stderr)
