@@ -34,7 +34,7 @@ from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response
-from engine.openai_format import models_body, sse_response
+from engine.openai_format import model_object, models_body, sse_response
 from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
 
@@ -142,6 +142,14 @@ class EngineServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.model, self.created))
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): the served model, or 404."""
+        model = request.match_info["model"]
+        if model != self.model:
+            message = f"The model `{model[:200]}` does not exist."
+            return OpenAIError(message, status=404, param="model", code="model_not_found").to_response()
+        return json_response(orjson.dumps(model_object(model, self.created)))
 
     def gauges(self) -> EngineGauges:
         load = self.engine.load()
@@ -285,6 +293,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web
     app.router.add_post("/v1/kv/prefill", server.kv_prefill)
     app.router.add_post("/v1/kv/cached", server.kv_cached)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models/{model:.+}", server.model_card)  # (ids may hold slashes: org/name)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, server.counters, server.gauges))
     server.publisher.add_routes(app)

@@ -1,0 +1,60 @@
+"""kvgate's engine as a client of vLLM sees it: the official openai SDK against ``kvgate engine`` serving a
+tiny random model, as operators do when they point clients straight at an engine."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """``kvgate engine`` in a process of its own, on a free port, until the module's tests are done."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
+    argv += ["--device", "cpu", "--kv-blocks", "64", "--block-size", "4", "--engine-core", "thread"]
+    argv += ["--max-model-len", str(MAX_MODEL_LEN)]
+    server = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        line = server.stderr.readline()  # said once it listens
+        assert "serving" in line, line + server.stderr.read()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture
+def client(engine_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def served_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_retrieve_finds_the_served_model_and_refuses_others_as_openai_does(
+    client: openai.OpenAI,
+) -> None:
+    # GET /v1/models/{model} had no route: models.retrieve raised NotFoundError for the model the engine
+    # serves, with aiohttp's text "404: Not Found" as its body.
+    model = served_model(client)
+    found = client.models.retrieve(model)
+    assert found.id == model and found.object == "model" and found.owned_by == "kvgate"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17")
+    assert isinstance(missing.value.body, dict)
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    assert "gpt-17" in missing.value.message
