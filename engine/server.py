@@ -14,7 +14,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -282,10 +282,27 @@ class EngineServer:
 ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)
 
 
+@web.middleware
+async def openai_routing_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """What no route takes, as OpenAI-shaped errors (404 ``not_found``, 405 ``method_not_allowed`` with its
+    ``Allow``), as the gateway answers them: aiohttp's text/plain reached the SDKs as a body they could not
+    read. Only routing raises these here; a handler's other HTTP errors (the KV event feed's) are kept."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        error = OpenAIError(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
+                            status=405, code="method_not_allowed")  # fmt: skip
+        return error.to_response({"Allow": exc.headers.get("Allow", "")})
+    except web.HTTPNotFound:
+        return OpenAIError("no such endpoint", status=404, code="not_found").to_response()
+
+
 def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web.Application:
     """The engine's app; with an ``EngineCoreClient`` its lifespan ends by stopping that core process."""
     server = EngineServer(engine, config)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_routing_errors])
     app[ENGINE_SERVER] = server
     app.cleanup_ctx.append(server.lifespan)
     app.router.add_post("/v1/completions", server.completions)

@@ -58,3 +58,16 @@ def test_models_retrieve_finds_the_served_model_and_refuses_others_as_openai_doe
     assert isinstance(missing.value.body, dict)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
     assert "gpt-17" in missing.value.message
+
+
+def test_unknown_paths_and_methods_get_openai_shaped_errors(client: openai.OpenAI) -> None:
+    # aiohttp's own "404: Not Found" / "405: Method Not Allowed" in text/plain reached the SDK as an error
+    # whose body was a string: no message, type or code to read.
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.get("/v2/nothing", cast_to=object)
+    assert isinstance(missing.value.body, dict) and missing.value.body["type"] == "invalid_request_error"
+    assert missing.value.body["code"] == "not_found"
+    with pytest.raises(openai.APIStatusError) as wrong:
+        client.get("/chat/completions", cast_to=object)
+    assert wrong.value.status_code == 405 and wrong.value.response.headers["allow"] == "POST"
+    assert isinstance(wrong.value.body, dict) and wrong.value.body["code"] == "method_not_allowed"
