@@ -71,3 +71,17 @@ def test_unknown_paths_and_methods_get_openai_shaped_errors(client: openai.OpenA
         client.get("/chat/completions", cast_to=object)
     assert wrong.value.status_code == 405 and wrong.value.response.headers["allow"] == "POST"
     assert isinstance(wrong.value.body, dict) and wrong.value.body["code"] == "method_not_allowed"
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_as_the_prompts_fault(client: openai.OpenAI) -> None:
+    # The engine refused it as context_length_exceeded without a param: a client told to shorten a 1-token
+    # prompt.
+    model = served_model(client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[5, 10**6], max_tokens=2)
+    assert refused.value.body == {
+        "message": "prompt holds token id 1000000, outside the model's vocabulary of 512",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
