@@ -198,7 +198,8 @@ def parse_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
             "completion). Please reduce the length of the prompt or the completion.",
-            param=max_tokens_param,
+            # A prompt that fills the context alone is the prompt's fault: no max_tokens would help.
+            param=prompt_param if prompt_tokens >= max_model_len else max_tokens_param,
             code="context_length_exceeded",
         )
 

@@ -85,3 +85,27 @@ def test_a_token_id_outside_the_vocabulary_is_refused_as_the_prompts_fault(clien
         "param": "prompt",
         "code": None,
     }
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_prompt_longer_than_the_context_is_refused_naming_the_prompt_and_the_lengths(
+    client: openai.OpenAI, kind: str
+) -> None:
+    # As vLLM: a 400 that names the lengths. The param said max_tokens even when the prompt alone is past the
+    # context, where no max_tokens can help.
+    model = served_model(client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if kind == "chat":
+            words = [{"role": "user", "content": "hello world " * 60}]
+            client.chat.completions.create(model=model, messages=words, max_completion_tokens=2)
+        else:
+            client.completions.create(model=model, prompt=[5] * 100, max_tokens=2)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "context_length_exceeded"
+    assert body["param"] == ("messages" if kind == "chat" else "prompt")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in body["message"]
+    assert "in the prompt" in body["message"]
+    with pytest.raises(openai.BadRequestError) as too_much:  # a prompt that fits, asking for too much
+        client.completions.create(model=model, prompt=[5] * 40, max_tokens=40)
+    assert isinstance(too_much.value.body, dict) and too_much.value.body["param"] == "max_tokens"
+    assert "80 tokens (40 in the prompt, 40 for the completion)" in too_much.value.body["message"]
