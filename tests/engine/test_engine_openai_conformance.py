@@ -109,3 +109,46 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_the_prompt_and_the_l
         client.completions.create(model=model, prompt=[5] * 40, max_tokens=40)
     assert isinstance(too_much.value.body, dict) and too_much.value.body["param"] == "max_tokens"
     assert "80 tokens (40 in the prompt, 40 for the completion)" in too_much.value.body["message"]
+
+
+def test_completions_whole_and_streamed_as_the_sdk_reads_them(client: openai.OpenAI) -> None:
+    """What was probed and found right, kept so: usage, include_usage, n, logprobs, stop, seed,
+    max_completion_tokens and x-request-id, through the SDK's own parsing."""
+    model = served_model(client)
+    hello = [{"role": "user", "content": "hello"}]
+    mine = {"x-request-id": "client-7"}
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=hello,
+        max_completion_tokens=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_headers=mine,
+    )
+    chat = raw.parse()
+    assert raw.request_id == "client-7" and [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    assert all(c.logprobs and len(c.logprobs.content or []) == 3 for c in chat.choices)
+    seeded = [
+        client.completions.create(model=model, prompt="hello", max_tokens=5, seed=11, temperature=1.0)
+        for _ in range(2)
+    ]
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    whole = client.completions.create(model=model, prompt="hello", max_tokens=20, temperature=0, stop=[" "])
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="hello", max_tokens=20, temperature=0, stop=[" "], stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    usage, expected = chunks[-1].usage, whole.usage
+    assert chunks[-1].choices == [] and usage is not None and expected is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        expected.prompt_tokens,
+        expected.completion_tokens,
+    )
+    with pytest.raises(openai.BadRequestError) as invalid:
+        client.chat.completions.create(model=model, messages=hello, temperature=7, extra_headers=mine)
+    assert invalid.value.request_id == "client-7" and invalid.value.body["param"] == "temperature"  # type: ignore[index]
