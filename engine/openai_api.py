@@ -143,7 +143,7 @@ def parse_request(
 ) -> GenerationRequest:
     """Validate a request body; raises :class:`OpenAIError` for anything a client got wrong, or asked for
     and the engine cannot do: ``capabilities`` says whether that includes n > 1 and logprobs. With
-    ``vocab_size`` token ids in logit_bias and stop_token_ids are checked against it.
+    ``vocab_size`` token ids in the prompt, logit_bias and stop_token_ids are checked against it.
 
     ``prompt_token_ids`` (a kvgate extension the gateway sends), or the same ids packed in
     ``prompt_token_ids_hex``, wins over ``prompt`` / ``messages``: the gateway already tokenized the prompt
@@ -180,6 +180,10 @@ def parse_request(
         ids = _completion_prompt(data.get("prompt"), tokenizer)
     if ids.shape[0] == 0:
         raise OpenAIError("the prompt must not be empty", param=prompt_param)
+    if vocab_size is not None and (largest := int(ids.max())) >= vocab_size:
+        # (The engine refuses it too, but as a RequestRejected, which says neither field nor cause.)
+        message = f"{prompt_param} holds token id {largest}, outside the model's vocabulary of {vocab_size}"
+        raise OpenAIError(message, param=prompt_param)
 
     max_tokens_param = "max_tokens"
     max_tokens_raw = data.get("max_tokens")
@@ -194,7 +198,8 @@ def parse_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
             "completion). Please reduce the length of the prompt or the completion.",
-            param=max_tokens_param,
+            # A prompt that fills the context alone is the prompt's fault: no max_tokens would help.
+            param=prompt_param if prompt_tokens >= max_model_len else max_tokens_param,
             code="context_length_exceeded",
         )
 

@@ -213,12 +213,12 @@ class SseFormatter:
 
 
 def models_body(model: str, created: int) -> bytes:
-    return orjson.dumps(
-        {
-            "object": "list",
-            "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvgate"}],
-        }
-    )
+    return orjson.dumps({"object": "list", "data": [model_object(model, created)]})
+
+
+def model_object(model: str, created: int) -> dict[str, Any]:
+    """The served model as ``/v1/models`` lists it and ``/v1/models/{model}`` answers it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvgate"}
 
 
 def sse_response(headers: Mapping[str, str] | None = None) -> web.StreamResponse:

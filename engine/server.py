@@ -14,7 +14,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +34,7 @@ from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response
-from engine.openai_format import models_body, sse_response
+from engine.openai_format import model_object, models_body, sse_response
 from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
 
@@ -142,6 +142,14 @@ class EngineServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.model, self.created))
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): the served model, or 404."""
+        model = request.match_info["model"]
+        if model != self.model:
+            message = f"The model `{model[:200]}` does not exist."
+            return OpenAIError(message, status=404, param="model", code="model_not_found").to_response()
+        return json_response(orjson.dumps(model_object(model, self.created)))
 
     def gauges(self) -> EngineGauges:
         load = self.engine.load()
@@ -274,10 +282,27 @@ class EngineServer:
 ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)
 
 
+@web.middleware
+async def openai_routing_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """What no route takes, as OpenAI-shaped errors (404 ``not_found``, 405 ``method_not_allowed`` with its
+    ``Allow``), as the gateway answers them: aiohttp's text/plain reached the SDKs as a body they could not
+    read. Only routing raises these here; a handler's other HTTP errors (the KV event feed's) are kept."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        error = OpenAIError(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
+                            status=405, code="method_not_allowed")  # fmt: skip
+        return error.to_response({"Allow": exc.headers.get("Allow", "")})
+    except web.HTTPNotFound:
+        return OpenAIError("no such endpoint", status=404, code="not_found").to_response()
+
+
 def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web.Application:
     """The engine's app; with an ``EngineCoreClient`` its lifespan ends by stopping that core process."""
     server = EngineServer(engine, config)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_routing_errors])
     app[ENGINE_SERVER] = server
     app.cleanup_ctx.append(server.lifespan)
     app.router.add_post("/v1/completions", server.completions)
@@ -285,6 +310,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web
     app.router.add_post("/v1/kv/prefill", server.kv_prefill)
     app.router.add_post("/v1/kv/cached", server.kv_cached)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models/{model:.+}", server.model_card)  # (ids may hold slashes: org/name)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, server.counters, server.gauges))
     server.publisher.add_routes(app)

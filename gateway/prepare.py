@@ -269,7 +269,12 @@ class RequestPreparer:
 
     def refused_request_id(self, request: ClientRequest) -> str:
         """The id of a request refused before it was prepared: the client's ``x-request-id``, or a new one."""
-        return request_id(request.headers.get("x-request-id"), self._new_record_id())
+        return self.new_request_id(request.headers.get("x-request-id"))
+
+    def new_request_id(self, raw: str | None) -> str:
+        """The id of a request with this ``x-request-id`` header (None: without one): the client's when it is
+        sane, else a new one. The HTTP layer names what no handler named with it (``gateway.http.edge``)."""
+        return request_id(raw, self._new_record_id())
 
     def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str]:
         """(tokens per choice the engine will generate at most, the parameter that says so), read as the

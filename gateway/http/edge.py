@@ -1,6 +1,7 @@
 """The public port's edge (``[gateway.edge]``), shared by every client connection
 (``gateway.http.lean_http``): the read deadlines, the budget of request bodies being read, the connection
-caps with their refusal on accept, and the key check before a body."""
+caps with their refusal on accept, the key check before a body, and the ``x-request-id`` of every answer
+that no handler named."""
 
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ REFUSAL_RETRY_AFTER_S = 1  # a connection refused at a cap: one of the client's 
 
 # Billing.identify: the Authorization header -> the caller, or a GatewayError (401, 503).
 Identify = Callable[[str | None], Coroutine[Any, Any, "Caller"]]
+# RequestPreparer.new_request_id: the client's x-request-id header (None: it sent none) -> the answer's id.
+RequestId = Callable[[str | None], str]
+REQUEST_ID = "x-request-id"
 
 
 class Edge:
     """What every client connection of the public port shares: the ``[gateway.edge]`` deadlines, the
-    connection caps, the key check before a body is read (None: authentication is off), and the count of
-    requests that did not arrive in time (by phase: header or body) or whose answers went unread (write)."""
+    connection caps, the key check before a body is read (None: authentication is off), the count of
+    requests that did not arrive in time (by phase: header or body) or whose answers went unread (write), and
+    ``request_id``, which names every answer no handler named (None: answers go unnamed, as on the operator's
+    port): OpenAI names every response, and its SDKs read the name into every error they raise."""
 
     __slots__ = (
         "body_budget",
@@ -37,6 +43,7 @@ class Edge:
         "identify",
         "idle_s",
         "limits",
+        "request_id",
         "timed_out",
     )
 
@@ -47,6 +54,7 @@ class Edge:
         *,
         identify: Identify | None = None,
         timed_out: Callable[[str], None] = lambda phase: None,
+        request_id: RequestId | None = None,
     ) -> None:
         self.header_s = settings.header_timeout_s
         self.body_s = settings.body_timeout_s
@@ -59,6 +67,7 @@ class Edge:
         self.limits = limits
         self.identify = identify
         self.timed_out = timed_out
+        self.request_id = request_id
 
     def body_deadline(self, began: float, received: int) -> float:
         """When a body begun at ``began`` with ``received`` bytes so far is late (mod_reqtimeout's rule)."""
@@ -69,7 +78,8 @@ class ConnectionLimits:
     """Open client connections, in all and per client address (an IPv4 address, an IPv6 /64), and the
     refusal past either cap: a 503 with Retry-After written on accept and the connection closed, without
     waiting for a request. O(1) a connection: a counter, and a dict entry per address with connections open.
-    Clients in ``exempt`` networks (loopback, trusted proxies) count only towards the total."""
+    Clients in ``exempt`` networks (loopback, trusted proxies) count only towards the total. ``request_id``
+    names each refusal (None: unnamed)."""
 
     def __init__(
         self,
@@ -78,6 +88,7 @@ class ConnectionLimits:
         max_per_client: int,
         exempt: Iterable[str] = (),
         refused: Callable[[str], None] = lambda reason: None,
+        request_id: RequestId | None = None,
     ) -> None:
         self.max_total = max_total
         self.max_per_client = max_per_client
@@ -86,7 +97,10 @@ class ConnectionLimits:
         self._per_client: dict[str, int] = {}
         self._keys: dict[str, str] = {}  # peer address -> its client key ("" when exempt), remembered
         self._refused = refused
-        self._answers: dict[str, tuple[int, bytes]] = {}  # reason -> (second, the 503), built once a second
+        self._request_id = request_id
+        # reason -> (second, the 503's status line, the rest of it), built once a second: each refusal's own
+        # x-request-id goes between them.
+        self._answers: dict[str, tuple[int, bytes, bytes]] = {}
 
     def admit(self, transport: asyncio.BaseTransport, peer: Any) -> str | None:
         """The connection's client key ("": not counted per client) to ``release`` when it closes; None if
@@ -160,6 +174,10 @@ class ConnectionLimits:
             error = Unavailable(
                 message, code="too_many_connections", headers={"Retry-After": str(REFUSAL_RETRY_AFTER_S)}
             )
-            answer = self._answers[reason] = (now, whole_response(error.response(), keep_alive=False))
-        cast(asyncio.WriteTransport, transport).write(answer[1])
+            status, end, rest = whole_response(error.response(), keep_alive=False).partition(b"\r\n")
+            answer = self._answers[reason] = (now, status + end, rest)
+        _, status_line, rest = answer
+        if self._request_id is not None:
+            status_line += f"{REQUEST_ID}: {self._request_id(None)}\r\n".encode("latin-1")
+        cast(asyncio.WriteTransport, transport).write(status_line + rest)
         transport.close()  # after the write is flushed

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.http.edge import REQUEST_ID
 from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
 from gateway.http.http_wire import Answer, head, whole_response
 from gateway.http.lean_http_deadlines import LeanDeadlines
@@ -185,6 +186,13 @@ class LeanAnswering(LeanDeadlines):
             self._when_idle()
 
     def _write_whole(self, response: Answer, keep_alive: bool, request: LeanRequest | None = None) -> None:
+        """Write a whole answer (``request`` None: a refusal of the request being read), named with an
+        ``x-request-id`` when its handler gave it none (a completion's names itself, with the id it sent the
+        engine: one id per request)."""
+        name = self._edge.request_id
+        if name is not None and REQUEST_ID not in response.headers:
+            raw = request.headers.get(REQUEST_ID) if request is not None else self._header(REQUEST_ID)
+            response.headers[REQUEST_ID] = name(raw)
         if request is None or (request.version == "1.1" and request.method != "HEAD"):
             self.write(whole_response(response, keep_alive))
             return

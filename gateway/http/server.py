@@ -112,6 +112,7 @@ def edge_for(gateway: Gateway) -> Edge:
         max_per_client=settings.max_connections_per_client,
         exempt=settings.per_client_exempt,
         refused=lambda reason: metrics.connections_refused.labels(reason).inc(),
+        request_id=gateway.prepare.new_request_id,
     )
     metrics.open_connections = lambda: limits.open
     return Edge(
@@ -121,6 +122,7 @@ def edge_for(gateway: Gateway) -> Edge:
         timed_out=lambda phase: (
             metrics.write_timeouts.labels() if phase == "write" else metrics.read_timeouts.labels(phase)
         ).inc(),
+        request_id=gateway.prepare.new_request_id,  # (the completions' own ids come from it too)
     )
 
 

@@ -3,11 +3,15 @@ reads."""
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
+from gateway.tenancy.tenants import create_key
 from tests.conftest import ThirdPartyFleet
-from tests.harness import MODEL, ClusterFactory
+from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.raw_http import Replies, Reply
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
@@ -80,3 +84,117 @@ async def test_a_text_part_without_its_text_is_refused_for_what_it_lacks(
         )
     assert image.value.message.endswith("content part of type 'image_url' is not supported; only text is")
     await client.close()
+
+
+async def raw_reply(cluster: Cluster, request: bytes) -> Reply:
+    """The first answer to ``request`` sent on a connection of its own (the connection is then closed)."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    replies = Replies()
+    try:
+        writer.write(request)
+        async with asyncio.timeout(10):
+            while not replies.done and (data := await reader.read(65536)):
+                replies.feed(data)
+    finally:
+        writer.close()
+    assert replies.done, "closed without an answer"
+    return replies.done[0]
+
+
+def raw_get(path: str, *headers: str) -> bytes:
+    return ("\r\n".join([f"GET {path} HTTP/1.1", "Host: test", *headers]) + "\r\n\r\n").encode()
+
+
+def raw_post(path: str, body: bytes, *headers: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: test", "Content-Type: application/json", *headers]
+    if not any(h.lower().startswith("content-length") for h in headers):
+        head.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def test_refusals_before_any_handler_and_every_endpoints_answers_carry_the_request_id(
+    make_cluster: ClusterFactory,
+) -> None:
+    # OpenAI sends x-request-id on every response, and the SDK reads it into every error it raises. The
+    # HTTP layer's own answers (a refused key, a path or method no route takes) and the endpoints other than
+    # the completions' (the models, the usage) sent none: AuthenticationError.request_id was None.
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        auth={"enabled": True, "usage_reads_per_minute": 1},
+        tenants={"acme": {}},
+    )
+    key, _ = await create_key(cluster.gateway.billing.keys, "acme")
+    mine = {"x-request-id": "client-chosen-2"}
+    hello = [{"role": "user", "content": "hello"}]
+    stranger = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="kvg-nobody-0000", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:  # refused before the body is read
+        await stranger.chat.completions.create(model=MODEL, messages=hello, extra_headers=mine)
+    assert refused.value.request_id == "client-chosen-2"
+    with pytest.raises(openai.AuthenticationError) as refused_models:
+        await stranger.models.list()
+    assert (refused_models.value.request_id or "").startswith("req-")
+    await stranger.close()
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.models.retrieve("gpt-17", extra_headers=mine)
+    assert unknown.value.request_id == "client-chosen-2"
+    listed = await client.models.with_raw_response.list()
+    retrieved = await client.models.with_raw_response.retrieve(MODEL, extra_headers=mine)
+    assert listed.request_id is not None and listed.request_id.startswith("req-")
+    assert retrieved.request_id == "client-chosen-2"
+    await client.close()
+    auth = f"Authorization: Bearer {key}"
+    missing = await raw_reply(cluster, raw_post("/v1/chat/completions", b"{}", "X-Request-Id: no-key-1"))
+    assert missing.status == 401 and missing.headers["x-request-id"] == "no-key-1"
+    usage = await raw_reply(cluster, raw_get("/v1/usage", auth))
+    limited = await raw_reply(cluster, raw_get("/v1/usage", auth, "X-Request-Id: usage-2"))
+    assert usage.status == 200 and usage.headers["x-request-id"].startswith("req-")
+    assert limited.status == 429 and limited.headers["x-request-id"] == "usage-2"
+    ids = {r.headers["x-request-id"] for r in (usage, missing, limited)} | {listed.request_id}
+    assert len(ids) == 4  # each answer an id of its own
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "echoed"),
+    [
+        (raw_get("/v2/nothing", "X-Request-Id: lost-1"), 404, "lost-1"),
+        (raw_get("/v1/chat/completions", "X-Request-Id: wrong-verb"), 405, "wrong-verb"),
+        (
+            raw_post("/v1/chat/completions", b"", "X-Request-Id: big-1", f"Content-Length: {1 << 30}"),
+            413,
+            "big-1",
+        ),
+        (raw_post("/v1/chat/completions", b"{}", "X-Request-Id: exp-1", "Expect: coffee"), 417, "exp-1"),
+        (raw_get("/health", "X-Request-Id: h-1", *[f"X-Pad-{i}: v" for i in range(200)]), 431, "h-1"),
+        (raw_get("/" + "a" * 9000), 414, None),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400, None),
+        (raw_get("/health", "X-Request-Id: two words"), 200, None),  # not a sane id: a fresh one
+        (raw_get("/health", "X-Request-Id: " + "x" * 129), 200, None),
+        (raw_get("/metrics", "X-Request-Id: scrape-1"), 200, "scrape-1"),
+    ],
+    ids=["404", "405", "413", "417", "431", "414", "400", "spaces", "too-long", "metrics"],
+)
+async def test_every_answer_of_the_http_layer_carries_the_request_id(
+    make_cluster: ClusterFactory, request_bytes: bytes, status: int, echoed: str | None
+) -> None:
+    cluster = await make_cluster({"eu-west": 1})
+    reply = await raw_reply(cluster, request_bytes)
+    assert reply.status == status
+    rid = reply.headers.get("x-request-id", "")
+    assert rid == echoed if echoed is not None else rid.startswith("req-")
+
+
+async def test_a_connection_refused_on_accept_carries_a_request_id_of_its_own(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster({"eu-west": 1}, edge={"max_connections": 1})
+    host, port = cluster.url.removeprefix("http://").split(":")
+    _, held = await asyncio.open_connection(host, int(port))
+    try:
+        refused = [await raw_reply(cluster, raw_get("/health")) for _ in range(2)]
+    finally:
+        held.close()
+    assert [r.status for r in refused] == [503, 503]
+    ids = [r.headers.get("x-request-id", "") for r in refused]
+    assert all(rid.startswith("req-") for rid in ids) and ids[0] != ids[1]

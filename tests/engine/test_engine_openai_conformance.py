@@ -1,0 +1,154 @@
+"""kvgate's engine as a client of vLLM sees it: the official openai SDK against ``kvgate engine`` serving a
+tiny random model, as operators do when they point clients straight at an engine."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """``kvgate engine`` in a process of its own, on a free port, until the module's tests are done."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
+    argv += ["--device", "cpu", "--kv-blocks", "64", "--block-size", "4", "--engine-core", "thread"]
+    argv += ["--max-model-len", str(MAX_MODEL_LEN)]
+    server = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        line = server.stderr.readline()  # said once it listens
+        assert "serving" in line, line + server.stderr.read()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture
+def client(engine_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def served_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_retrieve_finds_the_served_model_and_refuses_others_as_openai_does(
+    client: openai.OpenAI,
+) -> None:
+    # GET /v1/models/{model} had no route: models.retrieve raised NotFoundError for the model the engine
+    # serves, with aiohttp's text "404: Not Found" as its body.
+    model = served_model(client)
+    found = client.models.retrieve(model)
+    assert found.id == model and found.object == "model" and found.owned_by == "kvgate"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17")
+    assert isinstance(missing.value.body, dict)
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    assert "gpt-17" in missing.value.message
+
+
+def test_unknown_paths_and_methods_get_openai_shaped_errors(client: openai.OpenAI) -> None:
+    # aiohttp's own "404: Not Found" / "405: Method Not Allowed" in text/plain reached the SDK as an error
+    # whose body was a string: no message, type or code to read.
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.get("/v2/nothing", cast_to=object)
+    assert isinstance(missing.value.body, dict) and missing.value.body["type"] == "invalid_request_error"
+    assert missing.value.body["code"] == "not_found"
+    with pytest.raises(openai.APIStatusError) as wrong:
+        client.get("/chat/completions", cast_to=object)
+    assert wrong.value.status_code == 405 and wrong.value.response.headers["allow"] == "POST"
+    assert isinstance(wrong.value.body, dict) and wrong.value.body["code"] == "method_not_allowed"
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_as_the_prompts_fault(client: openai.OpenAI) -> None:
+    # The engine refused it as context_length_exceeded without a param: a client told to shorten a 1-token
+    # prompt.
+    model = served_model(client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[5, 10**6], max_tokens=2)
+    assert refused.value.body == {
+        "message": "prompt holds token id 1000000, outside the model's vocabulary of 512",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_prompt_longer_than_the_context_is_refused_naming_the_prompt_and_the_lengths(
+    client: openai.OpenAI, kind: str
+) -> None:
+    # As vLLM: a 400 that names the lengths. The param said max_tokens even when the prompt alone is past the
+    # context, where no max_tokens can help.
+    model = served_model(client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if kind == "chat":
+            words = [{"role": "user", "content": "hello world " * 60}]
+            client.chat.completions.create(model=model, messages=words, max_completion_tokens=2)
+        else:
+            client.completions.create(model=model, prompt=[5] * 100, max_tokens=2)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "context_length_exceeded"
+    assert body["param"] == ("messages" if kind == "chat" else "prompt")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in body["message"]
+    assert "in the prompt" in body["message"]
+    with pytest.raises(openai.BadRequestError) as too_much:  # a prompt that fits, asking for too much
+        client.completions.create(model=model, prompt=[5] * 40, max_tokens=40)
+    assert isinstance(too_much.value.body, dict) and too_much.value.body["param"] == "max_tokens"
+    assert "80 tokens (40 in the prompt, 40 for the completion)" in too_much.value.body["message"]
+
+
+def test_completions_whole_and_streamed_as_the_sdk_reads_them(client: openai.OpenAI) -> None:
+    """What was probed and found right, kept so: usage, include_usage, n, logprobs, stop, seed,
+    max_completion_tokens and x-request-id, through the SDK's own parsing."""
+    model = served_model(client)
+    hello = [{"role": "user", "content": "hello"}]
+    mine = {"x-request-id": "client-7"}
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=hello,
+        max_completion_tokens=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_headers=mine,
+    )
+    chat = raw.parse()
+    assert raw.request_id == "client-7" and [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    assert all(c.logprobs and len(c.logprobs.content or []) == 3 for c in chat.choices)
+    seeded = [
+        client.completions.create(model=model, prompt="hello", max_tokens=5, seed=11, temperature=1.0)
+        for _ in range(2)
+    ]
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    whole = client.completions.create(model=model, prompt="hello", max_tokens=20, temperature=0, stop=[" "])
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="hello", max_tokens=20, temperature=0, stop=[" "], stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    usage, expected = chunks[-1].usage, whole.usage
+    assert chunks[-1].choices == [] and usage is not None and expected is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        expected.prompt_tokens,
+        expected.completion_tokens,
+    )
+    with pytest.raises(openai.BadRequestError) as invalid:
+        client.chat.completions.create(model=model, messages=hello, temperature=7, extra_headers=mine)
+    assert invalid.value.request_id == "client-7" and invalid.value.body["param"] == "temperature"  # type: ignore[index]
