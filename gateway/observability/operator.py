@@ -32,8 +32,8 @@ ADMIN_ONLY = ("/metrics", "/dashboard")  # and everything under /dashboard/
 
 def guarded(billing: Billing, path: str, handler: LeanHandler) -> LeanHandler:
     """``handler`` behind the keys its endpoint of the public port needs (nothing changes with
-    authentication off): any valid key for ``/v1/models``, an admin key for ``/metrics`` and
-    ``/dashboard``."""
+    authentication off): any valid key for ``/v1/models`` and ``/v1/models/{model}``, an admin key for
+    ``/metrics`` and ``/dashboard``."""
     if not billing.auth.enabled:
         return handler
     admin_only = path in ADMIN_ONLY or path.startswith("/dashboard/")
@@ -44,7 +44,7 @@ def guarded(billing: Billing, path: str, handler: LeanHandler) -> LeanHandler:
             raise PermissionDenied(f"{request.path} is for operators: it needs an admin key")
         return await handler(request)  # type: ignore[return-value]  # (these endpoints answer whole)
 
-    return checked if admin_only or path == "/v1/models" else handler
+    return checked if admin_only or path.startswith("/v1/models") else handler  # (one model's card too)
 
 
 def public_health(gateway: Gateway) -> LeanHandler:

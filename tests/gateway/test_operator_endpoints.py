@@ -48,6 +48,12 @@ async def test_with_auth_on_the_public_port_shows_operator_data_to_admin_keys_on
     assert (await get(cluster.session, cluster.url + "/v1/models"))[0] == 401
     status, models = await get(cluster.session, cluster.url + "/v1/models", keys["snoop"])
     assert status == 200 and MODEL.encode() in models
+    # ... and one model's card (the SDK's models.retrieve), and a model that does not exist.
+    for name in (MODEL, "no-such-model"):
+        assert (await get(cluster.session, f"{cluster.url}/v1/models/{name}"))[0] == 401, name
+        assert (await get(cluster.session, f"{cluster.url}/v1/models/{name}", "sk-wrong"))[0] == 401, name
+    status, card = await get(cluster.session, f"{cluster.url}/v1/models/{MODEL}", keys["snoop"])
+    assert status == 200 and MODEL.encode() in card
 
 
 async def test_health_tells_a_probe_without_a_key_only_the_status(make_cluster: ClusterFactory) -> None:
