@@ -41,7 +41,11 @@ steps (its busy seconds: the work it was given, which is what makes a queue; pro
 length, so equal counts are not equal work). Below each table, per run and peer: the requests whose cached
 tokens differ from kvgate's for the same request in the same run (on the synthetic trace, whose only
 repeats are the 6 % of requests that are later turns, a hit-rate gap is a handful of long prompts, evicted
-on one side only).
+on one side only), with kvgate's route reasons on the requests the peer found more of (its
+``x-kvgate-route``, and whether it had predicted as much). Last, how far each router's placements repeat:
+the share of requests it sent to the same engine in two runs (each engine records the prompts it was sent,
+``GET /debug/served``; the engines keep their ports from run to run, so a router that hashes their
+addresses sees the same fleet every time).
 """
 
 from __future__ import annotations
