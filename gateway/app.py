@@ -149,6 +149,10 @@ def build_app(config: KvgateConfig) -> web.Application:
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
             "ledger_backlog": ("Usage records waiting to be written.", float(billing.writer.pending)),
             "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
+            "ledger_spool_failing": (
+                "1 while the spool refuses usage records too: they wait in memory (ledger_backlog).",
+                float(billing.writer.spool_failing),
+            ),
         },
         # Counts since the start that never go down: counters, so that rate() and increase() apply.
         lambda: {
