@@ -126,8 +126,8 @@ class UsageJournal:
     def forget_replayed(self) -> None:
         """The records ``start`` returned are safe elsewhere: drop the segments they came from."""
         for segment in self._replayed:
-            with contextlib.suppress(FileNotFoundError):
-                self._path(segment).unlink()
+            if not self._remove(segment):
+                break
         self._replayed = []
 
     def close(self) -> None:
@@ -137,11 +137,11 @@ class UsageJournal:
             self._fd = None
         if not self._pending:
             for segment in self._segments():
-                with contextlib.suppress(FileNotFoundError):
-                    self._path(segment).unlink()
+                if not self._remove(segment):
+                    break
         if self._lock_fd is not None:
             if not self._pending:  # (removed while still locked: a process that opened it re-checks)
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     self._lock_path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -208,9 +208,21 @@ class UsageJournal:
         for segment in sorted(self._unsettled):  # (a handful: the segments of the requests in flight)
             if segment == self._segment or self._unsettled[segment] > 0:
                 return
+            if not self._remove(segment):
+                return  # (tried again at the next drop)
             del self._unsettled[segment]
-            with contextlib.suppress(FileNotFoundError):
-                self._path(segment).unlink()
+
+    def _remove(self, segment: int) -> bool:
+        """Delete a segment; False if it cannot be (a read-only or vanished directory). A segment left over
+        is harmless, as long as no newer one goes before it (the caller stops there): the next start replays
+        it, and the ledger counts each record id once. Raising would stop the ledger writer, which settles."""
+        try:
+            self._path(segment).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        return True
 
     def _path(self, segment: int) -> Path:
         return self.directory / f"{self._stem}{segment:08d}"

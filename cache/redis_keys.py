@@ -57,6 +57,13 @@ class RedisKeys:
         others skip that round (one sweep per interval per Redis, whatever the number of gateways)."""
         return f"{self._kv}:sweep"
 
+    @property
+    def marker(self) -> str:
+        """STRING: a random token, set (NX) by a gateway that finds none. A gateway that later finds another
+        token, or none, knows that Redis lost what it held (FLUSHDB, a restart without persistence) and
+        writes its view back. In the residency index's slot: losing that slot is what it detects."""
+        return f"{self._kv}:marker"
+
     def session(self, tenant: str, session_id: str) -> str:
         digest = xxhash.xxh3_128_hexdigest(f"{tenant}\x00{session_id}".encode())
         return f"{self.prefix}:s:{{{digest}}}"

@@ -149,6 +149,10 @@ def build_app(config: KvgateConfig) -> web.Application:
             "redis_backlog": ("Writes waiting to reach Redis.", float(len(state.writer))),
             "ledger_backlog": ("Usage records waiting to be written.", float(billing.writer.pending)),
             "ledger_degraded": ("1 while usage records go to the spool.", float(billing.writer.degraded)),
+            "ledger_spool_failing": (
+                "1 while the spool refuses usage records too: they wait in memory (ledger_backlog).",
+                float(billing.writer.spool_failing),
+            ),
         },
         # Counts since the start that never go down: counters, so that rate() and increase() apply.
         lambda: {
@@ -265,7 +269,41 @@ async def _check_redis(state: SharedState, url: str) -> str:
             reason,
         )
         return f"unreachable at {without_credentials(url)}"
+    await _check_eviction(state.redis, url)
     return f"on ({without_credentials(url)})"
+
+
+# What each family of eviction policies may take from the ledger (``maxmemory-policy``, when Redis is full).
+EVICTION_RISKS = {
+    "allkeys": "any key: the usage ledger's daily sums and its stream, and the ids of records it already "
+    "counted",
+    "volatile": "keys with a TTL: the ids of records the usage ledger already counted",
+}
+
+
+async def _check_eviction(redis: aioredis.Redis, url: str) -> None:
+    """Warn once, at start, when Redis may evict keys once it is full: the ledger's sums can then vanish,
+    and a record whose id was evicted counts twice when a spool or a journal replays it. A Redis that
+    refuses CONFIG (managed ones often do) or does not answer in time is not asked again."""
+    try:
+        async with asyncio.timeout(REDIS_START_PING_S):
+            config = await redis.config_get("maxmemory*")
+        policy, maxmemory = str(config["maxmemory-policy"]), int(str(config["maxmemory"]))
+    except (RedisError, OSError, TimeoutError, KeyError, ValueError) as exc:
+        log.debug("could not read Redis's eviction policy: %s", exc)
+        return
+    if policy == "noeviction" or maxmemory == 0:  # (no maxmemory: Redis never evicts)
+        return
+    risk = EVICTION_RISKS.get(policy.split("-")[0], "keys the gateways rely on")
+    log.warning(
+        "redis at %s runs with maxmemory-policy %s (maxmemory %d bytes): once full it evicts %s, so usage "
+        "can vanish from the ledger or a replayed record count twice. Run the ledger's Redis with "
+        "maxmemory-policy noeviction (a full Redis then refuses writes, and usage goes to the spool)",
+        without_credentials(url),
+        policy,
+        maxmemory,
+        risk,
+    )
 
 
 def _refuses_url(exc: BaseException) -> bool:

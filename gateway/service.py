@@ -161,6 +161,7 @@ class Gateway:
             "gateway_id": self.state.gateway_id,
             "region": self.fleet.region,
             "redis": self.redis_status(),
+            "ledger": self.billing.writer.state,
             "engines_healthy": healthy,
             "engines_total": len(self.fleet),
             "engines": [e.describe() for e in self.fleet],

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -22,13 +23,15 @@ def _free_port() -> int:
 
 
 class RedisProcess:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, args: Sequence[str] = ()) -> None:
+        """``args``: more of redis-server's options (``--maxmemory-policy allkeys-lru``)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/test installs it)")
         self.binary = binary
         self.directory = directory
         self.port = _free_port()
+        self.args = list(args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -38,7 +41,7 @@ class RedisProcess:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip

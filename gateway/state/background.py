@@ -2,7 +2,8 @@
 
 While writes fail (Redis away) the writer says so (``failing``), so that readers can skip Redis instead of
 waiting on it; the first success after a failure calls ``on_recovered``, which rebuilds in Redis what the
-failed writes would have kept there.
+failed writes would have kept there. While they succeed, a ``check`` runs every ``check_interval_s``
+between them (whether Redis still holds what was written: it may have lost it without failing a write).
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ class BackgroundWriter:
         on_recovered: Callable[[], None] | None = None,
         probe: Write | None = None,
         probe_interval_s: float = 1.0,
+        check: Write | None = None,
+        check_interval_s: float = 1.0,
     ) -> None:
         self.on_recovered = on_recovered
         self.probe = probe  # a cheap write that succeeds when Redis is back (a PING)
         self.probe_interval_s = probe_interval_s
+        self.check = check  # a cheap read, run now and then while writes succeed; a failure counts as one
+        self.check_interval_s = check_interval_s
+        self._check_due = 0.0
         self.failing = False
         self._backlog: deque[Write] = deque(maxlen=max_backlog)
         self._wakeup = asyncio.Event()
@@ -57,19 +63,31 @@ class BackgroundWriter:
 
     async def _run(self) -> None:
         while True:
-            if self.failing and self.probe is not None:
-                try:
-                    async with asyncio.timeout(self.probe_interval_s):
-                        await self._wakeup.wait()
-                except TimeoutError:
-                    await self._attempt(self.probe)  # nothing to write: is Redis back?
-                    continue
-            else:
+            if await self._woken():
+                self._wakeup.clear()
+                while self._backlog:
+                    await self._attempt(self._backlog.popleft())
+                self._idle.set()
+            elif self.failing and self.probe is not None:
+                await self._attempt(self.probe)  # nothing to write: is Redis back?
+            if self.check is not None and not self.failing and time.monotonic() >= self._check_due:
+                # (also between writes: a steady stream of them must not put the check off for ever)
+                self._check_due = time.monotonic() + self.check_interval_s
+                await self._attempt(self.check)
+
+    async def _woken(self) -> bool:
+        """Wait for a write; False if none came before the probe or the check was due."""
+        timeout: float | None = None
+        if self.failing and self.probe is not None:
+            timeout = self.probe_interval_s
+        elif self.check is not None:
+            timeout = max(0.0, self._check_due - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout):
                 await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._backlog:
-                await self._attempt(self._backlog.popleft())
-            self._idle.set()
+        except TimeoutError:
+            return False
+        return True
 
     async def _attempt(self, write: Write) -> None:
         try:

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,8 +81,12 @@ class SharedState:
             RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
         )
         self.writer = BackgroundWriter(
-            on_recovered=self._rebuild_redis, probe=redis.ping if redis is not None else None
+            on_recovered=self._rebuild_redis,
+            probe=redis.ping if redis is not None else None,
+            check=self._check_marker if redis is not None else None,
         )
+        self._marker: bytes | str | None = None  # the token Redis held under ``keys.marker`` when last read
+        self.data_losses = 0  # times Redis was found to have lost what it held
         self._read_timeout_s = redis_read_timeout_s
         self._redis_sweep_every_s = redis_sweep_every_s
         self._sweeper: asyncio.Task[None] | None = None
@@ -106,6 +111,7 @@ class SharedState:
             return
         self.writer.start()
         try:
+            self._marker = await self._adopt_marker()
             await self.warm_start(engine_ids)
         except (RedisError, OSError) as exc:
             self.redis_errors += 1
@@ -330,7 +336,33 @@ class SharedState:
             index = self.redis_index
             self.writer.submit(lambda: index.replace(engine, hashes, seq))
 
-    # -- after an outage --------------------------------------------------------------------------------
+    # -- after an outage, or a Redis that lost its data ----------------------------------------------------
+
+    async def _adopt_marker(self) -> bytes | str | None:
+        """The marker token Redis holds, set to a new one first if it holds none."""
+        assert self.redis is not None
+        await self.redis.set(self.keys.marker, uuid.uuid4().hex, nx=True)
+        held: bytes | str | None = await self.redis.get(self.keys.marker)
+        return held
+
+    async def _check_marker(self) -> None:
+        """Run by the writer every second or so: one GET. A marker gone or replaced since this gateway read
+        it means Redis lost what the gateways wrote without a write failing (FLUSHDB; a restart without
+        persistence that the client's retry hid): the others' views would drop their bindings at the next
+        refresh and a gateway started now would start cold, so this view is written back."""
+        assert self.redis is not None
+        held: bytes | str | None = await self.redis.get(self.keys.marker)
+        if held is not None and held == self._marker:
+            return
+        if self._marker is not None:  # (None: Redis did not answer at start; nothing is known lost)
+            self.data_losses += 1
+            log.warning(
+                "Redis lost what the gateways wrote there (flushed, or restarted without persistence): "
+                "writing this gateway's session bindings and residency back. The usage ledger and the API "
+                "keys stored there are not restored"
+            )
+            self._rebuild_redis()
+        self._marker = await self._adopt_marker()
 
     def _rebuild_redis(self) -> None:
         """Redis is back after writes failed: put this gateway's view there again. The view never stopped

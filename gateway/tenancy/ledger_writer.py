@@ -4,7 +4,9 @@ Records queue up in memory (never dropped) and one task writes them. If a write 
 every later one go to the local spool (fsync'ed) until Redis answers again; then the spool is replayed and
 cleared. A gateway that starts with a non-empty spool (it stopped during an outage) replays it first. The
 ledger ignores a record id it has seen, so a record written just before a failure and spooled anyway still
-counts once.
+counts once. A spool that refuses a write (a full disk, a removed or read-only directory) does not stop the
+writer: the records it refused stay in memory, and are offered to the spool and to the ledger again every
+``retry_s`` until one of them takes them.
 
 With a journal (``cache.journal``), what a crashed predecessor owed is written first, and every record safely
 in the ledger or the spool is reported to the journal, which then forgets its entries.
@@ -46,6 +48,12 @@ class LedgerWriter:
         self._task: asyncio.Task[None] | None = None
         self._record_now: Callable[[UsageRecord], bool] | None = getattr(ledger, "record_now", None)
         self.degraded = False  # Redis is away: records go to the spool
+        self.spool_failing = False  # ... and the spool refuses them: they wait in ``_unsaved``
+        # Records taken off the queue that neither the ledger nor the spool holds yet (still unfinished in
+        # the queue's count, so that ``flush`` waits for them too).
+        self._unsaved: list[UsageRecord] = []
+        # Record ids a crashed predecessor owed that are not yet safe here: its journal stays until they are.
+        self._owed: set[str] = set()
         self.submitted = 0  # records handed in, ever: a read of the ledger made since then may miss them
         self.written = 0
         self.spooled = 0
@@ -62,10 +70,23 @@ class LedgerWriter:
     def _settled(self, records: list[UsageRecord]) -> None:
         if self.journal is not None:
             self.journal.settled(r.record_id for r in records)
+            if self._owed:
+                self._owed.difference_update(r.record_id for r in records)
+                if not self._owed:
+                    self.journal.forget_replayed()
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Records not yet in the ledger or the spool."""
+        return self._queue.qsize() + len(self._unsaved)
+
+    @property
+    def state(self) -> str:
+        """ "ok"; "spooling" (the ledger is away: records go to the spool); or "unsaved" (the spool refuses
+        them too: they wait in memory)."""
+        if self.spool_failing:
+            return "unsaved"
+        return "spooling" if self.degraded else "ok"
 
     async def _to_spool(self, records: list[UsageRecord]) -> None:
         if self.spool is None:
@@ -74,19 +95,76 @@ class LedgerWriter:
         self.spooled += len(records)
         self._settled(records)
 
-    async def replay(self) -> bool:
-        """Write the spool to the ledger and clear it; False if the ledger is still away."""
-        if self.spool is None:
-            return True
-        records = await asyncio.to_thread(self.spool.read)
+    async def _spool_or_keep(self, records: list[UsageRecord]) -> None:
+        """Spool ``records`` taken off the queue, or keep them in ``_unsaved`` if the spool refuses them."""
+        try:
+            await self._to_spool(records)
+        except asyncio.CancelledError:
+            self._unsaved.extend(records)  # (``stop`` takes them over)
+            raise
+        except Exception as exc:
+            self._unsaved.extend(records)
+            self._spool_refused(exc)
+            return
+        self._done(len(records))
+        if self.spool_failing:
+            self.spool_failing = False
+            log.warning("the ledger spool takes writes again: usage records waiting in memory are spooled")
+
+    def _spool_refused(self, exc: BaseException) -> None:
+        if not self.spool_failing:  # said once per episode: the writer retries every ``retry_s``
+            self.spool_failing = True
+            where = self.spool.path if self.spool is not None else "(none)"
+            log.error(
+                "cannot write the ledger spool at %s (%s): usage records wait in memory, offered to the "
+                "spool and the ledger again every %gs; free the disk or restore the directory",
+                where,
+                exc,
+                self._retry_s,
+            )
+
+    async def _write_unsaved(self) -> bool:
+        """Write the records the spool refused straight to the ledger; False if it is away too."""
+        records = self._unsaved
         if not records:
             return True
         try:
             await self._write_all(records)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("writing records the spool refused failed: %s", exc)
+            return False
+        self._unsaved = []
+        self.written += len(records)
+        self._settled(records)
+        self._done(len(records))
+        return True
+
+    async def replay(self) -> bool:
+        """Write the spool to the ledger and clear it; False if the ledger is still away (or the spool
+        cannot be read)."""
+        if self.spool is None:
+            return True
+        try:
+            records = await asyncio.to_thread(self.spool.read)
+        except OSError as exc:
+            self._spool_refused(exc)
+            return False
+        if not records:
+            return True
+        try:
+            await self._write_all(records)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # still away
             log.debug("spool replay failed: %s", exc)
             return False
-        await asyncio.to_thread(self.spool.clear, len(records))
+        try:
+            await asyncio.to_thread(self.spool.clear, len(records))
+        except OSError as exc:  # written, not cleared: the next replay writes them again, counted once
+            self._spool_refused(exc)
+            return False
         log.info("replayed %d spooled usage records into the ledger", len(records))
         return True
 
@@ -103,20 +181,7 @@ class LedgerWriter:
     async def _run(self) -> None:
         while True:
             if self.degraded:
-                try:
-                    async with asyncio.timeout(self._retry_s):
-                        first = await self._queue.get()
-                except TimeoutError:
-                    pass
-                else:
-                    batch = self._take_batch(first)
-                    try:
-                        await self._to_spool(batch)
-                    finally:
-                        self._done(len(batch))
-                if await self.replay():
-                    self.degraded = False
-                    log.warning("ledger reachable again; spool replayed")
+                await self._degraded_round()
                 continue
             # Everything queued goes in one batch (one Redis round trip), so the writer keeps up with
             # any request rate.
@@ -124,17 +189,41 @@ class LedgerWriter:
             try:
                 async with asyncio.timeout(self._write_timeout_s):
                     await self.ledger.record_many(batch)
-                self.written += len(batch)
-                self._settled(batch)
             except asyncio.CancelledError:
-                await self._to_spool(batch)
+                self._unsaved.extend(batch)  # (``stop`` takes them over)
                 raise
             except Exception as exc:  # Redis went away: this batch and the next ones go to the spool
                 log.warning("ledger write failed (%s); spooling usage records until it is back", exc)
                 self.degraded = True
-                await self._to_spool(batch)
-            finally:
+                await self._spool_or_keep(batch)
+            else:
+                self.written += len(batch)
+                self._settled(batch)
                 self._done(len(batch))
+
+    async def _degraded_round(self) -> None:
+        """While the ledger is away: spool what came (with what the spool refused before), then see whether
+        the ledger is back. Records the spool refuses are offered to the ledger directly, so that neither
+        one coming back alone leaves them in memory."""
+        try:
+            async with asyncio.timeout(self._retry_s):
+                first = await self._queue.get()
+        except TimeoutError:
+            batch: list[UsageRecord] = []
+        else:
+            batch = self._take_batch(first)
+        if self._unsaved:
+            batch, self._unsaved = [*self._unsaved, *batch], []
+        if batch:
+            await self._spool_or_keep(batch)
+        replayed = await self.replay()
+        if await self._write_unsaved() and replayed:
+            self.degraded = False
+            if self.spool_failing:
+                self.spool_failing = False
+                log.warning("ledger reachable again; usage records that waited in memory are written")
+            else:
+                log.warning("ledger reachable again; spool replayed")
 
     async def start(self, cost: CostFn | None = None) -> None:
         """Replay a spool left by an earlier run, then the records a journal says it still owed (``cost``
@@ -148,9 +237,11 @@ class LedgerWriter:
             except OSError as exc:
                 raise ConfigError(f"gateway.spool_path: cannot keep the usage journal there: {exc}") from None
             if owed:
-                await self._write_or_spool(owed)
+                if not await self._write_or_spool(owed):
+                    self._owed = {r.record_id for r in owed}  # its journal stays until they are safe
                 log.warning("billed %d requests an earlier gateway process left unrecorded", len(owed))
-            self.journal.forget_replayed()
+            if not self._owed:
+                self.journal.forget_replayed()
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
 
     async def _write_all(self, records: list[UsageRecord]) -> None:
@@ -159,13 +250,23 @@ class LedgerWriter:
             async with asyncio.timeout(self._write_timeout_s):
                 await self.ledger.record_many(records[i : i + MAX_BATCH])
 
-    async def _write_or_spool(self, records: list[UsageRecord]) -> None:
+    async def _write_or_spool(self, records: list[UsageRecord]) -> bool:
+        """``records`` to the ledger, else to the spool; False if neither took them, which are then queued
+        (the writer offers them to both again)."""
         try:
             await self._write_all(records)
+            return True
         except Exception as exc:  # whatever failed, the spool keeps them
             log.warning("ledger write failed (%s); spooling %d records", exc, len(records))
             self.degraded = True
+        try:
             await self._to_spool(records)
+            return True
+        except Exception as exc:
+            self._spool_refused(exc)
+        for rec in records:
+            self._queue.put_nowait(rec)
+        return False
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every submitted record is in the ledger or the spool."""
@@ -181,11 +282,25 @@ class LedgerWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        rest = []
+        rest, self._unsaved = self._unsaved, []
         while not self._queue.empty():
             rest.append(self._queue.get_nowait())
         if rest:
-            await self._to_spool(rest)
+            try:
+                await self._to_spool(rest)
+            except Exception as exc:
+                try:
+                    await self._write_all(rest)
+                    self.written += len(rest)
+                    self._settled(rest)
+                except Exception:
+                    kept = "the journal keeps them for the next start" if self.journal is not None else "lost"
+                    log.error(
+                        "stopping with %d usage records neither the spool (%s) nor the ledger took: %s",
+                        len(rest),
+                        exc,
+                        kept,
+                    )
         if self.journal is not None:
             self.journal.close()
 

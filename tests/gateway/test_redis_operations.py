@@ -5,7 +5,11 @@ given. Every Redis here is a real ``redis-server`` (the tests' own where it is s
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+
+import pytest
+import redis
 
 from cache.ledger import UsageRecord
 from cache.ledger_redis import RedisLedger
@@ -77,3 +81,47 @@ async def test_records_spooled_after_a_crash_tore_the_spool_are_billed(
     assert sorted(r.record_id for r in await ledger.records()) == ["r1", "r2", "r3", "r4"]
     assert Spool(path).read() == []
     await client.aclose()
+
+
+# -- what the gateway says about the Redis it is given ----------------------------------------------------
+
+EVICTING = ["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]
+
+
+@pytest.mark.parametrize(
+    ("args", "warned"),
+    [
+        (EVICTING, "allkeys-lru"),
+        (["--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru"], "volatile-lru"),
+        (["--maxmemory", "100mb", "--maxmemory-policy", "noeviction"], None),
+        (["--maxmemory-policy", "allkeys-lru"], None),  # no maxmemory: nothing is ever evicted
+        ([*EVICTING, "--rename-command", "CONFIG", ""], None),  # CONFIG refused, as managed Redis does
+    ],
+    ids=["allkeys-lru", "volatile-lru", "noeviction", "no-maxmemory", "config-refused"],
+)
+async def test_a_redis_that_may_evict_the_ledger_is_named_at_start(
+    make_cluster: ClusterFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    args: list[str],
+    warned: str | None,
+) -> None:
+    server = RedisProcess(tmp_path, args)
+    server.start()
+    try:
+        if "--rename-command" in args:  # (the case is real: that Redis answers CONFIG with an error)
+            with pytest.raises(redis.ResponseError), redis.Redis(port=server.port) as client:
+                client.config_get("maxmemory*")
+        caplog.set_level(logging.WARNING, logger="kvgate.app")
+        cluster = await make_cluster({"eu-west": 1}, redis_url=server.url)
+        said = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+        if warned is None:
+            assert said == []
+        else:
+            [line] = said
+            assert f"maxmemory-policy {warned}" in line and "noeviction" in line
+            assert "ledger" in line and server.url in line
+        status, _, _ = await cluster.post("/v1/chat/completions", chat("hello"))
+        assert status == 200 and cluster.gateway.redis_status() == "on"
+    finally:
+        server.stop()

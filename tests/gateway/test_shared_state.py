@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from cache.hashing import block_hashes, namespace_seed
 from cache.redis_keys import RedisKeys
+from cache.residency_redis import RedisResidencyIndex
 from cache.sessions import SessionBinding
 from cache.sessions_redis import RedisSessionStore
 from gateway.app import redis_client
@@ -434,3 +435,92 @@ async def test_the_mirrors_cap_and_sweep_interval_come_from_the_deployment_file(
     state = cluster.gateway.state
     assert state.redis_index is not None and state.redis_index.max_approximate_per_engine == 7
     assert state._redis_sweep_every_s == 0.5
+
+
+# -- a Redis that lost its data --------------------------------------------------------------------------
+
+
+async def test_a_flushed_redis_gets_the_views_back_and_a_new_gateway_keeps_the_sessions(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    """FLUSHDB behind the gateway's back (no write fails): within a few seconds Redis holds its session
+    bindings and residency again, and a gateway started afterwards sends each session's next turn to the
+    engine the session was on."""
+    cluster = await make_cluster({"eu-west": 2}, redis_url=private_redis.url)
+    state = cluster.gateway.state
+    system = "You are the support assistant of a large company; answer briefly and correctly. " * 8
+
+    def turn(session_id: str, text: str) -> dict[str, Any]:
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"{session_id}: {text}"},
+        ]
+        return {"model": MODEL, "max_tokens": 2, "messages": messages}
+
+    engines: dict[str, str] = {}
+    for i in range(6):
+        session_id = f"conversation-{i}"
+        status, _, headers = await cluster.post(
+            "/v1/chat/completions", turn(session_id, "hello"), headers={"x-session-affinity": session_id}
+        )
+        assert status == 200
+        engines[session_id] = headers["x-kvgate-engine"]
+    # Half of them moved to the other engine (as a failover would): where nothing else would send them.
+    for session_id in list(engines)[::2]:
+        other = next(e for e in cluster.engines if e != engines[session_id])
+        state.bind_session("default", session_id, binding(other))
+        engines[session_id] = other
+    assert await state.writer.flush()
+    client = aioredis.from_url(private_redis.url)
+    keys = RedisKeys(cluster.redis_prefix)
+    store = RedisSessionStore(client, keys)
+    index = RedisResidencyIndex(client, keys)
+
+    async def in_redis() -> dict[str, str | None]:
+        held = {s: await store.get("default", s) for s in engines}
+        return {s: b.engine if b is not None else None for s, b in held.items()}
+
+    async def exact_in_redis() -> int:
+        return sum([len((await index.holdings(e)).exact) for e in cluster.engines])
+
+    assert await in_redis() == engines and await exact_in_redis() > 0
+    await client.flushdb()
+    deadline = time.monotonic() + 5
+    while await in_redis() != engines or not await exact_in_redis():
+        assert time.monotonic() < deadline, "Redis never got the gateway's view back"
+        await asyncio.sleep(0.05)
+    assert state.data_losses == 1 and not state.writer.failing
+
+    newcomer, url = await cluster.add_gateway("eu-west", redis_url=private_redis.url)
+    for session_id, engine in engines.items():
+        status, _, headers = await cluster.post(
+            "/v1/chat/completions",
+            turn(session_id, "and then?"),
+            url=url,
+            headers={"x-session-affinity": session_id},
+        )
+        assert status == 200
+        assert (headers["x-kvgate-engine"], headers["x-kvgate-route"]) == (engine, "session")
+    await asyncio.sleep(1.5)  # (a check or two more: nothing else was lost)
+    assert state.data_losses == 1 and newcomer.state.data_losses == 0
+    await client.aclose()
+
+
+async def test_every_gateway_writes_its_view_back_after_a_flush_whichever_notices_first(
+    private_redis: RedisProcess,
+) -> None:
+    """One marker for the deployment: the gateway that notices first sets a new one, and the others,
+    finding a marker they did not read before, know the data was lost all the same."""
+    async with gateways(private_redis.url, private_redis.url, prefix="kvgate-flushed") as (a, b):
+        a.bind_session("t", "of-a", binding("eu-west/e0"))
+        b.bind_session("t", "of-b", binding("us-east/e1"))
+        assert await a.writer.flush() and await b.writer.flush()
+        client = aioredis.from_url(private_redis.url)
+        store = RedisSessionStore(client, RedisKeys("kvgate-flushed"))
+        await client.flushdb()
+        deadline = time.monotonic() + 5
+        while await store.get("t", "of-a") is None or await store.get("t", "of-b") is None:
+            assert time.monotonic() < deadline, "a gateway did not write its view back"
+            await asyncio.sleep(0.05)
+        assert a.data_losses == b.data_losses == 1
+        await client.aclose()

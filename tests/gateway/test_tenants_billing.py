@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -356,6 +358,99 @@ async def test_redis_outage_during_200_requests_loses_and_doubles_nothing(
     assert totals.requests == 200
     assert totals.cost_picodollars == sum(billed)
     assert await client.xlen(ledger.stream_key) == 200
+    await client.aclose()
+
+
+async def test_a_spool_that_refuses_writes_keeps_the_records_until_it_or_redis_is_back(
+    make_cluster: ClusterFactory,
+    private_redis: RedisProcess,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis away and the spool's directory gone (a file stands where it was: root cannot write there
+    either): the writer keeps the records in memory, says so once and in /health and /metrics, and bills
+    each one exactly once when the directory is back and then Redis."""
+    directory = tmp_path / "spool"
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        redis_url=private_redis.url,
+        prices={MODEL: PRICE},
+        spool_path=str(directory / "ledger.spool"),
+    )
+    writer = cluster.gateway.billing.writer
+    writer._retry_s = 0.05  # (the default retries every second)
+    assert cluster.session is not None
+    billed: list[int] = []
+
+    async def one(i: int) -> None:
+        status, body, _ = await cluster.post("/v1/chat/completions", chat(f"request {i}"))
+        assert status == 200
+        billed.append(cost_of(body["usage"]))
+
+    async def read(path: str) -> str:
+        assert cluster.session is not None
+        async with cluster.session.get(cluster.url + path) as r:
+            return await r.text()
+
+    await one(0)
+    await writer.flush()
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")
+    private_redis.stop()
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+    for i in range(1, 7):
+        await one(i)
+    await cluster.wait_for(lambda: writer.pending == 6 and writer.spool_failing)
+    await asyncio.sleep(0.5)  # ten rounds of retries
+    assert writer._task is not None and not writer._task.done(), "the ledger writer died"
+    assert writer.pending == 6 and writer.spooled == 0
+    refused = [r for r in caplog.records if "cannot write the ledger spool" in r.getMessage()]
+    assert len(refused) == 1, "said once, not every retry"
+    assert json.loads(await read("/health"))["ledger"] == "unsaved"
+    metrics = await read("/metrics")
+    assert "kvgate_ledger_spool_failing 1.0" in metrics and "kvgate_ledger_backlog 6.0" in metrics
+
+    directory.unlink()  # the disk is back: the records go to the spool, Redis being still away
+    directory.mkdir()
+    await cluster.wait_for(lambda: writer.pending == 0 and not writer.spool_failing)
+    assert writer.spooled == 6 and writer.degraded
+    assert json.loads(await read("/health"))["ledger"] == "spooling"
+    await one(7)
+    private_redis.start()
+    await cluster.wait_for(lambda: not writer.degraded and writer.pending == 0, within_s=15)
+    assert json.loads(await read("/health"))["ledger"] == "ok"
+    client = aioredis.from_url(private_redis.url)
+    ledger = RedisLedger(client, cluster.redis_prefix)
+    today = day_of(time.time())
+    [totals] = await ledger.daily("default", today, today)
+    assert totals.requests == 8 and totals.cost_picodollars == sum(billed)
+    assert await client.xlen(ledger.stream_key) == 8
+    await client.aclose()
+
+
+async def test_records_the_spool_refused_go_to_redis_when_it_is_back_first(
+    make_cluster: ClusterFactory, private_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """The other order: Redis comes back while the spool's directory is still gone."""
+    directory = tmp_path / "spool"
+    cluster = await make_cluster(
+        {"eu-west": 1}, redis_url=private_redis.url, spool_path=str(directory / "ledger.spool")
+    )
+    writer = cluster.gateway.billing.writer
+    writer._retry_s = 0.05
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")
+    private_redis.stop()
+    for i in range(5):
+        status, _, _ = await cluster.post("/v1/chat/completions", chat(f"request {i}"))
+        assert status == 200
+    await cluster.wait_for(lambda: writer.pending == 5 and writer.spool_failing)
+    private_redis.start()
+    await cluster.wait_for(lambda: writer.pending == 0 and not writer.degraded, within_s=15)
+    assert not writer.spool_failing and writer.spooled == 0 and writer.written == 5
+    client = aioredis.from_url(private_redis.url)
+    ledger = RedisLedger(client, cluster.redis_prefix)
+    assert await client.xlen(ledger.stream_key) == 5
     await client.aclose()
 
 
