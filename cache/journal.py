@@ -16,12 +16,20 @@ counts a record id once), an ``open`` with no end becomes an estimated record (s
 the last ``progress``. The file is cut into segments; a segment is deleted once every request with an entry
 in it (and in every older segment) is in the ledger or its spool, so the journal holds about the requests in
 flight. One process at a time may use a journal (an exclusive lock beside it).
+
+A disk that refuses a write (full, failing) costs the journal that entry, never the request: the bytes of a
+write the disk took only part of are cut off again (so the entries after it stay readable), the failure is
+counted and logged once, and the next entry tries again. The ledger still gets every record; what a refused
+entry loses is only the crash insurance of its request. A segment that cannot be opened keeps the journal
+on the segment it has until one can.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -31,6 +39,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 from cache.ledger import UsageRecord
+
+log = logging.getLogger("kvgate.journal")
 
 SEGMENT_BYTES = 1 << 20  # about 2,000 requests a segment
 INTERRUPTED = "interrupted"  # the status of a record rebuilt from an ``open`` entry
@@ -92,7 +102,10 @@ class UsageJournal:
         self._written = 0
         self._pending: dict[str, list[int]] = {}  # record id -> segments it has entries in, while unsettled
         self._unsettled: dict[int, int] = {}  # segment -> requests with an entry in it not yet settled
+        self._rolling_failed = False  # the next segment could not be opened: said once, tried every entry
         self.entries = 0
+        self.failing = False  # the last entry was refused by the disk
+        self.write_failures = 0  # entries the disk refused, ever
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -184,7 +197,15 @@ class UsageJournal:
         if self._fd is None:
             return
         data = msgpack.packb(entry)
-        os.write(self._fd, data)
+        try:
+            if os.write(self._fd, data) != len(data):  # (the disk took part of it: as good as refused)
+                raise OSError(errno.ENOSPC, "the disk took only part of the entry")
+        except OSError as exc:
+            self._refused(exc)
+            return
+        if self.failing:
+            self.failing = False
+            log.warning("the usage journal takes writes again")
         self.entries += 1
         self._written += len(data)
         segments = self._pending.setdefault(record_id, [])
@@ -192,14 +213,47 @@ class UsageJournal:
             segments.append(self._segment)
             self._unsettled[self._segment] = self._unsettled.get(self._segment, 0) + 1
         if self._written >= self._segment_bytes:
-            os.close(self._fd)
-            self._segment += 1
-            self._open_segment()
-            self._drop_settled_segments()
+            self._roll_over()
+
+    def _refused(self, exc: OSError) -> None:
+        """An entry the disk refused: cut whatever part of it landed, so that the next entry starts where a
+        replay expects one, and say so once per episode."""
+        assert self._fd is not None
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._written)
+        self.write_failures += 1
+        if not self.failing:
+            self.failing = True
+            log.error(
+                "cannot write the usage journal in %s (%s): requests are served and billed, but a crash "
+                "now would lose the records of those in flight; free the disk",
+                self.directory,
+                exc,
+            )
+
+    def _roll_over(self) -> None:
+        """Go on in a new segment; if it cannot be opened, stay on this one (it grows) and try again at the
+        next entry."""
+        try:
+            fd = os.open(self._path(self._segment + 1), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            if not self._rolling_failed:
+                self._rolling_failed = True
+                log.error("cannot open a new usage journal segment (%s): the current one grows", exc)
+            return
+        self._rolling_failed = False
+        assert self._fd is not None
+        os.close(self._fd)
+        self._segment += 1
+        self._use_segment(fd)
+        self._drop_settled_segments()
 
     def _open_segment(self) -> None:
-        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._written = os.fstat(self._fd).st_size
+        self._use_segment(os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+
+    def _use_segment(self, fd: int) -> None:
+        self._fd = fd
+        self._written = os.fstat(fd).st_size
         self._unsettled.setdefault(self._segment, 0)
 
     def _drop_settled_segments(self) -> None:

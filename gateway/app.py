@@ -153,6 +153,10 @@ def build_app(config: KvgateConfig) -> web.Application:
                 "1 while the spool refuses usage records too: they wait in memory (ledger_backlog).",
                 float(billing.writer.spool_failing),
             ),
+            "usage_journal_failing": (
+                "1 while the disk refuses the usage journal's entries: a crash would lose in-flight records.",
+                float(billing.journal is not None and billing.journal.failing),
+            ),
         },
         # Counts since the start that never go down: counters, so that rate() and increase() apply.
         lambda: {
@@ -160,6 +164,10 @@ def build_app(config: KvgateConfig) -> web.Application:
             "ledger_spooled_records": (
                 "Usage records written to the local spool while the ledger was away.",
                 float(billing.writer.spooled),
+            ),
+            "usage_journal_write_failures": (
+                "Usage journal entries the disk refused (the requests were served and billed).",
+                float(billing.journal.write_failures if billing.journal is not None else 0),
             ),
         },
     )

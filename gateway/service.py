@@ -150,6 +150,13 @@ class Gateway:
             return "off"
         return "unreachable" if self.state.writer.failing or self.billing.writer.degraded else "on"
 
+    def journal_status(self) -> str:
+        """ "off" (an in-process ledger needs no crash journal), "ok", or "failing" (the disk refuses it)."""
+        journal = self.billing.journal
+        if journal is None:
+            return "off"
+        return "failing" if journal.failing else "ok"
+
     def health_response(self, details: bool) -> web.Response:
         """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
         healthy = sum(1 for e in self.fleet if e.healthy)
@@ -162,6 +169,7 @@ class Gateway:
             "region": self.fleet.region,
             "redis": self.redis_status(),
             "ledger": self.billing.writer.state,
+            "journal": self.journal_status(),
             "engines_healthy": healthy,
             "engines_total": len(self.fleet),
             "engines": [e.describe() for e in self.fleet],

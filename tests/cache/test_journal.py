@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,91 @@ def test_two_processes_cannot_share_a_journal(tmp_path: Path) -> None:
         UsageJournal(tmp_path / "gw.spool").start(cost)
     first.close()
     UsageJournal(tmp_path / "gw.spool").start(cost)  # free again once the first is closed
+
+
+# -- a disk that refuses writes: the journal is crash insurance, it must never fail a request ---------------
+
+
+def full_disk_under(journal: UsageJournal) -> int:
+    """Point the journal's open segment at /dev/full (every write: ENOSPC); returns the real segment's fd."""
+    assert journal._fd is not None
+    saved = os.dup(journal._fd)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, journal._fd)
+    os.close(full)
+    return saved
+
+
+def disk_back_under(journal: UsageJournal, saved: int) -> None:
+    assert journal._fd is not None
+    os.dup2(saved, journal._fd)
+    os.close(saved)
+
+
+def test_a_full_disk_costs_the_journal_entries_not_the_request(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool")
+    journal.start(cost)
+    journal.opened(opened(1))
+    saved = full_disk_under(journal)
+    journal.opened(opened(2))  # must not raise: the request it belongs to goes on
+    journal.finished(final(2))
+    journal.voided("r1")
+    assert journal.failing and journal.write_failures == 3
+    assert journal.pending == 0  # r1 voided (settled at once), r2 has no entry on disk
+    disk_back_under(journal, saved)
+    journal.opened(opened(3))
+    journal.finished(final(3))
+    assert not journal.failing and journal.write_failures == 3
+    die(journal)
+    # r1's ``open`` is on disk without its ``void`` (refused): a crash now would bill its prompt as
+    # interrupted — the estimate the journal makes of any request whose end it did not see.
+    assert [(r.record_id, r.status) for r in restart(tmp_path / "gw.spool")] == [
+        ("r1", INTERRUPTED),
+        ("r3", "completed"),
+    ]
+
+
+def test_an_entry_the_disk_took_only_part_of_is_cut_so_later_entries_stay_readable(tmp_path: Path) -> None:
+    """A file-size limit (RLIMIT_FSIZE) makes the kernel take only the first bytes of a write, as a disk
+    that fills mid-write does: the torn bytes must not stay in front of the entries that follow."""
+    script = f"""
+import os, resource, signal
+from pathlib import Path
+from tests.cache.test_journal import cost, die, final, opened
+from cache.journal import UsageJournal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+journal = UsageJournal(Path({str(tmp_path)!r}) / "gw.spool")
+journal.start(cost)
+journal.opened(opened(1))
+journal.finished(final(1))
+limit = os.fstat(journal._fd).st_size + 9
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+journal.opened(opened(2))  # the kernel takes 9 bytes of it
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+journal.opened(opened(3))
+journal.finished(final(3))
+die(journal)
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    owed = restart(tmp_path / "gw.spool")
+    assert [(r.record_id, r.status) for r in owed] == [("r1", "completed"), ("r3", "completed")]
+
+
+def test_a_segment_that_cannot_be_opened_keeps_the_journal_on_the_one_it_has(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "gw.spool", segment_bytes=600)
+    journal.start(cost)
+    (tmp_path / "gw.spool.journal.00000001").mkdir()  # where the next segment would go: EISDIR
+    for i in range(1, 9):  # well past 600 bytes
+        journal.opened(opened(i))
+        journal.finished(final(i))
+    assert not journal.failing and journal.write_failures == 0  # every entry is on disk, in segment 0
+    assert (tmp_path / "gw.spool.journal.00000000").stat().st_size > 600
+    (tmp_path / "gw.spool.journal.00000001").rmdir()
+    journal.opened(opened(9))  # rolls over now
+    journal.finished(final(9))
+    assert (tmp_path / "gw.spool.journal.00000001").is_file()
+    die(journal)
+    assert [r.record_id for r in restart(tmp_path / "gw.spool")] == [f"r{i}" for i in range(1, 10)]

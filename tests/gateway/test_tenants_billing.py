@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -452,6 +453,44 @@ async def test_records_the_spool_refused_go_to_redis_when_it_is_back_first(
     ledger = RedisLedger(client, cluster.redis_prefix)
     assert await client.xlen(ledger.stream_key) == 5
     await client.aclose()
+
+
+async def test_a_disk_that_refuses_the_usage_journal_fails_no_request_and_loses_no_record(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: RedisKeys
+) -> None:
+    """The journal's segment on a full disk (its descriptor pointed at /dev/full: every write ENOSPC):
+    every request is still answered and billed; /health and /metrics say the journal is failing."""
+    cluster = await make_cluster(
+        {"eu-west": 1}, redis_url=redis_url, redis_prefix=redis_keys.prefix, prices={MODEL: PRICE}
+    )
+    journal = cluster.gateway.billing.journal
+    assert journal is not None and journal._fd is not None
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, journal._fd)
+    os.close(full)
+    billed = []
+    for i in range(3):
+        status, body, _ = await cluster.post("/v1/chat/completions", chat(f"request {i}"))
+        assert status == 200, body
+        billed.append(cost_of(body["usage"]))
+    assert cluster.session is not None
+    body = chat("a stream", stream=True, stream_options={"include_usage": True})
+    async with cluster.session.post(cluster.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    billed.append(cost_of(json.loads(events[-2])["usage"]))
+    await cluster.gateway.billing.writer.flush()
+    async with cluster.session.get(cluster.url + "/health") as r:
+        assert (await r.json())["journal"] == "failing"
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        metrics = await r.text()
+    assert "kvgate_usage_journal_failing 1.0" in metrics
+    assert "kvgate_usage_journal_write_failures_total " in metrics and journal.write_failures >= 8
+    ledger = RedisLedger(aioredis.from_url(redis_url), redis_keys.prefix)
+    today = day_of(time.time())
+    [totals] = await ledger.daily("default", today, today)
+    assert totals.requests == 4 and totals.cost_picodollars == sum(billed)
 
 
 async def test_kvgate_usage_reads_the_redis_ledger(
