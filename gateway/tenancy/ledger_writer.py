@@ -128,12 +128,7 @@ class LedgerWriter:
         records = self._unsaved
         if not records:
             return True
-        try:
-            await self._write_all(records)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.debug("writing records the spool refused failed: %s", exc)
+        if not await self._ledger_took(records, "writing records the spool refused"):
             return False
         self._unsaved = []
         self.written += len(records)
@@ -153,12 +148,7 @@ class LedgerWriter:
             return False
         if not records:
             return True
-        try:
-            await self._write_all(records)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # still away
-            log.debug("spool replay failed: %s", exc)
+        if not await self._ledger_took(records, "spool replay"):
             return False
         try:
             await asyncio.to_thread(self.spool.clear, len(records))
@@ -250,6 +240,15 @@ class LedgerWriter:
             async with asyncio.timeout(self._write_timeout_s):
                 await self.ledger.record_many(records[i : i + MAX_BATCH])
 
+    async def _ledger_took(self, records: list[UsageRecord], what: str) -> bool:
+        """``_write_all``, False if the ledger is (still) away: the caller keeps the records."""
+        try:
+            await self._write_all(records)
+        except Exception as exc:  # (not CancelledError: a BaseException, it propagates)
+            log.debug("%s failed: %s", what, exc)
+            return False
+        return True
+
     async def _write_or_spool(self, records: list[UsageRecord]) -> bool:
         """``records`` to the ledger, else to the spool; False if neither took them, which are then queued
         (the writer offers them to both again)."""
@@ -294,7 +293,11 @@ class LedgerWriter:
                     self.written += len(rest)
                     self._settled(rest)
                 except Exception:
-                    kept = "the journal keeps them for the next start" if self.journal is not None else "lost"
+                    kept = "lost"
+                    if self.journal is not None:  # (less the entries a full disk refused it, if any)
+                        kept = "the journal keeps them for the next start"
+                        if self.journal.write_failures:
+                            kept += f" ({self.journal.write_failures} journal entries were refused)"
                     log.error(
                         "stopping with %d usage records neither the spool (%s) nor the ledger took: %s",
                         len(rest),
