@@ -15,6 +15,7 @@ from gateway.user_errors import UserError
 from region_map.config import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "text")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -41,9 +42,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--workers",
         type=int,
-        default=int(os.environ.get("KVGATE_WORKERS", "1")),
-        help="gateway processes sharing the port (default 1; more use more cores). They share sessions, the "
-        "ledger and rate limits through --redis, or without it through a private redis-server they start",
+        default=None,  # (then KVGATE_WORKERS, else 1: read by _serve, where a typo in it is said)
+        help="gateway processes sharing the port (default: KVGATE_WORKERS, else 1; more use more cores). "
+        "They share sessions, the ledger and rate limits through --redis, or without it through a private "
+        "redis-server they start",
     )
     serve.set_defaults(func=_serve)
 
@@ -135,16 +137,29 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.http.server import run_gateway
     from gateway.http.workers import run_workers
 
-    if args.workers < 1:
+    workers = args.workers if args.workers is not None else _workers_from_environ()
+    if workers < 1:
         raise ConfigError("--workers must be at least 1")
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
     config = load_config(args.config, environ=os.environ, overrides=overrides)
-    if args.workers > 1:
+    if workers > 1:
         if config.gateway.port == 0:
             raise ConfigError("--workers needs a fixed port: with port 0 every worker would get its own")
-        return run_workers(config, args.workers)
+        return run_workers(config, workers)
     run_gateway(config)
     return 0
+
+
+def _workers_from_environ() -> int:
+    """``KVGATE_WORKERS``, the default of ``--workers``. (It used to be read while the parser was built, so
+    that a typo in it was a traceback for every command, ``--help`` too.)"""
+    value = os.environ.get("KVGATE_WORKERS", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"KVGATE_WORKERS={value!r}: not a whole number (the default of --workers)"
+        ) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -191,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-format",
-        choices=("auto", "json", "text"),
+        choices=LOG_FORMATS,
         default=os.environ.get("KVGATE_LOG_FORMAT", "auto"),
         help="JSON lines, or text; auto: text on a terminal, JSON lines otherwise",
     )
@@ -222,6 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # argparse checks the choices of a flag given, not of a default taken from the environment: a typo
+    # there was a traceback (the log level) or silently text (the log format).
+    for variable, value, choices in (
+        ("KVGATE_LOG_LEVEL", args.log_level, LOG_LEVELS),
+        ("KVGATE_LOG_FORMAT", args.log_format, LOG_FORMATS),
+    ):
+        if value not in choices:
+            print(
+                f"kvgate: configuration error: {variable}={value!r} is not one of {', '.join(choices)}",
+                file=sys.stderr,
+            )
+            return 2
     configure_logging(args.log_level, args.log_format)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -265,3 +265,29 @@ def test_serve_starts_without_its_engine_and_redis_and_says_so(tmp_path: Path, o
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("KVGATE_WORKERS", "two", "KVGATE_WORKERS='two': not a whole number"),
+        ("KVGATE_LOG_LEVEL", "Verbose", "KVGATE_LOG_LEVEL='verbose' is not one of debug, info, warning"),
+        ("KVGATE_LOG_FORMAT", "xml", "KVGATE_LOG_FORMAT='xml' is not one of auto, json, text"),
+    ],
+)
+def test_a_bad_environment_variable_is_named_in_one_line(
+    tmp_path: Path, variable: str, value: str, said: str
+) -> None:
+    """The environment variables that stand for flags are checked as the flags are: a typo used to be a
+    traceback (KVGATE_WORKERS, KVGATE_LOG_LEVEL: for every command, --help too) or silently ignored
+    (KVGATE_LOG_FORMAT, which fell back to text)."""
+    config = deployment(tmp_path, free_port(), engine_url="http://127.0.0.1:9")
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, variable: value},
+    )
+    said_in_one_line(result, said)
+    assert result.returncode == 2
