@@ -291,3 +291,30 @@ def test_a_bad_environment_variable_is_named_in_one_line(
     )
     said_in_one_line(result, said)
     assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("days", "said"),
+    [
+        (
+            ("--start", "2026-13-01"),
+            "--start: start must be a day (YYYY-MM-DD) or Unix seconds, not '2026-13-01'",
+        ),
+        (
+            ("--start", "2026-12-05", "--end", "2026-11-01"),
+            "--start: invalid range 2026-12-05 .. 2026-11-01: end is before start",
+        ),
+    ],
+)
+@pytest.mark.parametrize("source", ["redis", "url"])
+def test_usage_with_days_it_cannot_read_is_an_argument_error(
+    days: tuple[str, ...], said: str, source: str
+) -> None:
+    """A mistyped day is the operator's mistake, said as such before Redis or a gateway is asked (it used to
+    be 'unexpected error: InvalidRequest ... please report it', status 1)."""
+    where = (
+        ["--redis", UNREACHABLE_REDIS] if source == "redis" else ["--url", f"http://127.0.0.1:{free_port()}"]
+    )
+    line = said_in_one_line(run("usage", *days, *where), "configuration error", said)
+    assert "unexpected" not in line and "report it" not in line
+    assert run("usage", *days, *where).returncode == 2
