@@ -66,6 +66,7 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     private redis-server (``gateway.state.private_redis``) that lives as long as the workers. Stops all
     when one stops or on SIGINT/SIGTERM; a worker that stopped unasked makes the status non-zero."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
+    _check_state_directory(config)
     if not config.gateway.operator_port:
         clear_snapshots(worker_metrics_dir(config))  # (an earlier run's counts are not this one's)
     if config.gateway.redis_url is not None:
@@ -78,6 +79,23 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
         return _run_children(dataclasses.replace(config, gateway=gateway), workers)
     finally:
         private.stop()
+
+
+def _check_state_directory(config: KvgateConfig) -> None:
+    """The directory of the spool, where the workers keep their spools and journals, their private Redis
+    and their shared metrics, made now: an unusable one (a file in the way, a read-only mount) was a
+    NotADirectoryError "unexpected error", or the same configuration error once per worker."""
+    directory = spool_path(config).parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise NotADirectoryError(f"{directory} is not a directory this user may write in")
+    except OSError as exc:  # (mkdir says "File exists" of a file where the directory should be)
+        reason = "not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise ConfigError(
+            f"gateway.spool_path: the workers cannot keep their spools, Redis and metrics in {directory}: "
+            f"{reason}"
+        ) from None
 
 
 def worker_metrics_dir(config: KvgateConfig) -> Path:

@@ -264,3 +264,34 @@ def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait()
+
+
+@pytest.mark.parametrize("operator", [False, True], ids=["shared-metrics", "operator-port"])
+@pytest.mark.parametrize("redis", [False, True], ids=["private-redis", "redis"])
+def test_workers_with_a_spool_path_they_cannot_use_stop_in_one_line(
+    tmp_path: Path, operator: bool, redis: bool
+) -> None:
+    """The workers keep their spools, their private Redis and their shared metrics beside gateway.spool_path:
+    where no directory can be made (a file in the way, a read-only mount), kvgate serve says so once, naming
+    the key, as a single gateway does. It used to be 'unexpected error: NotADirectoryError ... please report
+    it', or one line per worker."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    _, port, operator_port = _distinct_ports()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "http://127.0.0.1:9" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{in_the_way / "ledger.spool"}"\n'
+        + (f"operator_port = {operator_port}\n" if operator else "")
+        + (f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n' if redis else "")
+    )
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvgate: configuration error: gateway.spool_path:"), line
+    assert str(in_the_way) in line and "Traceback" not in line
