@@ -142,6 +142,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("--workers must be at least 1")
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
     config = load_config(args.config, environ=os.environ, overrides=overrides)
+    if not any(region.engines for region in config.topology.regions):
+        # The file is read once: a gateway without engines would answer 503 to everything until restarted.
+        raise ConfigError(
+            f"regions: no engine in any region of {args.config}; list each region's engines "
+            '(engines = [{ name = "e0", url = "http://host:port" }])'
+        )
     if workers > 1:
         if config.gateway.port == 0:
             raise ConfigError("--workers needs a fixed port: with port 0 every worker would get its own")

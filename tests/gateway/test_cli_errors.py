@@ -318,3 +318,14 @@ def test_usage_with_days_it_cannot_read_is_an_argument_error(
     line = said_in_one_line(run("usage", *days, *where), "configuration error", said)
     assert "unexpected" not in line and "report it" not in line
     assert run("usage", *days, *where).returncode == 2
+
+
+@pytest.mark.parametrize("regions", ["engines = []\n", '[[regions]]\nname = "s"\n'], ids=["empty", "omitted"])
+def test_serve_with_no_engine_at_all_is_refused(tmp_path: Path, regions: str) -> None:
+    """A deployment file whose regions list no engine (an empty list, the engines left out) cannot serve a
+    single request, and the file is not re-read: kvgate serve used to start and answer 503 to everything."""
+    config = tmp_path / "deploy.toml"
+    config.write_text(f'region = "r"\n[[regions]]\nname = "r"\n{regions}[gateway]\nport = {free_port()}\n')
+    result = run("serve", "--config", str(config), timeout=20)
+    said_in_one_line(result, "configuration error", "regions", "no engine")
+    assert result.returncode == 2
