@@ -173,6 +173,17 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.regions < 1 or args.engines_per_region < 1:
         raise ConfigError("--regions and --engines-per-region must be at least 1")
+    # Checked before any engine starts (the gateway's configuration is checked only after they are up);
+    # port 0 would serve on some port while the tour printed :0.
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a port is 1 to 65535")
+    if args.redis is not None:
+        from gateway.config import check_redis_url
+
+        try:
+            check_redis_url(args.redis)
+        except ValueError as exc:
+            raise ConfigError(f"--redis: {exc}") from None
     return run_demo(
         port=args.port,
         regions=args.regions,

@@ -329,3 +329,24 @@ def test_serve_with_no_engine_at_all_is_refused(tmp_path: Path, regions: str) ->
     result = run("serve", "--config", str(config), timeout=20)
     said_in_one_line(result, "configuration error", "regions", "no engine")
     assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--port", "70000"), "--port 70000: a port is 1 to 65535"),
+        (("--port", "-5"), "--port -5: a port is 1 to 65535"),
+        (("--port", "0"), "--port 0: a port is 1 to 65535"),
+        (("--redis", "http://127.0.0.1:6379"), "--redis: 'http://127.0.0.1:6379' is not a Redis URL"),
+    ],
+)
+def test_demo_arguments_are_checked_before_any_engine_starts(args: tuple[str, ...], said: str) -> None:
+    """A demo port out of range (or 0: the tour would print :0) or a --redis that is no Redis URL is said
+    at once, as a busy port is: it used to start every engine first (their start-up lines, then the error),
+    and --port -5 was 'Servname not supported for ai_socktype' with status 1."""
+    started = time.monotonic()
+    result = run("demo", "--simulated", "--regions", "1", "--engines-per-region", "1", *args)
+    said_in_one_line(result, "configuration error", said)
+    assert result.returncode == 2
+    assert "engine" not in result.stdout + result.stderr
+    assert time.monotonic() - started < 10
