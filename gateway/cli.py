@@ -15,6 +15,7 @@ from gateway.user_errors import UserError
 from region_map.config import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "text")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -41,9 +42,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--workers",
         type=int,
-        default=int(os.environ.get("KVGATE_WORKERS", "1")),
-        help="gateway processes sharing the port (default 1; more use more cores). They share sessions, the "
-        "ledger and rate limits through --redis, or without it through a private redis-server they start",
+        default=None,  # (then KVGATE_WORKERS, else 1: read by _serve, where a typo in it is said)
+        help="gateway processes sharing the port (default: KVGATE_WORKERS, else 1; more use more cores). "
+        "They share sessions, the ledger and rate limits through --redis, or without it through a private "
+        "redis-server they start",
     )
     serve.set_defaults(func=_serve)
 
@@ -135,16 +137,35 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.http.server import run_gateway
     from gateway.http.workers import run_workers
 
-    if args.workers < 1:
+    workers = args.workers if args.workers is not None else _workers_from_environ()
+    if workers < 1:
         raise ConfigError("--workers must be at least 1")
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
     config = load_config(args.config, environ=os.environ, overrides=overrides)
-    if args.workers > 1:
+    if not any(region.engines for region in config.topology.regions):
+        # The file is read once: a gateway without engines would answer 503 to everything until restarted.
+        raise ConfigError(
+            f"regions: no engine in any region of {args.config}; list each region's engines "
+            '(engines = [{ name = "e0", url = "http://host:port" }])'
+        )
+    if workers > 1:
         if config.gateway.port == 0:
             raise ConfigError("--workers needs a fixed port: with port 0 every worker would get its own")
-        return run_workers(config, args.workers)
+        return run_workers(config, workers)
     run_gateway(config)
     return 0
+
+
+def _workers_from_environ() -> int:
+    """``KVGATE_WORKERS``, the default of ``--workers``. (It used to be read while the parser was built, so
+    that a typo in it was a traceback for every command, ``--help`` too.)"""
+    value = os.environ.get("KVGATE_WORKERS", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"KVGATE_WORKERS={value!r}: not a whole number (the default of --workers)"
+        ) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -152,6 +173,17 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.regions < 1 or args.engines_per_region < 1:
         raise ConfigError("--regions and --engines-per-region must be at least 1")
+    # Checked before any engine starts (the gateway's configuration is checked only after they are up);
+    # port 0 would serve on some port while the tour printed :0.
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a port is 1 to 65535")
+    if args.redis is not None:
+        from gateway.config import check_redis_url
+
+        try:
+            check_redis_url(args.redis)
+        except ValueError as exc:
+            raise ConfigError(f"--redis: {exc}") from None
     return run_demo(
         port=args.port,
         regions=args.regions,
@@ -191,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-format",
-        choices=("auto", "json", "text"),
+        choices=LOG_FORMATS,
         default=os.environ.get("KVGATE_LOG_FORMAT", "auto"),
         help="JSON lines, or text; auto: text on a terminal, JSON lines otherwise",
     )
@@ -222,6 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # argparse checks the choices of a flag given, not of a default taken from the environment: a typo
+    # there was a traceback (the log level) or silently text (the log format).
+    for variable, value, choices in (
+        ("KVGATE_LOG_LEVEL", args.log_level, LOG_LEVELS),
+        ("KVGATE_LOG_FORMAT", args.log_format, LOG_FORMATS),
+    ):
+        if value not in choices:
+            print(
+                f"kvgate: configuration error: {variable}={value!r} is not one of {', '.join(choices)}",
+                file=sys.stderr,
+            )
+            return 2
     configure_logging(args.log_level, args.log_format)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -202,6 +202,20 @@ class TopologyConfig(_Strict):
                 if endpoint in seen:
                     raise ValueError(f"engines {seen[endpoint]} and {here} have the same kv_events_endpoint")
                 seen[endpoint] = here
+        # One engine per URL and model (a copy-paste listing one twice was accepted): its one cache and queue
+        # were counted as two engines', and a KV pull could send it to itself. A server of several models
+        # behind one URL (an OpenAI upstream, vLLM's LoRA adapters) is listed once per model.
+        urls: dict[tuple[str, str | None], str] = {}
+        for region in self.regions:
+            for engine in region.engines:
+                model = engine.model
+                here = f"{region.name}/{engine.name}"
+                if (engine.base_url, model) in urls:
+                    raise ValueError(
+                        f"engines {urls[engine.base_url, model]} and {here} have the same url "
+                        f"{engine.base_url}: list each engine once"
+                    )
+                urls[engine.base_url, model] = here
         return self
 
     def rtt_s(self, a: str, b: str) -> float:

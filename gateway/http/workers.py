@@ -11,6 +11,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,9 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     Each follows every engine's KV events itself; sessions, the residency records of engines without
     events, the ledger and rate limits are shared through Redis: the configured one, or without one a
     private redis-server (``gateway.state.private_redis``) that lives as long as the workers. Stops all
-    when one stops or on SIGINT/SIGTERM."""
+    when one stops or on SIGINT/SIGTERM; a worker that stopped unasked makes the status non-zero."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
+    _check_state_directory(config)
     if not config.gateway.operator_port:
         clear_snapshots(worker_metrics_dir(config))  # (an earlier run's counts are not this one's)
     if config.gateway.redis_url is not None:
@@ -77,6 +79,23 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
         return _run_children(dataclasses.replace(config, gateway=gateway), workers)
     finally:
         private.stop()
+
+
+def _check_state_directory(config: KvgateConfig) -> None:
+    """The directory of the spool, where the workers keep their spools and journals, their private Redis
+    and their shared metrics, made now: an unusable one (a file in the way, a read-only mount) was a
+    NotADirectoryError "unexpected error", or the same configuration error once per worker."""
+    directory = spool_path(config).parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise NotADirectoryError(f"{directory} is not a directory this user may write in")
+    except OSError as exc:  # (mkdir says "File exists" of a file where the directory should be)
+        reason = "not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise ConfigError(
+            f"gateway.spool_path: the workers cannot keep their spools, Redis and metrics in {directory}: "
+            f"{reason}"
+        ) from None
 
 
 def worker_metrics_dir(config: KvgateConfig) -> Path:
@@ -93,7 +112,7 @@ def private_redis_dir(config: KvgateConfig) -> Path:
 
 def _run_children(config: KvgateConfig, workers: int) -> int:
     context: Any = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    children = [
+    children: list[BaseProcess] = [
         context.Process(
             target=_run_worker, args=(worker_config(config, i), os.getpid()), name=f"kvgate-worker-{i}"
         )
@@ -102,18 +121,56 @@ def _run_children(config: KvgateConfig, workers: int) -> int:
     for child in children:
         child.start()
 
+    asked_to_stop = False
+
     def forward(signum: int, frame: Any) -> None:
         for child in children:
             if child.is_alive() and child.pid is not None:
                 os.kill(child.pid, signum)
 
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal asked_to_stop
+        asked_to_stop = True
+        forward(signum, frame)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
+        signal.signal(sig, stop)
+    first_ended: BaseProcess | None = None
     try:
         while all(child.is_alive() for child in children):
             multiprocessing.connection.wait([child.sentinel for child in children])
+        first_ended = next((child for child in children if not child.is_alive()), None)
+        if first_ended is not None and not asked_to_stop:  # (said now: the others may drain for a while)
+            log.error(
+                "worker %s (pid %s) %s: stopping the other workers",
+                first_ended.name,
+                first_ended.pid,
+                _how_it_ended(first_ended.exitcode or 0),
+            )
     finally:
         forward(signal.SIGTERM, None)  # one ended: the service is not whole, stop the rest
         for child in children:
             child.join()
-    return max(child.exitcode or 0 for child in children)
+    return _exit_status(children, first_ended, asked_to_stop)
+
+
+def _exit_status(children: list[BaseProcess], first_ended: BaseProcess | None, asked_to_stop: bool) -> int:
+    """``kvgate serve``'s status once its workers ended. A worker that ends unasked (killed, crashed, OOM
+    killed) is a failure even when the others then drain cleanly: a worker killed by a signal used to leave
+    a status of 0 (``max(-9, 0)``), so a supervisor restarting on failure left the service down, and
+    nothing said which worker had died."""
+    if first_ended is not None and not asked_to_stop:
+        return max(1, first_ended.exitcode or 0)  # (its own status, or 1 for a signal or an exit 0)
+    # Asked to stop: a worker that the forwarded SIGTERM/SIGINT caught before its handler was in is fine.
+    stopping = (None, 0, -signal.SIGTERM, -signal.SIGINT)
+    codes = [c.exitcode or 0 for c in children if c.exitcode not in stopping]
+    return max([1 if code < 0 else code for code in codes] or [0])
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exited with status {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"

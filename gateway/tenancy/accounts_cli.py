@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
+from gateway.http.errors import InvalidRequest
 from gateway.tenancy.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
 from gateway.tenancy.usage_api import day_range
 from gateway.user_errors import UserError, without_credentials
@@ -146,6 +147,10 @@ async def _keys_async(
 
 def _usage(args: argparse.Namespace) -> int:
     query = {k: v for k, v in (("start", args.start), ("end", args.end)) if v}
+    try:  # before asking anyone: a mistyped day was an "unexpected error" (status 1), or a gateway's 400
+        start, end = day_range(query)
+    except InvalidRequest as exc:
+        raise ConfigError(f"--{exc.param}: {exc.message}") from None
     if args.url:
         body = asyncio.run(_usage_from_gateway(args.url, args.key, query))
     else:
@@ -154,7 +159,6 @@ def _usage(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
             )
-        start, end = day_range(query)
         with _redis_reached(redis_url, "the ledger"):
             body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
     if args.tenant:

@@ -265,3 +265,88 @@ def test_serve_starts_without_its_engine_and_redis_and_says_so(tmp_path: Path, o
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("KVGATE_WORKERS", "two", "KVGATE_WORKERS='two': not a whole number"),
+        ("KVGATE_LOG_LEVEL", "Verbose", "KVGATE_LOG_LEVEL='verbose' is not one of debug, info, warning"),
+        ("KVGATE_LOG_FORMAT", "xml", "KVGATE_LOG_FORMAT='xml' is not one of auto, json, text"),
+    ],
+)
+def test_a_bad_environment_variable_is_named_in_one_line(
+    tmp_path: Path, variable: str, value: str, said: str
+) -> None:
+    """The environment variables that stand for flags are checked as the flags are: a typo used to be a
+    traceback (KVGATE_WORKERS, KVGATE_LOG_LEVEL: for every command, --help too) or silently ignored
+    (KVGATE_LOG_FORMAT, which fell back to text)."""
+    config = deployment(tmp_path, free_port(), engine_url="http://127.0.0.1:9")
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, variable: value},
+    )
+    said_in_one_line(result, said)
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("days", "said"),
+    [
+        (
+            ("--start", "2026-13-01"),
+            "--start: start must be a day (YYYY-MM-DD) or Unix seconds, not '2026-13-01'",
+        ),
+        (
+            ("--start", "2026-12-05", "--end", "2026-11-01"),
+            "--start: invalid range 2026-12-05 .. 2026-11-01: end is before start",
+        ),
+    ],
+)
+@pytest.mark.parametrize("source", ["redis", "url"])
+def test_usage_with_days_it_cannot_read_is_an_argument_error(
+    days: tuple[str, ...], said: str, source: str
+) -> None:
+    """A mistyped day is the operator's mistake, said as such before Redis or a gateway is asked (it used to
+    be 'unexpected error: InvalidRequest ... please report it', status 1)."""
+    where = (
+        ["--redis", UNREACHABLE_REDIS] if source == "redis" else ["--url", f"http://127.0.0.1:{free_port()}"]
+    )
+    line = said_in_one_line(run("usage", *days, *where), "configuration error", said)
+    assert "unexpected" not in line and "report it" not in line
+    assert run("usage", *days, *where).returncode == 2
+
+
+@pytest.mark.parametrize("regions", ["engines = []\n", '[[regions]]\nname = "s"\n'], ids=["empty", "omitted"])
+def test_serve_with_no_engine_at_all_is_refused(tmp_path: Path, regions: str) -> None:
+    """A deployment file whose regions list no engine (an empty list, the engines left out) cannot serve a
+    single request, and the file is not re-read: kvgate serve used to start and answer 503 to everything."""
+    config = tmp_path / "deploy.toml"
+    config.write_text(f'region = "r"\n[[regions]]\nname = "r"\n{regions}[gateway]\nport = {free_port()}\n')
+    result = run("serve", "--config", str(config), timeout=20)
+    said_in_one_line(result, "configuration error", "regions", "no engine")
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--port", "70000"), "--port 70000: a port is 1 to 65535"),
+        (("--port", "-5"), "--port -5: a port is 1 to 65535"),
+        (("--port", "0"), "--port 0: a port is 1 to 65535"),
+        (("--redis", "http://127.0.0.1:6379"), "--redis: 'http://127.0.0.1:6379' is not a Redis URL"),
+    ],
+)
+def test_demo_arguments_are_checked_before_any_engine_starts(args: tuple[str, ...], said: str) -> None:
+    """A demo port out of range (or 0: the tour would print :0) or a --redis that is no Redis URL is said
+    at once, as a busy port is: it used to start every engine first (their start-up lines, then the error),
+    and --port -5 was 'Servname not supported for ai_socktype' with status 1."""
+    started = time.monotonic()
+    result = run("demo", "--simulated", "--regions", "1", "--engines-per-region", "1", *args)
+    said_in_one_line(result, "configuration error", said)
+    assert result.returncode == 2
+    assert "engine" not in result.stdout + result.stderr
+    assert time.monotonic() - started < 10

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -212,3 +213,85 @@ def test_the_public_metrics_of_workers_count_every_workers_requests(
     finally:
         gateway.terminate()
         gateway.wait(30)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's /proc: each thread's list of children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
+    tmp_path: Path, two_sim_engines: list[int]
+) -> None:
+    """A worker that dies (kill -9, the OOM killer) takes the others down, as documented; kvgate serve
+    must then exit non-zero and say which worker died and how, so that a supervisor (systemd
+    Restart=on-failure, a container's restart policy) restarts it. It used to exit 0 without a word."""
+    _, port, operator = _distinct_ports()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{two_sim_engines[0]}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
+        f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n'
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "--log-format", "text", "serve", "--config", str(config), "--workers", "2"],
+            stderr=log_file,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_port_open(p) for p in (port, operator, operator + 1)):
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        for p in (operator, operator + 1):  # each serving (its SIGTERM handler is in place once it answers)
+            while _engines_healthy(p) != 1:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        workers = _children(gateway.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        assert gateway.wait(60) != 0, log_path.read_text()
+        assert not _port_open(port)  # the other worker stopped too
+        log = log_path.read_text()
+        assert f"(pid {workers[0]}) was killed by SIGKILL: stopping the other workers" in log, log
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+
+
+@pytest.mark.parametrize("operator", [False, True], ids=["shared-metrics", "operator-port"])
+@pytest.mark.parametrize("redis", [False, True], ids=["private-redis", "redis"])
+def test_workers_with_a_spool_path_they_cannot_use_stop_in_one_line(
+    tmp_path: Path, operator: bool, redis: bool
+) -> None:
+    """The workers keep their spools, their private Redis and their shared metrics beside gateway.spool_path:
+    where no directory can be made (a file in the way, a read-only mount), kvgate serve says so once, naming
+    the key, as a single gateway does. It used to be 'unexpected error: NotADirectoryError ... please report
+    it', or one line per worker."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    _, port, operator_port = _distinct_ports()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "http://127.0.0.1:9" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{in_the_way / "ledger.spool"}"\n'
+        + (f"operator_port = {operator_port}\n" if operator else "")
+        + (f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n' if redis else "")
+    )
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvgate: configuration error: gateway.spool_path:"), line
+    assert str(in_the_way) in line and "Traceback" not in line

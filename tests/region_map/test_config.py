@@ -119,6 +119,16 @@ def _base() -> dict:
             lambda d: d["regions"][0]["engines"][0].update(kind="vllm", data_parallel_size=0),
             "regions.0.engines.0.data_parallel_size",
         ),
+        (  # one engine listed twice (a copy-paste): its one cache counted as two engines
+            lambda d: d["regions"][0]["engines"].append({"name": "e1", "url": "http://127.0.0.1:9/"}),
+            "engines a/e0 and a/e1 have the same url http://127.0.0.1:9",
+        ),
+        (  # (in another region too)
+            lambda d: d["regions"].append(
+                {"name": "b", "engines": [{"name": "e0", "url": "http://127.0.0.1:9", "kind": "vllm"}]}
+            ),
+            "engines a/e0 and b/e0 have the same url",
+        ),
     ],
 )
 def test_errors_name_the_bad_key(patch, key: str) -> None:  # type: ignore[no-untyped-def]
@@ -127,6 +137,20 @@ def test_errors_name_the_bad_key(patch, key: str) -> None:  # type: ignore[no-un
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert key in str(info.value)
+
+
+def test_one_server_may_be_listed_once_per_model() -> None:
+    """A server of several models behind one URL (an OpenAI-compatible upstream, vLLM's LoRA adapters) is
+    listed once per model: those may share a URL, two listings of one model may not."""
+    data = _base()
+    data["regions"][0]["engines"] = [
+        {"name": f"m{i}", "url": "http://10.0.0.9:8000", "kind": "openai", "model": model}
+        for i, model in enumerate(("llama", "qwen"))
+    ]
+    assert len(parse_config(data).topology.regions[0].engines) == 2
+    data["regions"][0]["engines"][1]["model"] = "llama"
+    with pytest.raises(ConfigError, match="a/m0 and a/m1 have the same url"):
+        parse_config(data)
 
 
 def test_engine_kinds_and_their_event_endpoints_load() -> None:
