@@ -49,7 +49,7 @@ from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
 from gateway.http.lean_http_answering import LeanAnswering
 from gateway.http.lean_http_deadlines import MAX_PIPELINED
 from gateway.http.lean_http_head import bad_http, head_refusal
-from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
+from gateway.http.lean_http_state import BODY, CONTINUE, HEAD, IDLE, StopParsing
 from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import UNMATCHED
 
@@ -182,6 +182,7 @@ class LeanConnection(LeanAnswering):
         self._found = None
         self._request_path = ""
         self._caller = None
+        self._continue_owed = False
         self._reading = HEAD
         self._began = self._loop.time()
         self._arm(self._began + self._edge.header_s)  # (mostly a no-op: an earlier timer re-arms itself)
@@ -226,10 +227,11 @@ class LeanConnection(LeanAnswering):
         identify = self._edge.identify
         if found.key_first and identify is not None and not self._identify(identify, expect is not None):
             return  # refused, or the key's verdict is on its way (and the 100 Continue with it)
-        if expect is not None and not self._queue and self._task is None:
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect is not None:
+            self._continue(expect_now=not self._queue and self._task is None)
 
     def on_body(self, body: bytes) -> None:
+        self._continue_owed = False  # (the client sent its body without waiting: no 100 is due any more)
         if self._discarding:
             self._discarding += len(body)
             if self._discarding > LINGER_MAX_BYTES:
@@ -259,6 +261,7 @@ class LeanConnection(LeanAnswering):
             return  # an Upgrade's body, which httptools does not read: _read_upgrade_body reads it
         self._reading = IDLE
         self._served = True
+        self._continue_owed = False
         if self._discarding:
             raise StopParsing  # the refused body is all read: nothing more is parsed on this connection
         self._complete()
@@ -294,6 +297,16 @@ class LeanConnection(LeanAnswering):
             self._task = self._loop.create_task(self._answer_queue())
         else:
             self._pause_if_backlogged()
+
+    def _continue(self, *, expect_now: bool) -> None:
+        """Tell the client to send the body of the request whose head is read: now, or (``expect_now``
+        False: the requests before it are being answered, and a 100 written now would land inside their
+        answers) once they are answered (``LeanAnswering._when_idle``). Without the 100 a client that
+        waits for it, as RFC 9110 10.1.1 lets it, sent nothing and got a 408 at the body deadline."""
+        if expect_now:
+            self.write(CONTINUE)
+        else:
+            self._continue_owed = True
 
     # -- an Upgrade, not taken -------------------------------------------------------------------------
 
@@ -375,8 +388,8 @@ class LeanConnection(LeanAnswering):
         if parsing and not cancelled:
             if error is None:
                 self._caller = verdict.result()
-                if expects_continue and not self._queue and self._task is None:
-                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if expects_continue:
+                    self._continue(expect_now=not self._queue and self._task is None)
             elif isinstance(error, GatewayError):
                 self._refuse_body(error.with_traceback(None))  # (kept as long as the connection)
             else:

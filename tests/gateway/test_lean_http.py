@@ -184,6 +184,26 @@ async def test_expect_100_continue(client: Client) -> None:
     assert replies[1].status == 200
 
 
+async def test_expect_100_continue_behind_a_stream_gets_its_100_once_the_stream_is_answered(
+    client: Client,
+) -> None:
+    """A request with ``Expect: 100-continue`` whose head comes while the answer before it streams: its 100
+    comes after that answer (not before, inside it), and its body is then read and answered. The client
+    waits for the 100 (RFC 9110 10.1.1 lets it), so the server must send one: it got none, and a 408 at the
+    body deadline."""
+    stream = {**CHAT, "stream": True, "max_tokens": 400}  # 0.2 s of decoding
+    body = json.dumps(CHAT).encode()
+    head = post("/v1/chat/completions", b"", f"Content-Length: {len(body)}", "Expect: 100-continue")
+    await client.send(post("/v1/chat/completions", json.dumps(stream).encode()) + head)
+    replies = await client.replies_until(2)
+    assert replies[0].status == 200 and replies[0].body.endswith(b"data: [DONE]\n\n")
+    assert replies[1].status == 100
+    await client.send(body)
+    replies = await client.replies_until(3)
+    assert replies[2].status == 200 and replies[2].json()["object"] == "chat.completion"
+    assert not client.closed
+
+
 async def test_a_declared_body_over_the_limit_is_413_before_it_is_sent(client: Client) -> None:
     size = MAX_BODY + 1
     await client.send(post("/v1/chat/completions", b"", f"Content-Length: {size}", "Expect: 100-continue"))
