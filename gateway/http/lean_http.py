@@ -220,6 +220,10 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
+        if self._version == "1.0" and self._header("transfer-encoding") is not None:
+            # RFC 9112 6.1: its framing is faulty (an HTTP/1.0 hop before this one did not read it as chunked,
+            # and may have sent what follows as another request): answered, then the connection closes.
+            self._keep_alive = False
         refusal, expect = head_refusal(self._headers, self._version, self._max_body)
         if refusal is not None:
             self._refuse_body(refusal)

@@ -266,6 +266,24 @@ async def test_http_1_0_closes_unless_kept_alive_and_gets_its_stream_unframed(cl
         client.close()
 
 
+async def test_an_http_1_0_request_with_transfer_encoding_is_answered_then_the_connection_closes(
+    client: Client,
+) -> None:
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (an HTTP/1.0 hop before
+    the gateway would not have read it as chunked): answered, then the connection closes, whatever its
+    Connection header said. The GET pipelined behind it is not read."""
+    body = json.dumps(CHAT).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    framed = post("/v1/chat/completions", chunked, "Transfer-Encoding: chunked", "Connection: keep-alive",
+                  version="1.0")  # fmt: skip
+    await client.send(framed + get("/health", "Connection: keep-alive", version="1.0"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200 and replies[0].json()["object"] == "chat.completion"
+    assert replies[0].headers.get("connection") == "close"
+    assert await client.is_closed_by_server()
+    assert len(client.replies.done) == 1
+
+
 async def test_unknown_paths_get_404_and_wrong_methods_405_with_allow(client: Client) -> None:
     await client.send(get("/v1/chat/completions"))
     await client.send(post("/v1/models", b"{}"))
