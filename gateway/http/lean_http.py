@@ -119,7 +119,8 @@ class LeanConnection(LeanAnswering):
         if len(data) > PARSE_SLICE_BYTES:
             self._parse_in_slices(data)
             return
-        if self._reading == HEAD:
+        reading, progress = self._reading, self._body_bytes + self._discarding
+        if reading == HEAD:
             self._head_fed += len(data)  # (the request began in an earlier read: all of this is its head)
         try:
             self._parser.feed_data(data)
@@ -140,6 +141,24 @@ class LeanConnection(LeanAnswering):
                 UNMATCHED,
                 bad_http(431, f"request headers too large (at most {MAX_HEAD_BYTES} bytes)"),
             )
+            self._stop(None)
+        elif reading == BODY == self._reading:
+            self._bound_framing(len(data), progress)
+
+    def _bound_framing(self, fed: int, progress: int) -> None:
+        """A chunked body's framing between its data (chunk lines, the trailer section) is bounded as a head
+        is: httptools keeps a trailer field whole until it ends, copying it at every read, so one sent
+        forever held memory and the event loop until the body deadline. Reads that brought no body byte
+        count; past MAX_HEAD_BYTES of them, 431."""
+        if self._body_bytes + self._discarding != progress:
+            self._framing_fed = 0
+            return
+        self._framing_fed += fed
+        if self._framing_fed > MAX_HEAD_BYTES:
+            self._unparsed = True
+            if not self._discarding:
+                message = f"chunk framing or trailer fields too large (at most {MAX_HEAD_BYTES} bytes)"
+                self._refusal = (self._endpoint(), bad_http(431, message))
             self._stop(None)
 
     def eof_received(self) -> bool:
@@ -175,7 +194,7 @@ class LeanConnection(LeanAnswering):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
-        self._head_fed = 0
+        self._head_fed = self._framing_fed = 0
         self._release_body()
         self._body = []
         self._body_bytes = 0
@@ -199,6 +218,8 @@ class LeanConnection(LeanAnswering):
             raise StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._reading != HEAD:
+            return  # a trailer field: not merged into the headers (RFC 9110 6.5.1); bounded by _bound_framing
         self._head_bytes += len(name) + len(value) + 4
         too_many = len(self._headers) >= MAX_HEADERS
         if too_many or len(name) + len(value) + 2 > MAX_HEADER_BYTES or self._head_bytes > MAX_HEAD_BYTES:

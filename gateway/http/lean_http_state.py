@@ -59,6 +59,7 @@ class LeanConnectionState(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
         self._head_fed = 0  # bytes read while its head was being read (httptools buffers a header whole)
+        self._framing_fed = 0  # bytes read in its body since the last body byte (chunk lines, trailers)
         self._body: list[bytes | bytearray] = []  # its pieces; small ones coalesced (LeanConnection.on_body)
         self._held = 0  # of _body's bytes, counted in the edge's body budget
         self._body_bytes = 0

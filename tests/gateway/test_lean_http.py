@@ -386,6 +386,37 @@ async def test_a_head_that_never_ends_is_refused_not_buffered(client: Client) ->
     assert await client.is_closed_by_server()
 
 
+def chunked_chat(trailer: bytes) -> bytes:
+    body = json.dumps(CHAT).encode()
+    framed = b"%x\r\n%s\r\n0\r\n%s" % (len(body), body, trailer)
+    return post("/v1/chat/completions", framed, "Transfer-Encoding: chunked")
+
+
+async def test_trailer_fields_are_not_taken_for_headers(client: Client) -> None:
+    """RFC 9110 6.5.1: a chunked body's trailer fields are not merged into the header section. They were:
+    a trailer's Content-Encoding got the request a 415, its x-request-id named the answer."""
+    await client.send(chunked_chat(b"Content-Encoding: br\r\nx-request-id: from-the-trailer\r\n\r\n"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200, replies[0].body
+    assert replies[0].headers["x-request-id"] != "from-the-trailer"
+    await client.send(chunked_chat(b"\r\n"))  # the connection goes on
+    assert (await client.replies_until(2))[1].status == 200
+
+
+async def test_a_trailer_that_never_ends_is_refused_not_buffered(client: Client) -> None:
+    """As a head that never ends: httptools keeps a trailer field until it ends (copying it at every read),
+    so one sent forever held memory and the event loop until the body deadline. Refused past 64 KiB."""
+    await client.send(chunked_chat(b"x-endless: "))
+    with contextlib.suppress(ConnectionError):
+        for _ in range(64):  # 512 KiB
+            await client.send(b"v" * 8192)
+            await asyncio.sleep(0)
+    replies = await client.replies_until(1)
+    assert replies[0].status == 431
+    assert replies[0].json()["error"]["code"] == "bad_http_request"
+    assert await client.is_closed_by_server()
+
+
 async def test_a_streamed_answer_is_chunked_and_the_connection_stays_usable(client: Client) -> None:
     stream = {**CHAT, "stream": True, "max_tokens": 5, "stream_options": {"include_usage": True}}
     await client.send(post("/v1/chat/completions", json.dumps(stream).encode()))
