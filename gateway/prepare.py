@@ -28,6 +28,7 @@ SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
 THREAD_DECODE_BYTES = 64 << 10  # compressed bodies this large inflate to megabytes: off the event loop
+MAX_NESTING = 254  # levels of arrays and objects orjson writes (it reads 1024); engine bodies are written
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
 
 
@@ -130,9 +131,16 @@ class RequestPreparer:
         if not raw:
             raise InvalidRequest("request body is empty; send a JSON object")
         try:
-            return orjson.loads(raw)
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        # A body nested deeper than orjson writes was read, and failed (a 500) only when its engine's body
+        # was written. Nesting that deep needs as many brackets: most bodies are cleared by counting them.
+        if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and not _writable(body):
+            raise InvalidRequest(
+                f"request body is nested too deeply (at most {MAX_NESTING} levels of arrays and objects)"
+            )
+        return body
 
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         self._check_counts(body)
@@ -352,6 +360,15 @@ def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionReques
     # salt sending "tenant:acme" would otherwise be in acme's namespace), nor another split's ("a/b" + "c"
     # against "a" + "b/c").
     return f"{len(tenant.cache_salt)}:{tenant.cache_salt}/{parsed.cache_salt}"
+
+
+def _writable(body: Any) -> bool:
+    """Whether orjson writes ``body`` back; what it read, it refuses only for nesting past MAX_NESTING."""
+    try:
+        orjson.dumps(body)
+    except TypeError:  # (orjson.JSONEncodeError)
+        return False
+    return True
 
 
 def _heavy(request: ClientRequest) -> bool:

@@ -49,7 +49,7 @@ from gateway.http.errors import GatewayError, PayloadTooLarge, Unavailable
 from gateway.http.lean_http_answering import LeanAnswering
 from gateway.http.lean_http_deadlines import MAX_PIPELINED
 from gateway.http.lean_http_head import bad_http, head_refusal
-from gateway.http.lean_http_state import BODY, HEAD, IDLE, StopParsing
+from gateway.http.lean_http_state import BODY, CONTINUE, HEAD, IDLE, StopParsing
 from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import UNMATCHED
 
@@ -65,6 +65,7 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and all headers together: past it, 43
 MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
 PARSE_SLICE_BYTES = 16 << 10  # a large read is parsed this much at a time
+SMALL_PIECE_BYTES = 4096  # a body piece smaller than this is copied onto the one before it
 
 
 class LeanConnection(LeanAnswering):
@@ -118,7 +119,8 @@ class LeanConnection(LeanAnswering):
         if len(data) > PARSE_SLICE_BYTES:
             self._parse_in_slices(data)
             return
-        if self._reading == HEAD:
+        reading, progress = self._reading, self._body_bytes + self._discarding
+        if reading == HEAD:
             self._head_fed += len(data)  # (the request began in an earlier read: all of this is its head)
         try:
             self._parser.feed_data(data)
@@ -139,6 +141,24 @@ class LeanConnection(LeanAnswering):
                 UNMATCHED,
                 bad_http(431, f"request headers too large (at most {MAX_HEAD_BYTES} bytes)"),
             )
+            self._stop(None)
+        elif reading == BODY == self._reading:
+            self._bound_framing(len(data), progress)
+
+    def _bound_framing(self, fed: int, progress: int) -> None:
+        """A chunked body's framing between its data (chunk lines, the trailer section) is bounded as a head
+        is: httptools keeps a trailer field whole until it ends, copying it at every read, so one sent
+        forever held memory and the event loop until the body deadline. Reads that brought no body byte
+        count; past MAX_HEAD_BYTES of them, 431."""
+        if self._body_bytes + self._discarding != progress:
+            self._framing_fed = 0
+            return
+        self._framing_fed += fed
+        if self._framing_fed > MAX_HEAD_BYTES:
+            self._unparsed = True
+            if not self._discarding:
+                message = f"chunk framing or trailer fields too large (at most {MAX_HEAD_BYTES} bytes)"
+                self._refusal = (self._endpoint(), bad_http(431, message))
             self._stop(None)
 
     def eof_received(self) -> bool:
@@ -174,7 +194,7 @@ class LeanConnection(LeanAnswering):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
-        self._head_fed = 0
+        self._head_fed = self._framing_fed = 0
         self._release_body()
         self._body = []
         self._body_bytes = 0
@@ -182,6 +202,7 @@ class LeanConnection(LeanAnswering):
         self._found = None
         self._request_path = ""
         self._caller = None
+        self._continue_owed = False
         self._reading = HEAD
         self._began = self._loop.time()
         self._arm(self._began + self._edge.header_s)  # (mostly a no-op: an earlier timer re-arms itself)
@@ -197,6 +218,8 @@ class LeanConnection(LeanAnswering):
             raise StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._reading != HEAD:
+            return  # a trailer field: not merged into the headers (RFC 9110 6.5.1); bounded by _bound_framing
         self._head_bytes += len(name) + len(value) + 4
         too_many = len(self._headers) >= MAX_HEADERS
         if too_many or len(name) + len(value) + 2 > MAX_HEADER_BYTES or self._head_bytes > MAX_HEAD_BYTES:
@@ -219,6 +242,10 @@ class LeanConnection(LeanAnswering):
         if parser.should_upgrade():
             self._upgrade_requested()
         self._body_began = self._loop.time()
+        if self._version == "1.0" and self._header("transfer-encoding") is not None:
+            # RFC 9112 6.1: its framing is faulty (an HTTP/1.0 hop before this one did not read it as chunked,
+            # and may have sent what follows as another request): answered, then the connection closes.
+            self._keep_alive = False
         refusal, expect = head_refusal(self._headers, self._version, self._max_body)
         if refusal is not None:
             self._refuse_body(refusal)
@@ -226,10 +253,11 @@ class LeanConnection(LeanAnswering):
         identify = self._edge.identify
         if found.key_first and identify is not None and not self._identify(identify, expect is not None):
             return  # refused, or the key's verdict is on its way (and the 100 Continue with it)
-        if expect is not None and not self._queue and self._task is None:
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect is not None:
+            self._continue(expect_now=not self._queue and self._task is None)
 
     def on_body(self, body: bytes) -> None:
+        self._continue_owed = False  # (the client sent its body without waiting: no 100 is due any more)
         if self._discarding:
             self._discarding += len(body)
             if self._discarding > LINGER_MAX_BYTES:
@@ -252,13 +280,23 @@ class LeanConnection(LeanAnswering):
             return
         edge.buffered += len(body)
         self._held += len(body)
-        self._body.append(body)
+        # Small pieces (a chunked body's tiny chunks) go into one bytearray: kept each as bytes, a 2-byte
+        # chunk cost some 45 bytes, and a client could hold 20 times the body budget it is counted against.
+        # The first piece stays as it came, so that a body read in one piece is not copied.
+        pieces = self._body
+        if len(body) >= SMALL_PIECE_BYTES or not pieces:
+            pieces.append(body)
+        elif isinstance(pieces[-1], bytearray):
+            pieces[-1] += body
+        else:
+            pieces.append(bytearray(body))
 
     def on_message_complete(self) -> None:
         if self._upgrade_body_left:
             return  # an Upgrade's body, which httptools does not read: _read_upgrade_body reads it
         self._reading = IDLE
         self._served = True
+        self._continue_owed = False
         if self._discarding:
             raise StopParsing  # the refused body is all read: nothing more is parsed on this connection
         self._complete()
@@ -269,7 +307,8 @@ class LeanConnection(LeanAnswering):
         if found is None:
             return
         self._release_body()
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        pieces = self._body
+        body = pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytes) else b"".join(pieces)
         headers = CIMultiDictProxy(CIMultiDict(self._headers))
         caller: Caller | asyncio.Task[Caller] | None = self._caller
         if self._verdict_parsing and self._verdict is not None:
@@ -294,6 +333,16 @@ class LeanConnection(LeanAnswering):
             self._task = self._loop.create_task(self._answer_queue())
         else:
             self._pause_if_backlogged()
+
+    def _continue(self, *, expect_now: bool) -> None:
+        """Tell the client to send the body of the request whose head is read: now, or (``expect_now``
+        False: the requests before it are being answered, and a 100 written now would land inside their
+        answers) once they are answered (``LeanAnswering._when_idle``). Without the 100 a client that
+        waits for it, as RFC 9110 10.1.1 lets it, sent nothing and got a 408 at the body deadline."""
+        if expect_now:
+            self.write(CONTINUE)
+        else:
+            self._continue_owed = True
 
     # -- an Upgrade, not taken -------------------------------------------------------------------------
 
@@ -375,8 +424,8 @@ class LeanConnection(LeanAnswering):
         if parsing and not cancelled:
             if error is None:
                 self._caller = verdict.result()
-                if expects_continue and not self._queue and self._task is None:
-                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if expects_continue:
+                    self._continue(expect_now=not self._queue and self._task is None)
             elif isinstance(error, GatewayError):
                 self._refuse_body(error.with_traceback(None))  # (kept as long as the connection)
             else:

@@ -14,7 +14,7 @@ from gateway.http.edge import REQUEST_ID
 from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
 from gateway.http.http_wire import Answer, head, whole_response
 from gateway.http.lean_http_deadlines import LeanDeadlines
-from gateway.http.lean_http_state import HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
+from gateway.http.lean_http_state import CONTINUE, HEAD, IDLE, LINGER, LeanConnectionState, StopParsing
 from gateway.http.lean_routes import Found
 
 if TYPE_CHECKING:
@@ -124,6 +124,10 @@ class LeanAnswering(LeanDeadlines):
             self._close()
         else:
             self._idle_since = self._loop.time()
+            if self._continue_owed:  # the request being read waits for its 100: its body is due from now
+                self._continue_owed = False
+                self.write(CONTINUE)
+                self._body_began = self._idle_since
             self._arm(self._deadline())
 
     def _parse_parked(self) -> None:

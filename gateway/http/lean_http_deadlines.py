@@ -55,7 +55,7 @@ class LeanDeadlines(LeanConnectionState):
             return self._idle_since + (self._edge.idle_s if self._served else self._edge.header_s)
         if reading == LINGER:
             return self._linger_until
-        if self._reading_paused:
+        if self._reading_paused or self._continue_owed:  # (owed: its body is not due before its 100)
             return NEVER
         if reading == HEAD:
             return self._began + self._edge.header_s

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # What a connection is reading, for its deadline (gateway.http.lean_http_deadlines).
 IDLE, HEAD, BODY, LINGER = 0, 1, 2, 3
 NEVER = float("inf")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class StopParsing(Exception):
@@ -58,7 +59,8 @@ class LeanConnectionState(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
         self._head_fed = 0  # bytes read while its head was being read (httptools buffers a header whole)
-        self._body: list[bytes] = []
+        self._framing_fed = 0  # bytes read in its body since the last body byte (chunk lines, trailers)
+        self._body: list[bytes | bytearray] = []  # its pieces; small ones coalesced (LeanConnection.on_body)
         self._held = 0  # of _body's bytes, counted in the edge's body budget
         self._body_bytes = 0
         self._method = "GET"
@@ -89,6 +91,8 @@ class LeanConnectionState(asyncio.Protocol):
         self._verdict: asyncio.Task[Caller] | None = None  # the key check of the request being parsed last
         self._verdict_parsing = False  # ... and that request is still being parsed
         self._continue_pending = False  # its Expect: 100-continue, answered once its key is good
+        # An Expect: 100-continue come while earlier requests were answered: its 100 follows their answers.
+        self._continue_owed = False
         # The deadline (see _deadline): what is being read, since when.
         self._reading = IDLE
         self._idle_since = 0.0

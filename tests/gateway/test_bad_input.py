@@ -165,6 +165,38 @@ def test_completions_body_errors(gw: BackgroundCluster) -> None:
         assert assert_openai_error(status, data, 400)["param"] == param
 
 
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 1000])
+@pytest.mark.parametrize(
+    ("path", "prefix", "suffix"),
+    [
+        ("/v1/chat/completions", json.dumps(GOOD)[:-1].encode() + b', "x": ', b"}"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", '
+            b'"text": "hi", "x": ' % MODEL.encode(),
+            b"}]}]}",
+        ),
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})[:-1].encode()
+         + b', "x": ', b"}"),
+    ],
+    ids=["chat-field", "content-part-field", "completions-field"],
+)  # fmt: skip
+def test_a_body_nested_too_deeply_is_400_not_500(
+    gw: BackgroundCluster, path: str, prefix: bytes, suffix: bytes, depth: int
+) -> None:
+    """JSON the gateway can read (orjson reads 1024 levels) but could not write to its engine (orjson writes
+    254): a 400 saying so, not a 500 from the engine body's serialization. 100 levels go through."""
+    status, data = post(gw, prefix + nested(depth) + suffix, path=path)
+    error = assert_openai_error(status, data, 400)
+    assert "nested" in error["message"]
+    status, data = post(gw, prefix + nested(100) + suffix, path=path)
+    assert status == 200, data[:300]
+
+
 def test_a_too_long_prompt_says_so(gw: BackgroundCluster) -> None:
     status, data = post(gw, {"model": MODEL, "prompt": "x" * 5000}, path="/v1/completions")
     assert assert_openai_error(status, data, 400)["code"] == "context_length_exceeded"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -492,6 +493,27 @@ async def test_bodies_being_read_share_one_budget_even_with_good_keys(make_clust
     await client.send(post("/v1/chat/completions", CHAT_BODY, auth))
     assert (await client.replies_until(1))[0].status == 200
     assert edge.buffered == 0  # (a whole body is the request's, out of the budget)
+    client.close()
+
+
+async def test_a_body_sent_in_tiny_chunks_holds_about_its_own_size(make_cluster: ClusterFactory) -> None:
+    """A chunked body of 2-byte chunks: what the connection holds of it while it is read is about its size
+    (the body budget counts its bytes, so that is what they must cost). Kept as a piece per chunk, each
+    2-byte piece cost some 45 bytes of memory: a client could hold 20 times the budget. The body is still
+    whole when it ends: answered 200."""
+    cluster = await gateway(make_cluster)
+    padded = CHAT_BODY + b" " * ((512 << 10) + len(CHAT_BODY) % 2)  # (whitespace is valid JSON)
+    chunked = b"".join(b"2\r\n%s\r\n" % padded[i : i + 2] for i in range(0, len(padded), 2))
+    client = await Client.connect(cluster)
+    await client.send(post("/v1/chat/completions", b"", "Transfer-Encoding: chunked").replace(
+        b"Content-Length: 0\r\n", b"") + chunked)  # fmt: skip
+    (connection,) = server(cluster).lean_connections
+    await cluster.wait_for(lambda: connection._body_bytes == len(padded))
+    held = sys.getsizeof(connection._body) + sum(sys.getsizeof(piece) for piece in connection._body)
+    assert held < 2 * len(padded), held
+    await client.send(b"0\r\n\r\n")
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200, replies[0].body
     client.close()
 
 

@@ -184,6 +184,26 @@ async def test_expect_100_continue(client: Client) -> None:
     assert replies[1].status == 200
 
 
+async def test_expect_100_continue_behind_a_stream_gets_its_100_once_the_stream_is_answered(
+    client: Client,
+) -> None:
+    """A request with ``Expect: 100-continue`` whose head comes while the answer before it streams: its 100
+    comes after that answer (not before, inside it), and its body is then read and answered. The client
+    waits for the 100 (RFC 9110 10.1.1 lets it), so the server must send one: it got none, and a 408 at the
+    body deadline."""
+    stream = {**CHAT, "stream": True, "max_tokens": 400}  # 0.2 s of decoding
+    body = json.dumps(CHAT).encode()
+    head = post("/v1/chat/completions", b"", f"Content-Length: {len(body)}", "Expect: 100-continue")
+    await client.send(post("/v1/chat/completions", json.dumps(stream).encode()) + head)
+    replies = await client.replies_until(2)
+    assert replies[0].status == 200 and replies[0].body.endswith(b"data: [DONE]\n\n")
+    assert replies[1].status == 100
+    await client.send(body)
+    replies = await client.replies_until(3)
+    assert replies[2].status == 200 and replies[2].json()["object"] == "chat.completion"
+    assert not client.closed
+
+
 async def test_a_declared_body_over_the_limit_is_413_before_it_is_sent(client: Client) -> None:
     size = MAX_BODY + 1
     await client.send(post("/v1/chat/completions", b"", f"Content-Length: {size}", "Expect: 100-continue"))
@@ -244,6 +264,24 @@ async def test_http_1_0_closes_unless_kept_alive_and_gets_its_stream_unframed(cl
         assert streamed.startswith(b"data: {") and streamed.endswith(b"data: [DONE]\n\n")
     finally:
         client.close()
+
+
+async def test_an_http_1_0_request_with_transfer_encoding_is_answered_then_the_connection_closes(
+    client: Client,
+) -> None:
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (an HTTP/1.0 hop before
+    the gateway would not have read it as chunked): answered, then the connection closes, whatever its
+    Connection header said. The GET pipelined behind it is not read."""
+    body = json.dumps(CHAT).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    framed = post("/v1/chat/completions", chunked, "Transfer-Encoding: chunked", "Connection: keep-alive",
+                  version="1.0")  # fmt: skip
+    await client.send(framed + get("/health", "Connection: keep-alive", version="1.0"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200 and replies[0].json()["object"] == "chat.completion"
+    assert replies[0].headers.get("connection") == "close"
+    assert await client.is_closed_by_server()
+    assert len(client.replies.done) == 1
 
 
 async def test_unknown_paths_get_404_and_wrong_methods_405_with_allow(client: Client) -> None:
@@ -345,6 +383,37 @@ async def test_a_head_that_never_ends_is_refused_not_buffered(client: Client) ->
             await asyncio.sleep(0)
     replies = await client.replies_until(1)
     assert replies[0].status == 431
+    assert await client.is_closed_by_server()
+
+
+def chunked_chat(trailer: bytes) -> bytes:
+    body = json.dumps(CHAT).encode()
+    framed = b"%x\r\n%s\r\n0\r\n%s" % (len(body), body, trailer)
+    return post("/v1/chat/completions", framed, "Transfer-Encoding: chunked")
+
+
+async def test_trailer_fields_are_not_taken_for_headers(client: Client) -> None:
+    """RFC 9110 6.5.1: a chunked body's trailer fields are not merged into the header section. They were:
+    a trailer's Content-Encoding got the request a 415, its x-request-id named the answer."""
+    await client.send(chunked_chat(b"Content-Encoding: br\r\nx-request-id: from-the-trailer\r\n\r\n"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200, replies[0].body
+    assert replies[0].headers["x-request-id"] != "from-the-trailer"
+    await client.send(chunked_chat(b"\r\n"))  # the connection goes on
+    assert (await client.replies_until(2))[1].status == 200
+
+
+async def test_a_trailer_that_never_ends_is_refused_not_buffered(client: Client) -> None:
+    """As a head that never ends: httptools keeps a trailer field until it ends (copying it at every read),
+    so one sent forever held memory and the event loop until the body deadline. Refused past 64 KiB."""
+    await client.send(chunked_chat(b"x-endless: "))
+    with contextlib.suppress(ConnectionError):
+        for _ in range(64):  # 512 KiB
+            await client.send(b"v" * 8192)
+            await asyncio.sleep(0)
+    replies = await client.replies_until(1)
+    assert replies[0].status == 431
+    assert replies[0].json()["error"]["code"] == "bad_http_request"
     assert await client.is_closed_by_server()
 
 
