@@ -110,6 +110,7 @@ async def relay_stream(
     response.headers["Cache-Control"] = "no-cache"
     tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
+    outcome: Outcome = "completed"
     timeout = read_timeout_s  # (a prompt may wait in the engine's queue; its health covers a dead engine)
     try:
         while (data := await upstream.next_batch(timeout)) is not None:
@@ -131,6 +132,11 @@ async def relay_stream(
         if rest:
             await response.write(rest)
         await response.write_eof()
+        if tap.error is not None:
+            # The engine ended its stream with an error event (the SDK raises it): the stream failed, even
+            # though its HTTP response ended cleanly.
+            metrics.upstream_error(engine_id, "stream_error_event")
+            outcome = "failed"
     except UpstreamError as exc:
         metrics.upstream_error(engine_id, type(exc).__name__)
         if first_byte is None:  # nothing reached the client: another engine may answer
@@ -146,7 +152,7 @@ async def relay_stream(
         upstream.abort()  # the client went away: stop the engine's work too
         accounting.done(tap.usage, first_byte, "aborted", tap.token_events)
         raise
-    accounting.done(tap.usage, first_byte, "completed", tap.token_events)
+    accounting.done(tap.usage, first_byte, outcome, tap.token_events)
     return response
 
 

@@ -2,8 +2,9 @@
 
 The gateway always asks engines for ``stream_options.include_usage`` (billing needs the engine's
 ``cached_tokens``) and drops the usage-only event again when the client did not ask for it. Events are
-only split and parsed when a batch mentions ``"usage"``; everything else is forwarded as received. The usage
-the client sees may gain fields (its cost) through ``annotate``.
+only split and parsed when a batch mentions ``"usage"`` or ``"error"``; everything else is forwarded as
+received. The usage the client sees may gain fields (its cost) through ``annotate``. An engine's error event
+(``{"error": {...}}``, which vLLM and SGLang send when generation fails mid-stream) is forwarded and noted.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ class SseUsageTap:
         self._annotate = annotate
         self._tail = b""
         self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None  # the engine's own error event, if it sent one
         self.saw_done = False
         self.events = 0  # data events forwarded
-        self._wordless = 0  # of those, the chat role announcement and [DONE]: no completion token in them
+        self._wordless = 0  # of those, the chat role announcement, [DONE] and an error: no completion token
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
@@ -41,7 +43,7 @@ class SseUsageTap:
         if b"[DONE]" in complete:
             self.saw_done = True
             self._wordless += 1
-        if b'"usage"' not in complete:
+        if b'"usage"' not in complete and b'"error"' not in complete:
             self.events += complete.count(b"data:")
             return complete
         out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
@@ -60,8 +62,8 @@ class SseUsageTap:
         return rest
 
     def _rewrite(self, event: bytes) -> bytes | None:
-        """The event to forward (None: drop it), noting the usage it carries."""
-        if b'"usage"' not in event:
+        """The event to forward (None: drop it), noting the usage or the error it carries."""
+        if b'"usage"' not in event and b'"error"' not in event:
             return event
         payload = _data_of(event)
         if payload is None:
@@ -71,6 +73,12 @@ class SseUsageTap:
         except orjson.JSONDecodeError:
             return event
         if not isinstance(chunk, dict):
+            return event
+        if isinstance(chunk.get("error"), dict) and not chunk.get("choices"):
+            # The engine says its stream failed: the stream must not count as completed, and this event
+            # carries no completion token.
+            self.error = chunk["error"]
+            self._wordless += 1
             return event
         usage = chunk.get("usage")
         if not isinstance(usage, dict):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 import redis.asyncio as aioredis
@@ -25,7 +26,14 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
-from tests.faulty_engines import Firehose, black_hole, server_error, stalls_after
+from tests.faulty_engines import (
+    Firehose,
+    Scripted,
+    black_hole,
+    chat_chunk,
+    server_error,
+    stalls_after,
+)
 from tests.harness import MODEL, ClusterFactory, _start
 from tests.redis_prefixes import new_prefix
 from tests.redis_process import RedisProcess
@@ -111,6 +119,61 @@ async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster:
     assert sorted(s for s, _, _ in results) == [200, 200, 503, 503, 503]
     refused = [r for r in results if r[0] == 503]
     assert all(elapsed < 0.5 and retry == "1" for _, elapsed, retry in refused)  # the others take ~1 s
+
+
+# -- engines whose HTTP is fine and whose stream is not ---------------------------------------------------
+
+
+async def _scripted_cluster(make_cluster: ClusterFactory, engine: Scripted) -> Any:
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/scripted": engine.app},
+        engine_options={"eu-west/scripted": {"kv_events": False}},
+        prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    return cluster, client
+
+
+async def _one_record(cluster: Any) -> Any:
+    """The request's one ledger record, once the relay made it (the client may have its answer first)."""
+    ledger = cluster.gateway.billing.ledger
+    await cluster.wait_for(lambda: len(ledger._records) >= 1)
+    await asyncio.sleep(0.1)  # ... and no second one follows
+    [record] = await ledger.records()
+    return record
+
+
+def _usage_records(cluster: Any, outcome: str) -> float:
+    return sum(
+        s.value
+        for m in cluster.gateway.metrics.usage_records.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels["outcome"] == outcome
+    )
+
+
+async def test_an_error_event_the_engine_sends_mid_stream_is_an_error_to_the_sdk_and_billed_as_failed(
+    make_cluster: ClusterFactory,
+) -> None:
+    # vLLM and SGLang end a stream whose generation failed with {"error": {...}} and then [DONE]. The SDK
+    # raises on that event; the ledger and the metrics must say the stream failed, not that it completed,
+    # and bill the tokens it carried (the error event carries none).
+    error = {"message": "engine out of memory", "type": "InternalServerError", "param": None, "code": 500}
+    events = [chat_chunk(role=True), *(chat_chunk("x") for _ in range(3))]
+    engine = Scripted([*events, b"data: " + orjson.dumps({"error": error}) + b"\n\n", b"data: [DONE]\n\n"])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ):
+            texts.append(chunk.choices[0].delta.content or "")
+    await client.close()
+    assert "".join(texts) == "xxx" and raised.value.message == "engine out of memory"
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 3)
+    assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
 
 
 # -- a client that reads slowly --------------------------------------------------------------------------

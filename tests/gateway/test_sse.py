@@ -69,3 +69,13 @@ def test_token_events_leave_out_the_role_announcement_and_done() -> None:
     first_has_content = SseUsageTap(forward_usage_event=False)
     first_has_content.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n' + CHUNK)
     assert first_has_content.token_events == 2
+
+
+def test_an_engines_error_event_is_forwarded_noted_and_carries_no_token() -> None:
+    tap = SseUsageTap(forward_usage_event=False)
+    error = b'data: {"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}\n\n'
+    word = b'data: {"choices":[{"index":0,"delta":{"content":"error"}}],"error":null}\n\n'  # a token
+    assert tap.feed(ROLE + CHUNK + word) == ROLE + CHUNK + word and tap.error is None
+    assert tap.feed(error + DONE) == error + DONE
+    assert tap.error == {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}
+    assert tap.token_events == 2
