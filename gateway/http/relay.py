@@ -104,7 +104,8 @@ async def relay_stream(
     """Relay an SSE stream. The client's response starts with the engine's first bytes: until then nothing
     has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
-    most; a stream that breaks off ends with an error event and is billed for what was sent."""
+    most; a stream that breaks off, or whose engine ends it without ``[DONE]``, ends with an error event and
+    is billed for what was sent."""
     response = request.stream_response(headers)  # written on the client's connection (gateway.http.lean_http)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
@@ -127,16 +128,26 @@ async def relay_stream(
                 accounting.streamed(tap.token_events)
             if out:
                 await response.write(out)
+        if first_byte is None:  # a 200 whose body ended empty: nothing reached the client, try another
+            metrics.upstream_error(engine_id, "empty_stream")
+            raise UpstreamFailed(f"engine {engine_id} ended its stream before sending anything")
         rest = tap.flush()
-        await response.prepare(cast(web.Request, request))  # (an engine that sent no byte at all)
         if rest:
             await response.write(rest)
-        await response.write_eof()
         if tap.error is not None:
             # The engine ended its stream with an error event (the SDK raises it): the stream failed, even
             # though its HTTP response ended cleanly.
             metrics.upstream_error(engine_id, "stream_error_event")
             outcome = "failed"
+        elif not tap.saw_done:
+            # The engine ended its response without [DONE] (a handler that returned mid-answer). The SDK ends
+            # a stream quietly at EOF, so relayed as it is, a truncated answer would pass for a whole one:
+            # end it with an error event, as a stream that breaks off is ended.
+            metrics.upstream_error(engine_id, "stream_without_done")
+            error = UpstreamFailed(f"engine {engine_id} ended the stream without [DONE]")
+            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            outcome = "failed"
+        await response.write_eof()
     except UpstreamError as exc:
         metrics.upstream_error(engine_id, type(exc).__name__)
         if first_byte is None:  # nothing reached the client: another engine may answer

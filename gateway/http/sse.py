@@ -9,6 +9,7 @@ received. The usage the client sees may gain fields (its cost) through ``annotat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,10 @@ import orjson
 
 # The usage an engine reported -> fields to add to the usage the client receives.
 Annotate = Callable[[dict[str, Any]], dict[str, Any]]
+
+# The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
+# be inside an event's JSON).
+_DONE = re.compile(rb"(?:^|\n)data: ?\[DONE\]")
 
 
 class SseUsageTap:
@@ -40,7 +45,7 @@ class SseUsageTap:
         complete, self._tail = buf[:end], buf[end:]
         if not self.events:
             self._wordless += _announces_role_only(complete)
-        if b"[DONE]" in complete:
+        if b"[DONE]" in complete and _DONE.search(complete):
             self.saw_done = True
             self._wordless += 1
         if b'"usage"' not in complete and b'"error"' not in complete:
@@ -57,9 +62,16 @@ class SseUsageTap:
         return max(self.events - self._wordless, 0)
 
     def flush(self) -> bytes:
-        """Whatever is left when the stream ends (an engine that did not end its last event)."""
+        """What to forward, once the stream ended, of a last event the engine did not end with its blank
+        line: a ``[DONE]`` is ended and forwarded; anything else is dropped, as an SSE client drops an event
+        cut short (forwarded, half an event would run into the error event that the relay then writes)."""
         rest, self._tail = self._tail, b""
-        return rest
+        if not _DONE.fullmatch(rest.strip()):
+            return b""
+        self.saw_done = True
+        self.events += 1
+        self._wordless += 1
+        return rest.strip() + b"\n\n"
 
     def _rewrite(self, event: bytes) -> bytes | None:
         """The event to forward (None: drop it), noting the usage or the error it carries."""

@@ -176,6 +176,53 @@ async def test_an_error_event_the_engine_sends_mid_stream_is_an_error_to_the_sdk
     assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
 
 
+async def test_a_stream_the_engine_ends_without_done_is_an_error_to_the_sdk_not_a_short_answer(
+    make_cluster: ClusterFactory,
+) -> None:
+    # An engine whose handler returned mid-answer ends its HTTP response cleanly, without finish_reason, usage
+    # or [DONE]. The SDK ends a stream quietly at EOF: relayed as it is, a truncated answer looks complete.
+    engine = Scripted([chat_chunk(role=True), chat_chunk("x"), chat_chunk("x")])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ):
+            texts.append(chunk.choices[0].delta.content or "")
+    await client.close()
+    assert "".join(texts) == "xx" and "[DONE]" in raised.value.message
+    assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_error"
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 2)
+
+
+async def test_a_stream_the_engine_ends_empty_is_failed_over_before_the_client_sees_it(
+    make_cluster: ClusterFactory,
+) -> None:
+    # A 200 whose body ends with no event at all: nothing reached the client, so another engine answers,
+    # instead of an empty stream that the SDK takes for an answer with no text.
+    empty = Scripted([])
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/empty": empty.app},
+        engine_options={"eu-west/empty": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    for i in range(4):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        assert text and raw.headers["x-kvgate-engine"] == "eu-west/e0"
+    await client.close()
+    assert empty.bodies  # (it was asked, and failed over)
+    await cluster.gateway.billing.writer.flush()
+    records = await cluster.gateway.billing.ledger.records()
+    assert [(r.engine, r.status) for r in records] == [("eu-west/e0", "completed")] * 4
+
+
 # -- a client that reads slowly --------------------------------------------------------------------------
 
 

@@ -35,10 +35,23 @@ def test_crlf_events_and_null_usage_in_content_chunks() -> None:
     assert out == content and tap.usage == USAGE
 
 
-def test_an_unterminated_last_event_is_flushed() -> None:
+def test_an_unterminated_last_event_is_dropped_unless_it_is_done() -> None:
+    # An SSE client drops an event its stream cut short; the relay writes its own error event after it.
     tap = SseUsageTap(forward_usage_event=True)
     assert tap.feed(b"data: partial") == b""
-    assert tap.flush() == b"data: partial"
+    assert tap.flush() == b"" and not tap.saw_done
+    for done in (b"data: [DONE]", b"data:[DONE]\r\n", b"data: [DONE]\n"):
+        tap = SseUsageTap(forward_usage_event=True)
+        assert tap.feed(CHUNK + done) == CHUNK and not tap.saw_done
+        assert tap.flush() == done.strip() + b"\n\n" and tap.saw_done and tap.token_events == 1
+
+
+def test_done_is_a_line_of_its_own_not_a_tokens_text() -> None:
+    tap = SseUsageTap(forward_usage_event=True)
+    tap.feed(b'data: {"choices":[{"index":0,"delta":{"content":"data: [DONE]"}}]}\n\n')
+    assert not tap.saw_done
+    tap.feed(b"data:[DONE]\r\n\r\n")
+    assert tap.saw_done
 
 
 def test_the_usage_event_gains_the_annotation_and_events_are_counted() -> None:
