@@ -35,7 +35,8 @@ class Accounting(Protocol):
         ...
 
     def usage_arrived(self, usage: dict[str, Any]) -> None:
-        """A stream's usage is in hand and about to be forwarded (its record can be made durable now)."""
+        """A stream's final usage (its usage chunk) is in hand and about to be forwarded (its record can be
+        made durable now). Called after every batch from then on, with the latest usage chunk's."""
         ...
 
     def streamed(self, tokens: int) -> None:
@@ -122,8 +123,8 @@ async def relay_stream(
                 await response.prepare(cast(web.Request, request))
                 timeout = stall_timeout_s
             out = tap.feed(data)
-            if tap.usage is not None:
-                accounting.usage_arrived(tap.usage)  # billed before the last byte reaches the client
+            if tap.final_usage is not None:
+                accounting.usage_arrived(tap.final_usage)  # billed before the last byte reaches the client
             else:
                 accounting.streamed(tap.token_events)
             if out:

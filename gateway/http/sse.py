@@ -28,7 +28,10 @@ class SseUsageTap:
         self._forward_usage_event = forward_usage_event
         self._annotate = annotate
         self._tail = b""
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None  # the last usage seen, in any chunk
+        # The usage of the usage chunk (``choices: []``), which comes after every token. Chunks with choices
+        # may carry a running usage too (vLLM's ``continuous_usage_stats``): not the final count.
+        self.final_usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None  # the engine's own error event, if it sent one
         self.saw_done = False
         self.events = 0  # data events forwarded
@@ -96,8 +99,10 @@ class SseUsageTap:
         if not isinstance(usage, dict):
             return event
         self.usage = usage
-        if not chunk.get("choices") and not self._forward_usage_event:
-            return None
+        if not chunk.get("choices"):
+            self.final_usage = usage
+            if not self._forward_usage_event:
+                return None
         extras = self._annotate(usage) if self._annotate is not None else None
         if not extras:
             return event

@@ -101,13 +101,19 @@ class RequestAccount:
                 journal.progressed(self.p.record_id, tokens)
 
     def usage_arrived(self, usage: dict[str, Any]) -> None:
-        """The engine's usage is in hand and about to be forwarded: the record is fixed (and journaled)
-        now, before the last byte reaches the client."""
-        if self._final is None:
-            prompt, cached, completion = usage_counts(usage)
-            self._final = self._record(prompt, cached, completion, "completed", estimated=False)
-            if self.billing.journal is not None:
-                self.billing.journal.finished(self._final)
+        """The engine's final usage is in hand and about to be forwarded: the record is fixed (and
+        journaled) now, before the last byte reaches the client. An engine that sends its usage chunk twice
+        with other counts is billed for the last one (the journal's replay takes the last entry too)."""
+        prompt, cached, completion = counts = usage_counts(usage)
+        final = self._final
+        if (
+            final is not None
+            and (final.prompt_tokens, final.cached_tokens, final.completion_tokens) == counts
+        ):
+            return  # (the same usage chunk: this is called after every batch once it came)
+        self._final = self._record(prompt, cached, completion, "completed", estimated=False)
+        if self.billing.journal is not None:
+            self.billing.journal.finished(self._final)
 
     def void(self) -> None:
         """Nothing of the request is billable (the engine failed before answering): no record."""

@@ -92,3 +92,17 @@ def test_an_engines_error_event_is_forwarded_noted_and_carries_no_token() -> Non
     assert tap.feed(error + DONE) == error + DONE
     assert tap.error == {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}
     assert tap.token_events == 2
+
+
+def test_only_the_usage_chunk_carries_the_final_usage() -> None:
+    """vLLM's continuous_usage_stats puts a running usage in chunks with choices: it is forwarded with them,
+    but only the usage chunk (``choices: []``) is the count to bill."""
+    running = {"prompt_tokens": 40, "completion_tokens": 1}
+    chunk = b"data: " + orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": running}
+    )
+    tap = SseUsageTap(forward_usage_event=False)
+    assert tap.feed(chunk + b"\n\n") == chunk + b"\n\n"
+    assert tap.usage == running and tap.final_usage is None
+    assert tap.feed(USAGE_EVENT + DONE) == DONE
+    assert tap.usage == tap.final_usage == USAGE
