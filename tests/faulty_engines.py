@@ -167,3 +167,13 @@ class Scripted:
             await response.write(event)
         await response.write_eof()
         return response
+
+
+def answers(body: bytes, content_type: str = "application/json") -> web.Application:
+    """Answers every completion 200 with ``body`` as it is, whatever was asked (streams included)."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type=content_type)
+
+    return _app(answer)

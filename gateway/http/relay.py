@@ -61,7 +61,9 @@ async def relay_whole(
     metrics: GatewayMetrics,
     accounting: Accounting,
 ) -> WholeAnswer | web.Response:
-    """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``."""
+    """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``.
+    An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
+    ``UpstreamTimedOut``: nothing reached the client, another engine may answer."""
     try:
         data = await upstream.read(read_timeout_s)
     except UpstreamTimeout:
@@ -78,14 +80,21 @@ async def relay_whole(
         return engine_error(engine_id, upstream.status, data, headers, metrics)
     try:
         answer = orjson.loads(data)
-        usage = answer.get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        # A 200 that is no completion (a proxy's error page, a body cut short): the SDK would fail parsing
+        # it with an error of its own. Nothing reached the client yet, so another engine may answer.
+        metrics.upstream_error(engine_id, "malformed_answer")
+        raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
         usage = None
-    extras = accounting.annotate(usage) if isinstance(usage, dict) else None
-    if extras:
+    extras = accounting.annotate(usage) if usage is not None else None
+    if usage is not None and extras:
         answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
-    accounting.done(usage if isinstance(usage, dict) else None, None, "completed", 0)
+    accounting.done(usage, None, "completed", 0)
     return WholeAnswer(data, headers)
 
 

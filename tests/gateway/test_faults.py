@@ -29,6 +29,7 @@ from region_map.breaker import BreakerState
 from tests.faulty_engines import (
     Firehose,
     Scripted,
+    answers,
     black_hole,
     chat_chunk,
     server_error,
@@ -221,6 +222,38 @@ async def test_a_stream_the_engine_ends_empty_is_failed_over_before_the_client_s
     await cluster.gateway.billing.writer.flush()
     records = await cluster.gateway.billing.ledger.records()
     assert [(r.engine, r.status) for r in records] == [("eu-west/e0", "completed")] * 4
+
+
+@pytest.mark.parametrize(
+    "body", [b"<html><body>502 Bad Gateway</body></html>", b'{"id": "chatcmpl-1", "choices": [{"mess', b"[]"]
+)
+async def test_a_whole_answer_that_is_no_json_object_is_failed_over_not_handed_to_the_sdk(
+    make_cluster: ClusterFactory, body: bytes
+) -> None:
+    # A 200 whose body is no completion (a proxy's page, a cut body): the SDK would fail to parse it with
+    # a JSONDecodeError of its own. Nothing reached the client yet, so another engine answers; with no
+    # other engine, the client gets an OpenAI-shaped 502.
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/bad": answers(body)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "hello"}]
+    for _ in range(3):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=hello, max_tokens=3
+        )
+        assert raw.parse().choices[0].message.content and raw.headers["x-kvgate-engine"] == "eu-west/e0"
+    await cluster.stop_engine("eu-west/e0")
+    cluster.gateway.fleet.engines["eu-west/e0"].mark_failure("stopped", unhealthy_after=1)
+    with pytest.raises(openai.InternalServerError) as raised:
+        await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=3)
+    await client.close()
+    assert raised.value.status_code == 502 and raised.value.code == "upstream_error"
+    assert "eu-west/bad" in raised.value.message
 
 
 # -- a client that reads slowly --------------------------------------------------------------------------
