@@ -25,7 +25,7 @@ from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
-from tests.faulty_engines import Scripted, chat_chunk, cut_stream, usage_of
+from tests.faulty_engines import Scripted, answers, chat_chunk, cut_stream, usage_of
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
 
@@ -348,6 +348,28 @@ async def test_a_stream_with_usage_in_every_chunk_is_billed_for_its_last_usage(
         5,
     )
     assert rec.cost_picodollars == PRICES.cost_picodollars(20, 0, 5)
+
+
+async def test_a_whole_answer_without_usage_is_still_billed(make_cluster: ClusterFactory) -> None:
+    # The engine answered (the client has its completion) but reported no usage: the request is billed by
+    # the gateway's own counts, marked estimated, instead of leaving no record at all.
+    message = {"role": "assistant", "content": "ok"}
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}  # fmt: skip
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/nousage": answers(json.dumps(body).encode())},
+        engine_options={"eu-west/nousage": {"kv_events": False}},
+        prices={MODEL: PRICE},
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    completion = await client.chat.completions.create(**chat("hi"))
+    await client.close()
+    assert completion.choices[0].message.content == "ok" and completion.usage is None
+    await cluster.gateway.billing.writer.flush()
+    records = await cluster.gateway.billing.ledger.records()
+    assert [(r.status, r.estimated) for r in records] == [("completed", True)]
+    assert records[0].prompt_tokens > 0 and records[0].cost_picodollars > 0
 
 
 async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:
