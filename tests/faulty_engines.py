@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -122,3 +123,57 @@ class Recorder:
         choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
         return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL, "choices": [choice],
                                   "usage": usage})  # fmt: skip
+
+
+def chat_chunk(
+    content: str | None = None, *, role: bool = False, finish: str | None = None, usage: Any = None
+) -> bytes:
+    """One SSE event of a chat stream as vLLM writes it: a role announcement, a token, or (``usage`` with no
+    ``content``) the usage chunk with ``choices: []``."""
+    base: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1}
+    base["model"] = MODEL
+    if usage is not None and content is None and not role:
+        return b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
+    delta = {"role": "assistant", "content": ""} if role else {"content": content}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    chunk = {**base, "choices": [choice], **({"usage": usage} if usage is not None else {})}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def usage_of(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Scripted:
+    """Streams exactly the SSE bytes it is given, then ends its response cleanly (a whole chunked body,
+    keep-alive): an engine whose HTTP is fine and whose stream is not. The bytes before ``pause_at`` go
+    out first; the rest wait for ``resume`` (set by the test once its client has seen them), so that the
+    gateway reads the two parts as separate batches."""
+
+    def __init__(self, events: list[bytes], *, pause_at: int | None = None) -> None:
+        self.events = events
+        self.pause_at = len(events) if pause_at is None else pause_at
+        self.resume = asyncio.Event()
+        self.bodies: list[dict[str, Any]] = []
+        self.app = _app(self.stream)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, event in enumerate(self.events):
+            if i == self.pause_at:
+                await self.resume.wait()
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+
+def answers(body: bytes, content_type: str = "application/json") -> web.Application:
+    """Answers every completion 200 with ``body`` as it is, whatever was asked (streams included)."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type=content_type)
+
+    return _app(answer)

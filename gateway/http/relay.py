@@ -35,7 +35,8 @@ class Accounting(Protocol):
         ...
 
     def usage_arrived(self, usage: dict[str, Any]) -> None:
-        """A stream's usage is in hand and about to be forwarded (its record can be made durable now)."""
+        """A stream's final usage (its usage chunk) is in hand and about to be forwarded (its record can be
+        made durable now). Called after every batch from then on, with the latest usage chunk's."""
         ...
 
     def streamed(self, tokens: int) -> None:
@@ -60,7 +61,9 @@ async def relay_whole(
     metrics: GatewayMetrics,
     accounting: Accounting,
 ) -> WholeAnswer | web.Response:
-    """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``."""
+    """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``.
+    An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
+    ``UpstreamTimedOut``: nothing reached the client, another engine may answer."""
     try:
         data = await upstream.read(read_timeout_s)
     except UpstreamTimeout:
@@ -77,14 +80,21 @@ async def relay_whole(
         return engine_error(engine_id, upstream.status, data, headers, metrics)
     try:
         answer = orjson.loads(data)
-        usage = answer.get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        # A 200 that is no completion (a proxy's error page, a body cut short): the SDK would fail parsing
+        # it with an error of its own. Nothing reached the client yet, so another engine may answer.
+        metrics.upstream_error(engine_id, "malformed_answer")
+        raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
         usage = None
-    extras = accounting.annotate(usage) if isinstance(usage, dict) else None
-    if extras:
+    extras = accounting.annotate(usage) if usage is not None else None
+    if usage is not None and extras:
         answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
-    accounting.done(usage if isinstance(usage, dict) else None, None, "completed", 0)
+    accounting.done(usage, None, "completed", 0)
     return WholeAnswer(data, headers)
 
 
@@ -104,12 +114,14 @@ async def relay_stream(
     """Relay an SSE stream. The client's response starts with the engine's first bytes: until then nothing
     has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
-    most; a stream that breaks off ends with an error event and is billed for what was sent."""
+    most; a stream that breaks off, or whose engine ends it without ``[DONE]``, ends with an error event and
+    is billed for what was sent."""
     response = request.stream_response(headers)  # written on the client's connection (gateway.http.lean_http)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
+    outcome: Outcome = "completed"
     timeout = read_timeout_s  # (a prompt may wait in the engine's queue; its health covers a dead engine)
     try:
         while (data := await upstream.next_batch(timeout)) is not None:
@@ -120,16 +132,31 @@ async def relay_stream(
                 await response.prepare(cast(web.Request, request))
                 timeout = stall_timeout_s
             out = tap.feed(data)
-            if tap.usage is not None:
-                accounting.usage_arrived(tap.usage)  # billed before the last byte reaches the client
+            if tap.final_usage is not None:
+                accounting.usage_arrived(tap.final_usage)  # billed before the last byte reaches the client
             else:
                 accounting.streamed(tap.token_events)
             if out:
                 await response.write(out)
+        if first_byte is None:  # a 200 whose body ended empty: nothing reached the client, try another
+            metrics.upstream_error(engine_id, "empty_stream")
+            raise UpstreamFailed(f"engine {engine_id} ended its stream before sending anything")
         rest = tap.flush()
-        await response.prepare(cast(web.Request, request))  # (an engine that sent no byte at all)
         if rest:
             await response.write(rest)
+        if tap.error is not None:
+            # The engine ended its stream with an error event (the SDK raises it): the stream failed, even
+            # though its HTTP response ended cleanly.
+            metrics.upstream_error(engine_id, "stream_error_event")
+            outcome = "failed"
+        elif not tap.saw_done:
+            # The engine ended its response without [DONE] (a handler that returned mid-answer). The SDK ends
+            # a stream quietly at EOF, so relayed as it is, a truncated answer would pass for a whole one:
+            # end it with an error event, as a stream that breaks off is ended.
+            metrics.upstream_error(engine_id, "stream_without_done")
+            error = UpstreamFailed(f"engine {engine_id} ended the stream without [DONE]")
+            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            outcome = "failed"
         await response.write_eof()
     except UpstreamError as exc:
         metrics.upstream_error(engine_id, type(exc).__name__)
@@ -146,7 +173,7 @@ async def relay_stream(
         upstream.abort()  # the client went away: stop the engine's work too
         accounting.done(tap.usage, first_byte, "aborted", tap.token_events)
         raise
-    accounting.done(tap.usage, first_byte, "completed", tap.token_events)
+    accounting.done(tap.usage, first_byte, outcome, tap.token_events)
     return response
 
 

@@ -2,12 +2,14 @@
 
 The gateway always asks engines for ``stream_options.include_usage`` (billing needs the engine's
 ``cached_tokens``) and drops the usage-only event again when the client did not ask for it. Events are
-only split and parsed when a batch mentions ``"usage"``; everything else is forwarded as received. The usage
-the client sees may gain fields (its cost) through ``annotate``.
+only split and parsed when a batch mentions ``"usage"`` or ``"error"``; everything else is forwarded as
+received. The usage the client sees may gain fields (its cost) through ``annotate``. An engine's error event
+(``{"error": {...}}``, which vLLM and SGLang send when generation fails mid-stream) is forwarded and noted.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,16 +18,24 @@ import orjson
 # The usage an engine reported -> fields to add to the usage the client receives.
 Annotate = Callable[[dict[str, Any]], dict[str, Any]]
 
+# The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
+# be inside an event's JSON).
+_DONE = re.compile(rb"(?:^|\n)data: ?\[DONE\]")
+
 
 class SseUsageTap:
     def __init__(self, *, forward_usage_event: bool, annotate: Annotate | None = None) -> None:
         self._forward_usage_event = forward_usage_event
         self._annotate = annotate
         self._tail = b""
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None  # the last usage seen, in any chunk
+        # The usage of the usage chunk (``choices: []``), which comes after every token. Chunks with choices
+        # may carry a running usage too (vLLM's ``continuous_usage_stats``): not the final count.
+        self.final_usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None  # the engine's own error event, if it sent one
         self.saw_done = False
         self.events = 0  # data events forwarded
-        self._wordless = 0  # of those, the chat role announcement and [DONE]: no completion token in them
+        self._wordless = 0  # of those, the chat role announcement, [DONE] and an error: no completion token
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
@@ -38,10 +48,10 @@ class SseUsageTap:
         complete, self._tail = buf[:end], buf[end:]
         if not self.events:
             self._wordless += _announces_role_only(complete)
-        if b"[DONE]" in complete:
+        if b"[DONE]" in complete and _DONE.search(complete):
             self.saw_done = True
             self._wordless += 1
-        if b'"usage"' not in complete:
+        if b'"usage"' not in complete and b'"error"' not in complete:
             self.events += complete.count(b"data:")
             return complete
         out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
@@ -55,13 +65,20 @@ class SseUsageTap:
         return max(self.events - self._wordless, 0)
 
     def flush(self) -> bytes:
-        """Whatever is left when the stream ends (an engine that did not end its last event)."""
+        """What to forward, once the stream ended, of a last event the engine did not end with its blank
+        line: a ``[DONE]`` is ended and forwarded; anything else is dropped, as an SSE client drops an event
+        cut short (forwarded, half an event would run into the error event that the relay then writes)."""
         rest, self._tail = self._tail, b""
-        return rest
+        if not _DONE.fullmatch(rest.strip()):
+            return b""
+        self.saw_done = True
+        self.events += 1
+        self._wordless += 1
+        return rest.strip() + b"\n\n"
 
     def _rewrite(self, event: bytes) -> bytes | None:
-        """The event to forward (None: drop it), noting the usage it carries."""
-        if b'"usage"' not in event:
+        """The event to forward (None: drop it), noting the usage or the error it carries."""
+        if b'"usage"' not in event and b'"error"' not in event:
             return event
         payload = _data_of(event)
         if payload is None:
@@ -72,12 +89,20 @@ class SseUsageTap:
             return event
         if not isinstance(chunk, dict):
             return event
+        if isinstance(chunk.get("error"), dict) and not chunk.get("choices"):
+            # The engine says its stream failed: the stream must not count as completed, and this event
+            # carries no completion token.
+            self.error = chunk["error"]
+            self._wordless += 1
+            return event
         usage = chunk.get("usage")
         if not isinstance(usage, dict):
             return event
         self.usage = usage
-        if not chunk.get("choices") and not self._forward_usage_event:
-            return None
+        if not chunk.get("choices"):
+            self.final_usage = usage
+            if not self._forward_usage_event:
+                return None
         extras = self._annotate(usage) if self._annotate is not None else None
         if not extras:
             return event

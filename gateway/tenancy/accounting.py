@@ -101,13 +101,19 @@ class RequestAccount:
                 journal.progressed(self.p.record_id, tokens)
 
     def usage_arrived(self, usage: dict[str, Any]) -> None:
-        """The engine's usage is in hand and about to be forwarded: the record is fixed (and journaled)
-        now, before the last byte reaches the client."""
-        if self._final is None:
-            prompt, cached, completion = usage_counts(usage)
-            self._final = self._record(prompt, cached, completion, "completed", estimated=False)
-            if self.billing.journal is not None:
-                self.billing.journal.finished(self._final)
+        """The engine's final usage is in hand and about to be forwarded: the record is fixed (and
+        journaled) now, before the last byte reaches the client. An engine that sends its usage chunk twice
+        with other counts is billed for the last one (the journal's replay takes the last entry too)."""
+        prompt, cached, completion = counts = usage_counts(usage)
+        final = self._final
+        if (
+            final is not None
+            and (final.prompt_tokens, final.cached_tokens, final.completion_tokens) == counts
+        ):
+            return  # (the same usage chunk: this is called after every batch once it came)
+        self._final = self._record(prompt, cached, completion, "completed", estimated=False)
+        if self.billing.journal is not None:
+            self.billing.journal.finished(self._final)
 
     def void(self) -> None:
         """Nothing of the request is billable (the engine failed before answering): no record."""
@@ -151,14 +157,11 @@ class RequestAccount:
         if record is None and usage is not None:
             record = self._record(prompt, cached, completion, outcome, estimated=False)
         elif record is None:
-            if first_byte is None and outcome != "aborted":
-                # The engine broke off before anything reached the client: nothing to bill.
-                self._log(outcome, now, first_byte, prompt, cached, completion, 0)
-                self._unbilled()
-                return
-            # It ended before the engine's usage: bill what the engine did by the gateway's own counts (the
+            # It ended without the engine's usage: bill what the engine did by the gateway's own counts (the
             # prompt it sent, the cache it predicted, one token per streamed event) — also when the client
-            # left before the first byte: the engine took the prompt.
+            # left before the first byte, and for a whole answer that came without usage (its tokens are not
+            # counted): the engine took the prompt. (Where the engine failed before anything reached the
+            # client, the relay raised instead and the request is voided: ``void``.)
             record = self._record(len(p.token_ids), self.predicted, streamed_tokens, outcome, estimated=True)
         if record is not self._final and self.billing.journal is not None:
             self.billing.journal.finished(record)  # (a whole answer's body leaves only after this returns)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 import redis.asyncio as aioredis
@@ -25,7 +26,15 @@ from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
-from tests.faulty_engines import Firehose, black_hole, server_error, stalls_after
+from tests.faulty_engines import (
+    Firehose,
+    Scripted,
+    answers,
+    black_hole,
+    chat_chunk,
+    server_error,
+    stalls_after,
+)
 from tests.harness import MODEL, ClusterFactory, _start
 from tests.redis_prefixes import new_prefix
 from tests.redis_process import RedisProcess
@@ -111,6 +120,140 @@ async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster:
     assert sorted(s for s, _, _ in results) == [200, 200, 503, 503, 503]
     refused = [r for r in results if r[0] == 503]
     assert all(elapsed < 0.5 and retry == "1" for _, elapsed, retry in refused)  # the others take ~1 s
+
+
+# -- engines whose HTTP is fine and whose stream is not ---------------------------------------------------
+
+
+async def _scripted_cluster(make_cluster: ClusterFactory, engine: Scripted) -> Any:
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/scripted": engine.app},
+        engine_options={"eu-west/scripted": {"kv_events": False}},
+        prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    return cluster, client
+
+
+async def _one_record(cluster: Any) -> Any:
+    """The request's one ledger record, once the relay made it (the client may have its answer first)."""
+    ledger = cluster.gateway.billing.ledger
+    await cluster.wait_for(lambda: len(ledger._records) >= 1)
+    await asyncio.sleep(0.1)  # ... and no second one follows
+    [record] = await ledger.records()
+    return record
+
+
+def _usage_records(cluster: Any, outcome: str) -> float:
+    return sum(
+        s.value
+        for m in cluster.gateway.metrics.usage_records.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels["outcome"] == outcome
+    )
+
+
+async def test_an_error_event_the_engine_sends_mid_stream_is_an_error_to_the_sdk_and_billed_as_failed(
+    make_cluster: ClusterFactory,
+) -> None:
+    # vLLM and SGLang end a stream whose generation failed with {"error": {...}} and then [DONE]. The SDK
+    # raises on that event; the ledger and the metrics must say the stream failed, not that it completed,
+    # and bill the tokens it carried (the error event carries none).
+    error = {"message": "engine out of memory", "type": "InternalServerError", "param": None, "code": 500}
+    events = [chat_chunk(role=True), *(chat_chunk("x") for _ in range(3))]
+    engine = Scripted([*events, b"data: " + orjson.dumps({"error": error}) + b"\n\n", b"data: [DONE]\n\n"])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ):
+            texts.append(chunk.choices[0].delta.content or "")
+    await client.close()
+    assert "".join(texts) == "xxx" and raised.value.message == "engine out of memory"
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 3)
+    assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
+
+
+async def test_a_stream_the_engine_ends_without_done_is_an_error_to_the_sdk_not_a_short_answer(
+    make_cluster: ClusterFactory,
+) -> None:
+    # An engine whose handler returned mid-answer ends its HTTP response cleanly, without finish_reason, usage
+    # or [DONE]. The SDK ends a stream quietly at EOF: relayed as it is, a truncated answer looks complete.
+    engine = Scripted([chat_chunk(role=True), chat_chunk("x"), chat_chunk("x")])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ):
+            texts.append(chunk.choices[0].delta.content or "")
+    await client.close()
+    assert "".join(texts) == "xx" and "[DONE]" in raised.value.message
+    assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_error"
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 2)
+
+
+async def test_a_stream_the_engine_ends_empty_is_failed_over_before_the_client_sees_it(
+    make_cluster: ClusterFactory,
+) -> None:
+    # A 200 whose body ends with no event at all: nothing reached the client, so another engine answers,
+    # instead of an empty stream that the SDK takes for an answer with no text.
+    empty = Scripted([])
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/empty": empty.app},
+        engine_options={"eu-west/empty": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    for i in range(4):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        assert text and raw.headers["x-kvgate-engine"] == "eu-west/e0"
+    await client.close()
+    assert empty.bodies  # (it was asked, and failed over)
+    await cluster.gateway.billing.writer.flush()
+    records = await cluster.gateway.billing.ledger.records()
+    assert [(r.engine, r.status) for r in records] == [("eu-west/e0", "completed")] * 4
+
+
+@pytest.mark.parametrize(
+    "body", [b"<html><body>502 Bad Gateway</body></html>", b'{"id": "chatcmpl-1", "choices": [{"mess', b"[]"]
+)
+async def test_a_whole_answer_that_is_no_json_object_is_failed_over_not_handed_to_the_sdk(
+    make_cluster: ClusterFactory, body: bytes
+) -> None:
+    # A 200 whose body is no completion (a proxy's page, a cut body): the SDK would fail to parse it with
+    # a JSONDecodeError of its own. Nothing reached the client yet, so another engine answers; with no
+    # other engine, the client gets an OpenAI-shaped 502.
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/bad": answers(body)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    await cluster.wait_for(lambda: all(e.healthy for e in cluster.gateway.fleet))
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "hello"}]
+    for _ in range(3):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=hello, max_tokens=3
+        )
+        assert raw.parse().choices[0].message.content and raw.headers["x-kvgate-engine"] == "eu-west/e0"
+    await cluster.stop_engine("eu-west/e0")
+    cluster.gateway.fleet.engines["eu-west/e0"].mark_failure("stopped", unhealthy_after=1)
+    with pytest.raises(openai.InternalServerError) as raised:
+        await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=3)
+    await client.close()
+    assert raised.value.status_code == 502 and raised.value.code == "upstream_error"
+    assert "eu-west/bad" in raised.value.message
 
 
 # -- a client that reads slowly --------------------------------------------------------------------------

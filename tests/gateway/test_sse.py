@@ -35,10 +35,23 @@ def test_crlf_events_and_null_usage_in_content_chunks() -> None:
     assert out == content and tap.usage == USAGE
 
 
-def test_an_unterminated_last_event_is_flushed() -> None:
+def test_an_unterminated_last_event_is_dropped_unless_it_is_done() -> None:
+    # An SSE client drops an event its stream cut short; the relay writes its own error event after it.
     tap = SseUsageTap(forward_usage_event=True)
     assert tap.feed(b"data: partial") == b""
-    assert tap.flush() == b"data: partial"
+    assert tap.flush() == b"" and not tap.saw_done
+    for done in (b"data: [DONE]", b"data:[DONE]\r\n", b"data: [DONE]\n"):
+        tap = SseUsageTap(forward_usage_event=True)
+        assert tap.feed(CHUNK + done) == CHUNK and not tap.saw_done
+        assert tap.flush() == done.strip() + b"\n\n" and tap.saw_done and tap.token_events == 1
+
+
+def test_done_is_a_line_of_its_own_not_a_tokens_text() -> None:
+    tap = SseUsageTap(forward_usage_event=True)
+    tap.feed(b'data: {"choices":[{"index":0,"delta":{"content":"data: [DONE]"}}]}\n\n')
+    assert not tap.saw_done
+    tap.feed(b"data:[DONE]\r\n\r\n")
+    assert tap.saw_done
 
 
 def test_the_usage_event_gains_the_annotation_and_events_are_counted() -> None:
@@ -69,3 +82,27 @@ def test_token_events_leave_out_the_role_announcement_and_done() -> None:
     first_has_content = SseUsageTap(forward_usage_event=False)
     first_has_content.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n' + CHUNK)
     assert first_has_content.token_events == 2
+
+
+def test_an_engines_error_event_is_forwarded_noted_and_carries_no_token() -> None:
+    tap = SseUsageTap(forward_usage_event=False)
+    error = b'data: {"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}\n\n'
+    word = b'data: {"choices":[{"index":0,"delta":{"content":"error"}}],"error":null}\n\n'  # a token
+    assert tap.feed(ROLE + CHUNK + word) == ROLE + CHUNK + word and tap.error is None
+    assert tap.feed(error + DONE) == error + DONE
+    assert tap.error == {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}
+    assert tap.token_events == 2
+
+
+def test_only_the_usage_chunk_carries_the_final_usage() -> None:
+    """vLLM's continuous_usage_stats puts a running usage in chunks with choices: it is forwarded with them,
+    but only the usage chunk (``choices: []``) is the count to bill."""
+    running = {"prompt_tokens": 40, "completion_tokens": 1}
+    chunk = b"data: " + orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": running}
+    )
+    tap = SseUsageTap(forward_usage_event=False)
+    assert tap.feed(chunk + b"\n\n") == chunk + b"\n\n"
+    assert tap.usage == running and tap.final_usage is None
+    assert tap.feed(USAGE_EVENT + DONE) == DONE
+    assert tap.usage == tap.final_usage == USAGE

@@ -25,7 +25,7 @@ from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
-from tests.faulty_engines import cut_stream
+from tests.faulty_engines import Scripted, answers, chat_chunk, cut_stream, usage_of
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
 
@@ -306,6 +306,70 @@ async def test_a_chat_stream_cut_by_its_engine_is_billed_for_its_tokens_not_its_
     [rec] = await cluster.gateway.billing.ledger.records()
     assert rec.status == "failed" and rec.estimated
     assert rec.completion_tokens == 5  # the role chunk carried no token
+
+
+async def test_a_stream_with_usage_in_every_chunk_is_billed_for_its_last_usage(
+    make_cluster: ClusterFactory,
+) -> None:
+    # vLLM's stream_options.continuous_usage_stats (the client's stream_options reach the engine) puts the
+    # running usage in every chunk, then sends the usage chunk with choices []. The bill is the last usage,
+    # not the first chunk's (1 completion token), whatever the client asked for.
+    tokens = [chat_chunk("x", usage=usage_of(20, i)) for i in range(1, 6)]
+    final = chat_chunk(usage=usage_of(20, 5))
+    engine = Scripted([chat_chunk(role=True), *tokens, final, b"data: [DONE]\n\n"], pause_at=2)
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/vllm": engine.app},
+        engine_options={"eu-west/vllm": {"kv_events": False}},
+        prices={MODEL: PRICE},
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        **chat("count"),
+        stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    usages = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            engine.resume.set()  # the first token's batch went through the gateway: send the rest
+        if chunk.usage is not None:
+            usages.append(chunk.usage.completion_tokens)
+    await client.close()
+    assert engine.bodies[0]["stream_options"]["continuous_usage_stats"] is True
+    assert usages == [1, 2, 3, 4, 5, 5]
+    ledger = cluster.gateway.billing.ledger
+    await cluster.wait_for(lambda: len(ledger._records) == 1)  # type: ignore[attr-defined]
+    [rec] = await ledger.records()
+    assert (rec.status, rec.estimated, rec.prompt_tokens, rec.completion_tokens) == (
+        "completed",
+        False,
+        20,
+        5,
+    )
+    assert rec.cost_picodollars == PRICES.cost_picodollars(20, 0, 5)
+
+
+async def test_a_whole_answer_without_usage_is_still_billed(make_cluster: ClusterFactory) -> None:
+    # The engine answered (the client has its completion) but reported no usage: the request is billed by
+    # the gateway's own counts, marked estimated, instead of leaving no record at all.
+    message = {"role": "assistant", "content": "ok"}
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}  # fmt: skip
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/nousage": answers(json.dumps(body).encode())},
+        engine_options={"eu-west/nousage": {"kv_events": False}},
+        prices={MODEL: PRICE},
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    completion = await client.chat.completions.create(**chat("hi"))
+    await client.close()
+    assert completion.choices[0].message.content == "ok" and completion.usage is None
+    await cluster.gateway.billing.writer.flush()
+    records = await cluster.gateway.billing.ledger.records()
+    assert [(r.status, r.estimated) for r in records] == [("completed", True)]
+    assert records[0].prompt_tokens > 0 and records[0].cost_picodollars > 0
 
 
 async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:
