@@ -132,6 +132,7 @@ def one(*events: Any) -> bytes:
     ("payload", "message"),
     [
         (b"\xc1", "not msgpack"),
+        (b"\x92\x01\x91\x81\x91\x01\x01", "not msgpack"),  # [1, [{[1]: 1}]]: a key no dict can hold
         (msgpack.packb({"engine": "e"}), "[ts, events]"),
         (msgpack.packb([1.0, [], 0, 4]), "[ts, events]"),
         (msgpack.packb(["now", []]), "ts must be a number"),
