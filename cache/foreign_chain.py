@@ -39,7 +39,7 @@ from cache.foreign_events import (
     ForeignRemoved,
     ForeignStored,
 )
-from cache.hashing import block_hashes, hash_block, namespace_seed, token_bytes
+from cache.hashing import block_hashes, cached_namespace_seed, hash_block, token_bytes
 
 GPU = "gpu"
 
@@ -91,7 +91,6 @@ class ForeignChain:
         self._pages = routing_block // block_size if routing_block and block_size else 1
         self._ranks: dict[int, dict[EngineHash, _Entry]] = {}
         self._held: dict[int, int] = {}  # kvgate hash -> copies across all ranks
-        self._seeds: dict[tuple[str, str], int] = {}
         self.unknown_parent_blocks = 0  # skipped: parent never seen (missed batch or older history)
         self.unindexable_blocks = 0  # known, never indexed: multimodal, embeddings, odd block size, ...
         self.ignored_blocks = 0  # events of another medium (CPU, disk) or KV cache group
@@ -311,16 +310,10 @@ class ForeignChain:
         if usable == 0:
             return None
         # A chain's root continues from its namespace's seed, as the gateway's hash of a prompt does.
-        start = self._seed(event.lora_name or self.model, salt) if parent_k is None else parent_k
+        start = cached_namespace_seed(event.lora_name or self.model, salt) if parent_k is None else parent_k
         if usable < n:
             tokens = tokens[: usable * size]
         return start, tokens, size
-
-    def _seed(self, namespace: str, salt: str) -> int:
-        seed = self._seeds.get((namespace, salt))
-        if seed is None:
-            seed = self._seeds[(namespace, salt)] = namespace_seed(namespace, salt)
-        return seed
 
 
 def _relevant(medium: str | None, group_idx: int | None) -> bool:

@@ -91,7 +91,10 @@ def decode_foreign_batch(payload: bytes) -> ForeignBatch:
     """One vLLM/SGLang ``EventBatch`` payload; raises ``EventDecodeError`` on anything malformed."""
     try:
         obj = msgpack.unpackb(payload, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    # TypeError: a map key msgpack can encode but a dict cannot hold (an array or a map). It must read as
+    # an unreadable batch like any other: escaping from here, it would stop the rank's follower, and the
+    # replay would hand the same batch back at every retry.
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise EventDecodeError(f"not msgpack: {exc}") from None
     return foreign_batch_from_obj(obj)
 

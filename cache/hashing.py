@@ -8,6 +8,7 @@ tenant cache salt, adapter): equal text under two namespaces never shares a hash
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,14 @@ def namespace_seed(model: str, cache_salt: str = "", adapter: str = "") -> int:
     # Length-prefix each part so that ("ab", "c") and ("a", "bc") cannot collide.
     blob = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
     return xxhash.xxh3_64_intdigest(blob)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_namespace_seed(model: str, cache_salt: str = "") -> int:
+    """``namespace_seed`` remembered for the namespaces in use. Bounded on purpose: clients choose salts
+    (vLLM's ``cache_salt`` is per request: one per end user, or a new one each time), and a memo kept
+    for every salt ever seen grew without end."""
+    return namespace_seed(model, cache_salt)
 
 
 def token_bytes(token_ids: TokenIds) -> bytes:

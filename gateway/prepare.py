@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from cache.hashing import PrefixHashMemo, TokenIds, namespace_seed, namespaced_block_hashes
+from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.config import GatewaySettings
@@ -108,7 +108,6 @@ class RequestPreparer:
             self._shared.append(tokenizer.encode_public(text))
         regions = [r.name for r in fleet.topology.regions]
         self.home = HomeRegions(settings.home, regions, fleet.region)
-        self._seeds: dict[tuple[str, str], int] = {}
         # Ledger record ids: unique across gateways and restarts (a random 64-bit prefix per process) and
         # cheaper than a uuid4 per request.
         self._record_prefix = os.urandom(8).hex() + "-"
@@ -311,12 +310,6 @@ class RequestPreparer:
                 best = n
         return best
 
-    def _seed(self, model: str, cache_salt: str) -> int:
-        seed = self._seeds.get((model, cache_salt))
-        if seed is None:
-            seed = self._seeds[(model, cache_salt)] = namespace_seed(model, cache_salt)
-        return seed
-
     def block_hashes(
         self,
         token_ids: TokenIds,
@@ -331,8 +324,8 @@ class RequestPreparer:
         return namespaced_block_hashes(
             token_ids,
             block_size or self.settings.block_size,
-            self._seed(model, cache_salt),
-            public_seed=self._seed(model, ""),
+            cached_namespace_seed(model, cache_salt),
+            public_seed=cached_namespace_seed(model, ""),
             shared_blocks=shared_blocks,
             hasher=self._hasher.block_hashes,
         )

@@ -248,8 +248,10 @@ def _positive_int(value: Any) -> int | None:
         return None
     if isinstance(value, str):
         value = value.strip()
-        if not value.isdigit():
-            return None  # vLLM writes an unset field as "None"
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a ValueError that escaped
+        # the health poller). vLLM writes an unset field as "None".
+        if not (value.isascii() and value.isdigit()):
+            return None
         value = int(value)
     return value if isinstance(value, int) and value > 0 else None
 

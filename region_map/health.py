@@ -367,7 +367,12 @@ class HealthPoller:
         async with self._session.get(f"{engine.url}{path}", timeout=timeout) as resp:
             if resp.status != 200:
                 raise _Status(path, resp.status)
-            return await resp.text()
+            try:
+                return await resp.text()
+            except UnicodeDecodeError:
+                # Not an engine's exposition text (that is UTF-8): a proxy's page, say. Raised as it was, it
+                # escaped every probe and stopped the health poller for the whole fleet.
+                raise DiscoveryError(f"{path} answered text that is not UTF-8") from None
 
 
 def _describe(exc: BaseException) -> str:

@@ -4,6 +4,7 @@ malformed payloads, and translating engine block ids into kvgate's contract-1 ha
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,7 @@ def one(*events: Any) -> bytes:
     ("payload", "message"),
     [
         (b"\xc1", "not msgpack"),
+        (b"\x92\x01\x91\x81\x91\x01\x01", "not msgpack"),  # [1, [{[1]: 1}]]: a key no dict can hold
         (msgpack.packb({"engine": "e"}), "[ts, events]"),
         (msgpack.packb([1.0, [], 0, 4]), "[ts, events]"),
         (msgpack.packb(["now", []]), "ts must be a number"),
@@ -369,3 +371,29 @@ def test_recorded_vllm_0_32_batches_translate_to_the_gateways_hashes() -> None:
         assert len(held) == sum(1 for c in present.values() if c > 0), name
     assert chain.unknown_parent_blocks == 0 and chain.unindexable_blocks == 0 and chain.ignored_blocks == 0
     assert len(prompts[-1][0]) == 15 and set(prompts[-1][0]) == set(chain.held())  # after the reset: H only
+
+
+def test_a_salt_per_request_leaves_no_memory_behind_once_its_blocks_are_gone() -> None:
+    # vLLM's cache_salt is per request, and a client may send a new one every time (one per end user, or
+    # per request): the chain must not keep something per salt it ever saw once nothing is held under it.
+    chain = ForeignChain(MODEL, block_size=BS)
+    toks = tokens(1)
+
+    def one_request(i: int) -> list[KvEvent]:
+        salt = f"user-{i:08d}-of-a-large-consumer-app"
+        out = chain.apply([stored([i + 1], None, toks, extra_keys=((salt,),))])
+        assert stored_hashes(out) == kv(toks, salt=salt)
+        return out + chain.apply([ForeignRemoved((i + 1,))])
+
+    tracemalloc.start()  # (before the warm-up: what it allocated and is freed later counts as freed)
+    try:
+        for i in range(5_000):  # past any bounded cache's size: what stays from here on is what grows
+            one_request(i)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5_000, 25_000):
+            one_request(i)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(chain) == 0 and chain.held() == []
+    assert grown < 500_000, f"{grown} bytes kept after 20,000 salts, each of whose blocks is gone"

@@ -7,6 +7,7 @@ which ``HFTokenizer`` makes for every piece or group of chunks its cache does no
 
 from __future__ import annotations
 
+import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,27 @@ async def test_request_preparation_encodes_in_the_tenants_namespace(tok: HFToken
         "tenant:globex",
         "11:tenant:acme/alice",
     }
+
+
+def test_a_cache_salt_per_request_leaves_no_memory_behind(tok: HFTokenizer) -> None:
+    # A client may send a new cache_salt with every request (one per end user, or per request): the
+    # preparer hashes each prompt in its salt's namespace, and must not keep something per salt for ever.
+    engine = {"name": "e", "url": "http://127.0.0.1:9", "model": "m"}  # never called: hashing only
+    fleet = Fleet(parse_topology({"region": "r", "regions": [{"name": "r", "engines": [engine]}]}))
+    prepare = RequestPreparer(GatewaySettings(), fleet, tok)
+    ids = np.arange(64, dtype=np.uint32)
+
+    def one_request(i: int) -> None:
+        prepare.block_hashes(ids, "m", f"11:tenant:acme/user-{i:08d}-of-a-large-consumer-app")
+
+    tracemalloc.start()  # (before the warm-up: what it allocated and is freed later counts as freed)
+    try:
+        for i in range(5_000):  # past any bounded cache's size: what stays from here on is what grows
+            one_request(i)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5_000, 25_000):
+            one_request(i)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 500_000, f"{grown} bytes kept after 20,000 salts"

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -467,6 +468,26 @@ async def test_unreadable_batch_counts_as_lost(ports: int, state: SharedState) -
             engine.prefill(b)
             await until(holds(state, kv(b), 2))
             assert state.lookup(kv(a)) == {} and c.decode_errors == 1 and c.resyncs == 2
+
+
+async def test_a_batch_with_an_array_as_a_map_key_counts_as_lost_and_following_goes_on(
+    ports: int, state: SharedState
+) -> None:
+    # Valid msgpack that no Python dict can hold: ``[ts, [{[1]: 1}], nil]``. It must read as one unreadable
+    # batch, not as an error that leaves the rank stuck replaying it (the replay hands it back every time).
+    crafted = b"\x93\xcb" + struct.pack(">d", 1.0) + b"\x91\x81\x91\x01\x01\xc0"
+    a, b = prompt(2, 0), prompt(2, 500)
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=crafted)
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2), what="the batch after the crafted one")
+            assert state.lookup(kv(a)) == {} and c.decode_errors == 1 and c.errors == 0
 
 
 async def test_waits_for_the_model_and_stops_cleanly(ports: int, state: SharedState) -> None:

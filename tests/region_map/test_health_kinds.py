@@ -56,6 +56,7 @@ class StockEngine:
             "max_running_requests": None,
         }
         self.server_info_path = "/server_info"
+        self.metrics_body: bytes | None = None  # sent as text/plain without a charset instead of the gauges
         self.tokenize: Callable[[dict[str, Any]], Awaitable[web.Response]] | None = None
         self.hits: Counter[str] = Counter()
         self.url = ""
@@ -98,6 +99,8 @@ class StockEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status, text="Internal Server Error")
+        if self.metrics_body is not None:
+            return web.Response(body=self.metrics_body, headers={"Content-Type": "text/plain"})
         return web.Response(body=self._metrics_text(), content_type="text/plain", charset="utf-8")
 
     def _metrics_text(self) -> bytes:
@@ -324,6 +327,42 @@ async def test_an_unreadable_metrics_keeps_the_engine_healthy_and_its_load_the_g
     vllm.metrics_status = 200
     await poller.probe_all()
     assert e.load_reported and e.queue_estimate() == (12, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "loaded"),
+    [
+        # A page in Latin-1 with no charset (a proxy's, say): not UTF-8, so not Prometheus text.
+        ({"metrics_body": "# maintenance: r\xe9essayez plus tard\n".encode("latin-1")}, False),
+        # A block_size label of a digit int() refuses ("²".isdigit() is True): the load still counts.
+        ({"block_size": "\u00b2"}, True),
+    ],
+)
+async def test_a_metrics_text_it_cannot_read_is_said_and_never_stops_the_poller(
+    engines: Callable[..., Awaitable[StockEngine]],
+    session: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    change: dict[str, Any],
+    loaded: bool,
+) -> None:
+    caplog.set_level(logging.INFO, logger=HEALTH_LOG)
+    vllm = await engines("vllm", ["probe-a"], running=9, waiting=3)
+    idle = await engines("vllm", ["probe-b"])
+    fleet = fleet_of(
+        {"name": "v", "url": vllm.url, "kind": "vllm"}, {"name": "w", "url": idle.url, "kind": "vllm"}
+    )
+    poller = HealthPoller(fleet, session, unhealthy_after=1)
+    e, other = fleet.engines["r/v"], fleet.engines["r/w"]
+    await poller.probe_all()
+    assert e.block_size == 16 and e.load_reported
+    for name, value in change.items():
+        setattr(vllm, name, value)
+    idle.running = 5
+    await poller.probe_all()  # one engine's odd answer must not stop the others' polls
+    assert e.healthy and e.block_size == 16  # what it said before stays
+    assert e.load_reported is loaded and e.queue_estimate() == ((12, 3) if loaded else (0, 0))
+    assert other.load.running == 5
+    assert logged(caplog, logging.INFO, "/metrics unreadable") == (0 if loaded else 1)
 
 
 async def test_models_are_read_at_first_contact_rarely_after_and_again_after_a_failure(
