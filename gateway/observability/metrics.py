@@ -241,9 +241,17 @@ class EventFollower(Protocol):
     gaps: int
     restarts: int
     decode_errors: int
+    disconnects: int
+    errors: int
 
     @property
     def unknown_parent_blocks(self) -> int: ...
+
+    @property
+    def unindexable_blocks(self) -> int: ...
+
+    @property
+    def ignored_blocks(self) -> int: ...
 
 
 class _EventFollowerCollector(Collector):
@@ -258,6 +266,13 @@ class _EventFollowerCollector(Collector):
         ("decode_errors", "kvgate_kv_event_decode_errors", "Event batches that could not be read."),
         ("unknown_parent_blocks", "kvgate_kv_event_unknown_parent_blocks",
          "Stored blocks not indexed because their parent was never seen (a missed batch)."),
+        ("unindexable_blocks", "kvgate_kv_event_unindexable_blocks",
+         "Stored blocks that cannot be indexed (multimodal, an odd block size, ...)."),
+        ("ignored_blocks", "kvgate_kv_event_ignored_blocks",
+         "Blocks of another medium (CPU, disk offload) or KV cache group, not routed on."),
+        ("disconnects", "kvgate_kv_event_disconnects", "Event publisher connections that dropped."),
+        ("errors", "kvgate_kv_event_errors",
+         "Unexpected failures while following an engine's events (logged with a traceback: a bug)."),
     )  # fmt: skip
 
     def __init__(self, followers: list[EventFollower]) -> None:

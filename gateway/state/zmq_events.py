@@ -80,7 +80,7 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
         # Counters, besides the sequencer's
         self.disconnects = 0  # publisher connections that dropped
         self.errors = 0  # unexpected failures (bugs), logged with their traceback
-        self._retired_unknown = 0
+        self._retired = {"unknown_parent_blocks": 0, "unindexable_blocks": 0, "ignored_blocks": 0}
         self._said_unheard = False  # the warning of _check_heard was given
 
     # -- metrics -----------------------------------------------------------------------------------------
@@ -88,7 +88,21 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
     @property
     def unknown_parent_blocks(self) -> int:
         """Blocks skipped because their parent was never announced to us."""
-        return self._retired_unknown + (self.chain.unknown_parent_blocks if self.chain else 0)
+        return self._chain_count("unknown_parent_blocks")
+
+    @property
+    def unindexable_blocks(self) -> int:
+        """Blocks announced that cannot be indexed (multimodal, embeddings, an odd block size)."""
+        return self._chain_count("unindexable_blocks")
+
+    @property
+    def ignored_blocks(self) -> int:
+        """Blocks of another medium or KV cache group."""
+        return self._chain_count("ignored_blocks")
+
+    def _chain_count(self, name: str) -> int:
+        """A chain counter since the start: the chains a model change retired, and the current one."""
+        return self._retired[name] + (getattr(self.chain, name) if self.chain else 0)
 
     def last_seq(self, rank: int = 0) -> int | None:
         return self._ranks[rank].last_seq
@@ -101,7 +115,8 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
             while True:
                 model = await self._wait_for_model()
                 if self.chain is not None:
-                    self._retired_unknown += self.chain.unknown_parent_blocks
+                    for name in self._retired:
+                        self._retired[name] += getattr(self.chain, name)
                 self.chain = ForeignChain(
                     model, block_size=self.engine.block_size, routing_block=self._routing_block()
                 )

@@ -123,3 +123,19 @@ async def test_a_reset_and_a_restart_leave_no_stale_residency(
     await cluster.wait_for(lambda: follower.restarts >= 1)
     predicted, cached, landed = await ask(cluster, prompt)
     assert predicted == cached == 0, (predicted, cached, landed)
+
+
+async def test_every_follower_counter_is_on_the_metrics_page_per_engine(
+    third_party: ThirdPartyFleet, publishers: dict[str, vp.VllmPublisher]
+) -> None:
+    """An operator alerts on these: each of a follower's counters, for each engine it follows."""
+    cluster, _ = await fleet(third_party, publishers, capacity=256)
+    assert cluster.session is not None
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        page = await r.text()
+    names = ("batches", "resyncs", "replays", "gaps", "restarts", "decode_errors", "unknown_parent_blocks",
+             "unindexable_blocks", "ignored_blocks", "disconnects", "errors")  # fmt: skip
+    for engine_id in ENGINES:
+        region = engine_id.split("/")[0]
+        for name in names:
+            assert f'kvgate_kv_event_{name}_total{{engine="{engine_id}",region="{region}"}}' in page, name
