@@ -120,7 +120,7 @@ async def relay_stream(
                 await response.prepare(cast(web.Request, request))
                 timeout = stall_timeout_s
             out = tap.feed(data)
-            if tap.usage is not None:
+            if tap.usage is not None and tap.usage_final:
                 accounting.usage_arrived(tap.usage)  # billed before the last byte reaches the client
             else:
                 accounting.streamed(tap.token_events)

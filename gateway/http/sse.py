@@ -22,7 +22,11 @@ class SseUsageTap:
         self._forward_usage_event = forward_usage_event
         self._annotate = annotate
         self._tail = b""
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None  # the latest usage seen
+        # Whether ``usage`` came in the usage-only chunk (``choices: []``) that ends the stream: the whole
+        # request's. Before it a chunk may carry the usage so far (vLLM's ``continuous_usage_stats``, which
+        # a client may ask for): billing from one of those would bill a few tokens of a long answer.
+        self.usage_final = False
         self.saw_done = False
         self.events = 0  # data events forwarded
         self._wordless = 0  # of those, the chat role announcement and [DONE]: no completion token in them
@@ -76,7 +80,8 @@ class SseUsageTap:
         if not isinstance(usage, dict):
             return event
         self.usage = usage
-        if not chunk.get("choices") and not self._forward_usage_event:
+        self.usage_final = not chunk.get("choices")
+        if self.usage_final and not self._forward_usage_event:
             return None
         extras = self._annotate(usage) if self._annotate is not None else None
         if not extras:

@@ -25,6 +25,7 @@ from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
+from tests.conftest import ThirdPartyFleet
 from tests.faulty_engines import cut_stream
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
@@ -306,6 +307,40 @@ async def test_a_chat_stream_cut_by_its_engine_is_billed_for_its_tokens_not_its_
     [rec] = await cluster.gateway.billing.ledger.records()
     assert rec.status == "failed" and rec.estimated
     assert rec.completion_tokens == 5  # the role chunk carried no token
+
+
+async def test_a_stream_with_usage_in_every_chunk_is_billed_for_all_its_tokens(
+    third_party: ThirdPartyFleet, redis_url: str
+) -> None:
+    """vLLM's ``continuous_usage_stats`` (which the gateway forwards) puts the usage so far in every chunk:
+    the ledger must take the engine's final usage, not the first chunk's (a stream billed as one token)."""
+    cluster, _ = await third_party(
+        {"eu-west/v": {"kind": "vllm", "decode_s_per_token": 0.01}},  # (chunks arrive one by one)
+        auth={"enabled": True},
+        redis_url=redis_url,
+        prices={"tiny": PRICE},
+    )
+    key, _ = await create_key(cluster.gateway.billing.keys, "globex")
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count to twenty"}],
+        max_tokens=20,
+        stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    usages = [chunk.usage.model_dump() async for chunk in stream if chunk.usage is not None]
+    await client.close()
+    final = usages[-1]
+    assert final["completion_tokens"] == 20 and usages[0]["completion_tokens"] < 20
+    await cluster.gateway.billing.writer.flush()
+    [day] = await cluster.gateway.billing.ledger.daily("globex", day_of(time.time()), day_of(time.time()))
+    assert (day.requests, day.prompt_tokens, day.completion_tokens) == (
+        1,
+        final["prompt_tokens"],
+        final["completion_tokens"],
+    )
+    assert day.cost_picodollars == cost_of(final) and final["cost"] == pytest.approx(cost_of(final) / 10**12)
 
 
 async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:
