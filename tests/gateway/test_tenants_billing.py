@@ -126,6 +126,25 @@ def test_keys_file_holds_digests_only(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "tenant" in refused.stderr
 
 
+async def test_a_malformed_line_in_the_keys_file_costs_only_that_line(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """A hand-edited keys file (a comment, a torn or mistyped line) must not refuse every other key."""
+    keys_file = tmp_path / "keys.jsonl"
+    key = kvgate("keys", "create", "--tenant", "globex", "--keys-file", str(keys_file)).stdout.strip()
+    with keys_file.open("a") as f:
+        f.write('# acme\'s keys, added by hand\n{"sha256": "00ff", "tenant": "acme"\n[1, 2]\n')
+    other = kvgate("keys", "create", "--tenant", "acme", "--keys-file", str(keys_file)).stdout.strip()
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True, "keys_file": str(keys_file)})
+    for good in (key, other):
+        status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(good))
+        assert status == 200, body
+    status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer("kvg-unknown"))
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    listed = kvgate("keys", "list", "--keys-file", str(keys_file))
+    assert "globex" in listed.stdout and "acme" in listed.stdout
+
+
 # -- isolation ------------------------------------------------------------------------------------------
 
 
