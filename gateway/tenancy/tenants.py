@@ -32,7 +32,9 @@ from gateway.state.single_flight import SingleFlight
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvg-"
-TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# \A and \Z, not ^ and $: "$" also matches before a final newline, so "acme\n" passed as a tenant name,
+# a tenant apart from "acme" (none of its limits or admin right, its usage under another name).
+TENANT_PATTERN = r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z"
 
 
 class TenantConfig(BaseModel):

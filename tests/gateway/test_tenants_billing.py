@@ -126,6 +126,15 @@ def test_keys_file_holds_digests_only(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "tenant" in refused.stderr
 
 
+def test_a_tenant_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
+    """``$`` also matches before a final newline: ``acme\\n`` was taken, a tenant apart from ``acme``
+    (none of its limits or admin right, billed under another name)."""
+    keys_file = tmp_path / "keys.jsonl"
+    refused = kvgate("keys", "create", "--tenant", "acme\n", "--keys-file", str(keys_file), check=False)
+    assert refused.returncode == 2 and "tenant" in refused.stderr
+    assert not keys_file.exists()
+
+
 async def test_a_malformed_line_in_the_keys_file_costs_only_that_line(
     make_cluster: ClusterFactory, tmp_path: Path
 ) -> None:
