@@ -525,6 +525,13 @@ class VllmLikeEngine:
             return self._error(exc)
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage so far
+        # (vllm/entrypoints/openai/chat_completion/serving.py); SGLang has no such option.
+        continuous = (
+            include_usage
+            and self.kind == "vllm"
+            and bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        )
         base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         answer = _Answer(self, job, response_id=f"{'chatcmpl' if chat else 'cmpl'}-{base}")
         async with aclosing(self._generate(job)) as tokens:
@@ -543,14 +550,16 @@ class VllmLikeEngine:
             try:
                 first = await anext(tokens, None)
                 if chat:
-                    await response.write(answer.sse(answer.role_chunk()))
+                    await response.write(answer.sse(answer.so_far(answer.role_chunk(), 0, continuous)))
                     role_sent = True
                 if first is not None:
                     emitted = 0
                     async for _ in tokens:
-                        await response.write(answer.sse(answer.token_chunk(emitted, last=False)))
+                        chunk = answer.token_chunk(emitted, last=False)
+                        await response.write(answer.sse(answer.so_far(chunk, emitted + 1, continuous)))
                         emitted += 1
-                    await response.write(answer.sse(answer.token_chunk(emitted, last=True)))
+                    chunk = answer.token_chunk(emitted, last=True)
+                    await response.write(answer.sse(answer.so_far(chunk, emitted + 1, continuous)))
                 if include_usage:
                     await response.write(answer.sse(answer.usage_chunk()))
             except EngineError as exc:
@@ -987,6 +996,14 @@ class _Answer:
         if last:
             choice["stop_reason"] = None
         return self._chunk([choice])
+
+    def so_far(self, chunk: dict[str, Any], completion_tokens: int, continuous: bool) -> dict[str, Any]:
+        """``chunk`` with the usage so far when the client asked for continuous_usage_stats."""
+        if continuous:
+            n = len(self.job.prompt)
+            chunk["usage"] = {"prompt_tokens": n, "completion_tokens": completion_tokens,
+                              "total_tokens": n + completion_tokens}  # fmt: skip
+        return chunk
 
     def usage_chunk(self) -> dict[str, Any]:
         chunk = self._chunk([])

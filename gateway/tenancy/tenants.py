@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -28,8 +29,12 @@ from redis.exceptions import RedisError
 
 from gateway.state.single_flight import SingleFlight
 
+log = logging.getLogger(__name__)
+
 KEY_PREFIX = "kvg-"
-TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# \A and \Z, not ^ and $: "$" also matches before a final newline, so "acme\n" passed as a tenant name,
+# a tenant apart from "acme" (none of its limits or admin right, its usage under another name).
+TENANT_PATTERN = r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z"
 
 
 class TenantConfig(BaseModel):
@@ -111,11 +116,17 @@ class FileKeyStore:
         if mtime == self._mtime:
             return
         entries: dict[str, KeyRecord] = {}
-        for line in self.path.read_text().splitlines():
-            if line.strip():
+        for number, line in enumerate(self.path.read_bytes().splitlines(), start=1):
+            if not line.strip():
+                continue
+            # A line that is not a key (a comment or a typo of a hand edit, a torn write) is skipped, not
+            # raised: an error here failed every key's look-up with a 500, the well-formed ones too.
+            try:
                 raw = json.loads(line)
                 record = KeyRecord(raw["key_id"], raw["tenant"], raw["created"], raw.get("name", ""))
                 entries[raw["sha256"]] = record
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("%s line %d is not a key and is ignored: %r", self.path, number, exc)
         self._by_digest, self._mtime = entries, mtime
 
     async def add(self, key_digest: str, record: KeyRecord) -> None:

@@ -25,6 +25,7 @@ from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
+from tests.conftest import ThirdPartyFleet
 from tests.faulty_engines import Scripted, answers, chat_chunk, cut_stream, usage_of
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_process import RedisProcess
@@ -123,6 +124,34 @@ def test_keys_file_holds_digests_only(tmp_path: Path) -> None:
     assert "globex" not in keys_file.read_text()
     refused = kvgate("keys", "create", "--tenant", "no spaces", "--keys-file", str(keys_file), check=False)
     assert refused.returncode == 2 and "tenant" in refused.stderr
+
+
+def test_a_tenant_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
+    """``$`` also matches before a final newline: ``acme\\n`` was taken, a tenant apart from ``acme``
+    (none of its limits or admin right, billed under another name)."""
+    keys_file = tmp_path / "keys.jsonl"
+    refused = kvgate("keys", "create", "--tenant", "acme\n", "--keys-file", str(keys_file), check=False)
+    assert refused.returncode == 2 and "tenant" in refused.stderr
+    assert not keys_file.exists()
+
+
+async def test_a_malformed_line_in_the_keys_file_costs_only_that_line(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """A hand-edited keys file (a comment, a torn or mistyped line) must not refuse every other key."""
+    keys_file = tmp_path / "keys.jsonl"
+    key = kvgate("keys", "create", "--tenant", "globex", "--keys-file", str(keys_file)).stdout.strip()
+    with keys_file.open("a") as f:
+        f.write('# acme\'s keys, added by hand\n{"sha256": "00ff", "tenant": "acme"\n[1, 2]\n')
+    other = kvgate("keys", "create", "--tenant", "acme", "--keys-file", str(keys_file)).stdout.strip()
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True, "keys_file": str(keys_file)})
+    for good in (key, other):
+        status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(good))
+        assert status == 200, body
+    status, body, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer("kvg-unknown"))
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    listed = kvgate("keys", "list", "--keys-file", str(keys_file))
+    assert "globex" in listed.stdout and "acme" in listed.stdout
 
 
 # -- isolation ------------------------------------------------------------------------------------------
@@ -370,6 +399,40 @@ async def test_a_whole_answer_without_usage_is_still_billed(make_cluster: Cluste
     records = await cluster.gateway.billing.ledger.records()
     assert [(r.status, r.estimated) for r in records] == [("completed", True)]
     assert records[0].prompt_tokens > 0 and records[0].cost_picodollars > 0
+
+
+async def test_a_stream_with_usage_in_every_chunk_is_billed_for_all_its_tokens(
+    third_party: ThirdPartyFleet, redis_url: str
+) -> None:
+    """vLLM's ``continuous_usage_stats`` (which the gateway forwards) puts the usage so far in every chunk:
+    the ledger must take the engine's final usage, not the first chunk's (a stream billed as one token)."""
+    cluster, _ = await third_party(
+        {"eu-west/v": {"kind": "vllm", "decode_s_per_token": 0.01}},  # (chunks arrive one by one)
+        auth={"enabled": True},
+        redis_url=redis_url,
+        prices={"tiny": PRICE},
+    )
+    key, _ = await create_key(cluster.gateway.billing.keys, "globex")
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count to twenty"}],
+        max_tokens=20,
+        stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    usages = [chunk.usage.model_dump() async for chunk in stream if chunk.usage is not None]
+    await client.close()
+    final = usages[-1]
+    assert final["completion_tokens"] == 20 and usages[0]["completion_tokens"] < 20
+    await cluster.gateway.billing.writer.flush()
+    [day] = await cluster.gateway.billing.ledger.daily("globex", day_of(time.time()), day_of(time.time()))
+    assert (day.requests, day.prompt_tokens, day.completion_tokens) == (
+        1,
+        final["prompt_tokens"],
+        final["completion_tokens"],
+    )
+    assert day.cost_picodollars == cost_of(final) and final["cost"] == pytest.approx(cost_of(final) / 10**12)
 
 
 async def test_no_record_for_requests_that_never_reached_an_engine(make_cluster: ClusterFactory) -> None:
