@@ -175,6 +175,7 @@ def build_app(config: KvgateConfig) -> web.Application:
         log.warning(
             "gateway.lean_http = false is no longer an option: gateway.http.lean_http serves every request"
         )
+    _warn_of_shared_caches(fleet, settings.auth.enabled)
     app = web.Application()
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
@@ -279,6 +280,19 @@ async def _check_redis(state: SharedState, url: str) -> str:
         return f"unreachable at {without_credentials(url)}"
     await _check_eviction(state.redis, url)
     return f"on ({without_credentials(url)})"
+
+
+def _warn_of_shared_caches(fleet: Fleet, tenants: bool) -> None:
+    """Tenants' prefix caches are kept apart by ``cache_salt``, which only kvgate and vLLM engines take.
+    Behind an SGLang or other OpenAI engine, a tenant that sends another's prompt finds its KV there:
+    ``cached_tokens`` (and its TTFT) tell it someone sent that prompt. Said at start, with tenants."""
+    shared = [e.id for e in fleet if e.kind not in (EngineKind.KVGATE, EngineKind.VLLM)]
+    if tenants and shared:
+        log.warning(
+            "engines %s take no cache_salt: tenants share their prefix caches there, and one can learn from "
+            "cached_tokens and time to first token whether another sent the same prompt",
+            ", ".join(shared),
+        )
 
 
 # What each family of eviction policies may take from the ledger (``maxmemory-policy``, when Redis is full).

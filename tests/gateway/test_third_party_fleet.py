@@ -83,3 +83,20 @@ async def test_urls_alone_in_front_of_vllm_serve_requests_and_say_what_to_set(
     assert status == 200, answer
     said = [r.getMessage() for r in caplog.records if "not a kvgate engine" in r.getMessage()]
     assert len(said) == 2 and all('Set its kind ("vllm"' in m for m in said)
+
+
+@pytest.mark.parametrize("auth", [True, False])
+async def test_tenants_in_front_of_engines_without_cache_salt_are_warned_of_at_start(
+    third_party: ThirdPartyFleet, caplog: pytest.LogCaptureFixture, auth: bool
+) -> None:
+    """SGLang takes no cache_salt: with tenants, their prefix caches are shared on it, and the operator is
+    told which engines; vLLM engines keep tenants apart and are not named."""
+    caplog.set_level(logging.WARNING, logger="kvgate.app")
+    await third_party(
+        {"eu-west/s": {"kind": "sglang"}, "eu-west/v": {"kind": "vllm"}}, auth={"enabled": auth}
+    )
+    said = [r.getMessage() for r in caplog.records if "cache_salt" in r.getMessage()]
+    if auth:
+        assert len(said) == 1 and "eu-west/s take no cache_salt" in said[0] and "eu-west/v" not in said[0]
+    else:
+        assert said == []
