@@ -4,7 +4,6 @@ malformed payloads, and translating engine block ids into kvgate's contract-1 ha
 from __future__ import annotations
 
 import json
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from cache.foreign_events import (
 )
 from cache.hashing import block_hashes, namespace_seed
 from tests import vllm_publisher as vp
+from tests.memory import bytes_kept
 
 BS = 16
 MODEL = "m"
@@ -385,15 +385,6 @@ def test_a_salt_per_request_leaves_no_memory_behind_once_its_blocks_are_gone() -
         assert stored_hashes(out) == kv(toks, salt=salt)
         return out + chain.apply([ForeignRemoved((i + 1,))])
 
-    tracemalloc.start()  # (before the warm-up: what it allocated and is freed later counts as freed)
-    try:
-        for i in range(5_000):  # past any bounded cache's size: what stays from here on is what grows
-            one_request(i)
-        before = tracemalloc.get_traced_memory()[0]
-        for i in range(5_000, 25_000):
-            one_request(i)
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    grown = bytes_kept(one_request)
     assert len(chain) == 0 and chain.held() == []
     assert grown < 500_000, f"{grown} bytes kept after 20,000 salts, each of whose blocks is gone"

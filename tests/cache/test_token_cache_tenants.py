@@ -7,7 +7,6 @@ which ``HFTokenizer`` makes for every piece or group of chunks its cache does no
 
 from __future__ import annotations
 
-import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from gateway.prepare import RequestPreparer
 from gateway.tenancy.tenants import tenant_from_config
 from region_map.config import parse_topology
 from region_map.fleet import Fleet
+from tests.memory import bytes_kept
 from tests.models import make_tokenizer_dir
 
 A, B = "tenant:acme", "tenant:globex"
@@ -194,14 +194,5 @@ def test_a_cache_salt_per_request_leaves_no_memory_behind(tok: HFTokenizer) -> N
     def one_request(i: int) -> None:
         prepare.block_hashes(ids, "m", f"11:tenant:acme/user-{i:08d}-of-a-large-consumer-app")
 
-    tracemalloc.start()  # (before the warm-up: what it allocated and is freed later counts as freed)
-    try:
-        for i in range(5_000):  # past any bounded cache's size: what stays from here on is what grows
-            one_request(i)
-        before = tracemalloc.get_traced_memory()[0]
-        for i in range(5_000, 25_000):
-            one_request(i)
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    grown = bytes_kept(one_request)
     assert grown < 500_000, f"{grown} bytes kept after 20,000 salts"

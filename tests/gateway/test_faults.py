@@ -136,6 +136,18 @@ async def _scripted_cluster(make_cluster: ClusterFactory, engine: Scripted) -> A
     return cluster, client
 
 
+async def _stream_until_the_sdk_raises(client: openai.AsyncOpenAI) -> tuple[list[str], openai.APIError]:
+    """Stream a chat completion with the SDK; the texts it gave before it raised, and what it raised."""
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ):
+            texts.append(chunk.choices[0].delta.content or "")
+    await client.close()
+    return texts, raised.value
+
+
 async def _one_record(cluster: Any) -> Any:
     """The request's one ledger record, once the relay made it (the client may have its answer first)."""
     ledger = cluster.gateway.billing.ledger
@@ -164,14 +176,8 @@ async def test_an_error_event_the_engine_sends_mid_stream_is_an_error_to_the_sdk
     events = [chat_chunk(role=True), *(chat_chunk("x") for _ in range(3))]
     engine = Scripted([*events, b"data: " + orjson.dumps({"error": error}) + b"\n\n", b"data: [DONE]\n\n"])
     cluster, client = await _scripted_cluster(make_cluster, engine)
-    texts: list[str] = []
-    with pytest.raises(openai.APIError) as raised:
-        async for chunk in await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
-        ):
-            texts.append(chunk.choices[0].delta.content or "")
-    await client.close()
-    assert "".join(texts) == "xxx" and raised.value.message == "engine out of memory"
+    texts, raised = await _stream_until_the_sdk_raises(client)
+    assert "".join(texts) == "xxx" and raised.message == "engine out of memory"
     record = await _one_record(cluster)
     assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 3)
     assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
@@ -184,15 +190,9 @@ async def test_a_stream_the_engine_ends_without_done_is_an_error_to_the_sdk_not_
     # or [DONE]. The SDK ends a stream quietly at EOF: relayed as it is, a truncated answer looks complete.
     engine = Scripted([chat_chunk(role=True), chat_chunk("x"), chat_chunk("x")])
     cluster, client = await _scripted_cluster(make_cluster, engine)
-    texts: list[str] = []
-    with pytest.raises(openai.APIError) as raised:
-        async for chunk in await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
-        ):
-            texts.append(chunk.choices[0].delta.content or "")
-    await client.close()
-    assert "".join(texts) == "xx" and "[DONE]" in raised.value.message
-    assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_error"
+    texts, raised = await _stream_until_the_sdk_raises(client)
+    assert "".join(texts) == "xx" and "[DONE]" in raised.message
+    assert isinstance(raised.body, dict) and raised.body["code"] == "upstream_error"
     record = await _one_record(cluster)
     assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 2)
 
