@@ -52,6 +52,9 @@ class LedgerWriter:
         # Records taken off the queue that neither the ledger nor the spool holds yet (still unfinished in
         # the queue's count, so that ``flush`` waits for them too).
         self._unsaved: list[UsageRecord] = []
+        # Records taken off the queue and not yet safe: in ``_unsaved``, or in a write or spool append under
+        # way (in neither the queue nor ``_unsaved``: ``pending`` counted them as 0 for that while).
+        self._taken = 0
         # Record ids a crashed predecessor owed that are not yet safe here: its journal stays until they are.
         self._owed: set[str] = set()
         self.submitted = 0  # records handed in, ever: a read of the ledger made since then may miss them
@@ -78,7 +81,7 @@ class LedgerWriter:
     @property
     def pending(self) -> int:
         """Records not yet in the ledger or the spool."""
-        return self._queue.qsize() + len(self._unsaved)
+        return self._queue.qsize() + self._taken
 
     @property
     def state(self) -> str:
@@ -162,9 +165,11 @@ class LedgerWriter:
         batch = [first]
         while len(batch) < MAX_BATCH and not self._queue.empty():
             batch.append(self._queue.get_nowait())
+        self._taken += len(batch)
         return batch
 
     def _done(self, count: int) -> None:
+        self._taken -= count
         for _ in range(count):
             self._queue.task_done()
 

@@ -241,6 +241,39 @@ async def test_stop_spools_what_it_could_not_write(tmp_path: Path) -> None:
     await client.aclose()
 
 
+async def test_pending_counts_the_records_a_spool_write_in_progress_holds(tmp_path: Path) -> None:
+    """While a spool write is under way (a slow disk: here a FIFO, whose open for reading waits for a writer),
+    its records are in neither the queue nor the refused list: ``pending`` (the kvgate_ledger_backlog gauge)
+    must still count them, not drop to 0 until the write is done."""
+    never_started = RedisProcess(tmp_path)  # a port nothing listens on: every ledger write is refused
+    client = aioredis.from_url(never_started.url, socket_connect_timeout=0.5)
+    path = tmp_path / "s.spool"
+    writer = LedgerWriter(RedisLedger(client), Spool(path), retry_s=0.05)
+    await writer.start()
+    os.mkfifo(path)  # the spool's first append reads what is there first (a torn tail): that read waits
+    for i in range(3):
+        writer.submit(record(i))
+    deadline = time.monotonic() + 10
+    while True:  # a write end opens only once the spool's thread has the FIFO open for reading
+        try:
+            fifo = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the writer never began its spool write"
+            await asyncio.sleep(0.01)
+    try:
+        await asyncio.sleep(0.1)  # (the thread now waits in read(): nothing can finish meanwhile)
+        assert writer.pending == 3 and writer.spooled == 0
+    finally:
+        os.unlink(path)  # the append that follows the read creates a plain file
+        os.close(fifo)  # end of input: the read returns
+    await writer.flush()
+    assert writer.pending == 0 and writer.spooled == 3
+    await writer.stop()
+    assert sorted(r.record_id for r in Spool(path).read()) == ["r0", "r1", "r2"]
+    await client.aclose()
+
+
 async def test_record_many_counts_each_id_once(ledger: UsageLedger) -> None:
     assert await ledger.record_many([record(1), record(2), record(1)]) == 2
     assert await ledger.record_many([record(2), record(3)]) == 1
