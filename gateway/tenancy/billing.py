@@ -101,7 +101,7 @@ class Billing:
             return self._open
         key = bearer_key(authorization)
         if key is None:
-            raise AuthenticationFailed(MISSING_KEY, code=None)
+            raise AuthenticationFailed(MISSING_KEY)  # (code invalid_api_key, as for an unknown key)
         try:
             record = await self.authenticator.check(key)
         except KeyStoreUnavailable:
