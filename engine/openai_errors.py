@@ -8,6 +8,8 @@ import orjson
 from aiohttp import web
 
 JSON_CONTENT_TYPE = "application/json"
+# The engines' request bodies: the token ids of a long prompt outgrow aiohttp's 1 MiB default.
+MAX_BODY_BYTES = 64 * 2**20
 
 
 class OpenAIError(Exception):
@@ -49,3 +51,13 @@ def json_response(
     body: bytes, *, status: int = 200, headers: Mapping[str, str] | None = None
 ) -> web.Response:
     return web.Response(body=body, status=status, content_type=JSON_CONTENT_TYPE, headers=headers)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body (the engines' apps take up to ``MAX_BODY_BYTES``). One over the limit is OpenAI's
+    413 JSON error: aiohttp's own is text/plain, a body that a peer's importer, a router's tokenizer client
+    or an SDK cannot read as the error it is."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise OpenAIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413) from None

@@ -33,7 +33,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
-from engine.openai_errors import OpenAIError, json_response
+from engine.openai_errors import OpenAIError, json_response, read_body
 from engine.openai_format import model_object, models_body, sse_response
 from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
@@ -192,10 +192,7 @@ class EngineServer:
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         headers = {REQUEST_ID_HEADER: request_id}
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise OpenAIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413) from None
+            body = await read_body(request)
             req = parse_request(
                 body,
                 kind,

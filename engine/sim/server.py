@@ -32,7 +32,7 @@ from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
-from engine.openai_errors import OpenAIError, json_response
+from engine.openai_errors import MAX_BODY_BYTES, OpenAIError, json_response, read_body
 from engine.openai_format import models_body
 from engine.sim.batching_loop import BatchingLoop, generate_batched
 from engine.sim.config import SimEngineConfig
@@ -45,7 +45,6 @@ __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
 SERVED_KEPT = 2**20
-_MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,10 +159,12 @@ class SimEngine:
     async def handle_tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` (vllm-router's cache-aware policy asks it for every request)."""
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await read_body(request))
             messages = body.get("messages")
             text = render_messages(self.tokenizer, messages) if messages is not None else body["prompt"]
             tokens = self.tokenizer.encode(text).tolist()
+        except OpenAIError as exc:
+            return exc.to_response({})
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
             return OpenAIError(f"cannot tokenize: {exc}").to_response({})
         body = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
@@ -206,10 +207,7 @@ class SimEngine:
         headers = {REQUEST_ID_HEADER: request_id}
         cfg = self.config
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise OpenAIError(f"the request body exceeds {_MAX_BODY_BYTES} bytes", status=413) from None
+            body = await read_body(request)
             req = parse_request(
                 body,
                 kind,
@@ -270,7 +268,7 @@ def build_app(config: SimEngineConfig) -> web.Application:
     cancels its request and frees its slot (:func:`engine.sim.run.serve` does).
     """
     engine = SimEngine(config)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SIM_ENGINE] = engine
     app.router.add_post("/v1/completions", engine.handle_completions)
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
