@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -61,3 +61,21 @@ async def read_body(request: web.Request) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise OpenAIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413) from None
+
+
+@web.middleware
+async def openai_routing_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """What no route takes, as OpenAI-shaped errors (404 ``not_found``, 405 ``method_not_allowed`` with its
+    ``Allow``), as the gateway answers them: aiohttp's text/plain reached the SDKs as a body they could not
+    read. Only routing raises these here; a handler's other HTTP errors (the KV event feed's) are kept.
+    kvgate's engine and the simulated one both answer with it."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        error = OpenAIError(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
+                            status=405, code="method_not_allowed")  # fmt: skip
+        return error.to_response({"Allow": exc.headers.get("Allow", "")})
+    except web.HTTPNotFound:
+        return OpenAIError("no such endpoint", status=404, code="not_found").to_response()
