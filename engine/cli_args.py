@@ -28,8 +28,8 @@ def port_number(text: str) -> int:
 
 def seconds(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < float("inf"):  # refuses NaN, and inf: a cost of inf seconds waits forever
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

@@ -17,11 +17,11 @@ from engine.kv_transfer import CONTENT_TYPE as KV_CONTENT_TYPE
 from engine.kv_transfer import StagedFrame
 from engine.kv_wire import head as kv_head
 from engine.openai_api import new_request_id
-from engine.openai_errors import OpenAIError
+from engine.openai_errors import MAX_BODY_BYTES, OpenAIError, read_body
 from engine.sequence import CacheNamespace
 
 REQUEST_ID_HEADER = "x-request-id"
-MAX_BODY_BYTES = 64 * 2**20  # the token ids of a long prompt outgrow aiohttp's 1 MiB default
+__all__ = ["MAX_BODY_BYTES", "REQUEST_ID_HEADER", "OpenFrames", "engine_failed", "serve_kv_source"]
 
 # (request id, prompt token ids, namespace, from_position) -> the frames to send
 OpenFrames = Callable[[str, list[int], CacheNamespace, int], AsyncGenerator[StagedFrame, None]]
@@ -40,7 +40,7 @@ async def serve_kv_source(
     as they are (``engine.kv_send``)."""
     request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
     try:
-        req = parse_kv_source_request(await request.read(), served_model=model, block_size=block_size)
+        req = parse_kv_source_request(await read_body(request), served_model=model, block_size=block_size)
         namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
         ids = req.prompt_token_ids.tolist()
         frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, req.from_position)

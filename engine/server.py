@@ -14,7 +14,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,7 +33,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
 from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
-from engine.openai_errors import OpenAIError, json_response
+from engine.openai_errors import OpenAIError, json_response, openai_routing_errors, read_body
 from engine.openai_format import model_object, models_body, sse_response
 from engine.openai_sampling import FULL
 from engine.sequence import CacheNamespace, SamplingParams
@@ -192,10 +192,7 @@ class EngineServer:
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         headers = {REQUEST_ID_HEADER: request_id}
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise OpenAIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413) from None
+            body = await read_body(request)
             req = parse_request(
                 body,
                 kind,
@@ -280,23 +277,6 @@ class EngineServer:
 
 
 ENGINE_SERVER = web.AppKey("kvgate_engine_server", EngineServer)
-
-
-@web.middleware
-async def openai_routing_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """What no route takes, as OpenAI-shaped errors (404 ``not_found``, 405 ``method_not_allowed`` with its
-    ``Allow``), as the gateway answers them: aiohttp's text/plain reached the SDKs as a body they could not
-    read. Only routing raises these here; a handler's other HTTP errors (the KV event feed's) are kept."""
-    try:
-        return await handler(request)
-    except web.HTTPMethodNotAllowed as exc:
-        error = OpenAIError(f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
-                            status=405, code="method_not_allowed")  # fmt: skip
-        return error.to_response({"Allow": exc.headers.get("Allow", "")})
-    except web.HTTPNotFound:
-        return OpenAIError("no such endpoint", status=404, code="not_found").to_response()
 
 
 def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web.Application:

@@ -31,6 +31,7 @@ How the named constants were obtained (hardware-derived; first-order, not fitted
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -56,8 +57,12 @@ class EngineProfile:
 
     def __post_init__(self) -> None:
         for name in ("step_fixed_s", "prefill_s_per_token", "decode_s_per_seq", "cached_read_s_per_token"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EngineProfile.{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            # NaN passes ``< 0`` (a simulator's steps then took no time) and inf held every request forever.
+            if not math.isfinite(value):
+                raise ValueError(f"EngineProfile.{name} must be a finite number >= 0, got {value}")
+            if value < 0:
+                raise ValueError(f"EngineProfile.{name} must be >= 0, got {value}")
         for name in ("max_batch_tokens", "max_running", "kv_capacity_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineProfile.{name} must be >= 1, got {getattr(self, name)}")
@@ -143,6 +148,8 @@ def with_overrides(base: EngineProfile, **fields: float) -> EngineProfile:
     coerced: dict[str, Any] = {}  # each value of its field's type, checked here
     for key, value in fields.items():
         if _FIELDS[key].type == "int":
+            if not math.isfinite(value):  # int() of it raised an OverflowError: a traceback for a CLI
+                raise ValueError(f"EngineProfile.{key} must be a finite number, got {value!r}")
             if float(value) != int(value):
                 raise ValueError(f"EngineProfile.{key} takes an integer, got {value!r}")
             coerced[key] = int(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.kv_publisher import DEFAULT_HEARTBEAT_S
@@ -43,8 +44,10 @@ class SimEngineConfig:
             raise ValueError("block_size and max_running must be >= 1, max_model_len >= 2")
         if self.capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
-        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0 or self.kv_pull_s_per_token < 0:
-            raise ValueError("costs must be >= 0")
+        costs = (self.prefill_s_per_token, self.decode_s_per_token, self.kv_pull_s_per_token)
+        # NaN passed ``< 0`` and slept no time at all; inf held every request forever.
+        if not all(0 <= cost < math.inf for cost in costs):
+            raise ValueError("costs must be finite numbers >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must lie in [0, 65535]")
         if self.profile is None and self.profile_overrides.strip():

@@ -21,7 +21,7 @@ from engine.kv_source_request import kv_source_body, parse_kv_source_request
 from engine.kv_wire import CONTENT_TYPE, KvTransferError, pack, payload_bytes, read_header
 from engine.metrics import EngineCounters
 from engine.openai_api import GenerationRequest, KvPull
-from engine.openai_errors import OpenAIError
+from engine.openai_errors import OpenAIError, read_body
 from engine.sim.prefix_cache import PrefixCache
 
 log = logging.getLogger("kvgate.sim.kv_pull")
@@ -125,7 +125,7 @@ class SimKvPeer:
         from now on, since the peer holds them."""
         try:
             req = parse_kv_source_request(
-                await request.read(), served_model=self.model, block_size=self.block_size
+                await read_body(request), served_model=self.model, block_size=self.block_size
             )
         except OpenAIError as exc:
             return exc.to_response({})

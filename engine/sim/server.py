@@ -32,8 +32,8 @@ from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
-from engine.openai_errors import OpenAIError, json_response
-from engine.openai_format import models_body
+from engine.openai_errors import MAX_BODY_BYTES, OpenAIError, json_response, openai_routing_errors, read_body
+from engine.openai_format import model_object, models_body
 from engine.sim.batching_loop import BatchingLoop, generate_batched
 from engine.sim.config import SimEngineConfig
 from engine.sim.kv_pull import SimKvPeer
@@ -45,7 +45,6 @@ __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
 SERVED_KEPT = 2**20
-_MAX_BODY_BYTES = 64 * 2**20  # prompt_token_ids of a long prompt outgrow aiohttp's 1 MiB default
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,6 +145,14 @@ class SimEngine:
     async def handle_models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.config.model, self.created))
 
+    async def handle_model_card(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``), as kvgate's engine answers it."""
+        model = request.match_info["model"]
+        if model != self.config.model:
+            message = f"The model `{model[:200]}` does not exist."
+            return OpenAIError(message, status=404, param="model", code="model_not_found").to_response()
+        return json_response(orjson.dumps(model_object(model, self.created)))
+
     # ------------------------------------------ what other routers probe (tests/bench/bench_routers.py)
 
     def _model_info(self) -> dict[str, Any]:
@@ -160,10 +167,12 @@ class SimEngine:
     async def handle_tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` (vllm-router's cache-aware policy asks it for every request)."""
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await read_body(request))
             messages = body.get("messages")
             text = render_messages(self.tokenizer, messages) if messages is not None else body["prompt"]
             tokens = self.tokenizer.encode(text).tolist()
+        except OpenAIError as exc:
+            return exc.to_response({})
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
             return OpenAIError(f"cannot tokenize: {exc}").to_response({})
         body = {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
@@ -206,10 +215,7 @@ class SimEngine:
         headers = {REQUEST_ID_HEADER: request_id}
         cfg = self.config
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise OpenAIError(f"the request body exceeds {_MAX_BODY_BYTES} bytes", status=413) from None
+            body = await read_body(request)
             req = parse_request(
                 body,
                 kind,
@@ -270,11 +276,13 @@ def build_app(config: SimEngineConfig) -> web.Application:
     cancels its request and frees its slot (:func:`engine.sim.run.serve` does).
     """
     engine = SimEngine(config)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    # Routing errors as OpenAI's JSON, as kvgate's engine answers them (aiohttp's are text/plain).
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_routing_errors])
     app[SIM_ENGINE] = engine
     app.router.add_post("/v1/completions", engine.handle_completions)
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
     app.router.add_get("/v1/models", engine.handle_models)
+    app.router.add_get("/v1/models/{model:.+}", engine.handle_model_card)  # (ids may hold slashes)
     app.router.add_get("/health", engine.handle_health)
     app.router.add_get("/debug/served", engine.handle_served)
     app.router.add_get("/model_info", engine.handle_model_info)

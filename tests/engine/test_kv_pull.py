@@ -20,6 +20,7 @@ from aiohttp import web
 from engine.kv_export import ExportSink
 from engine.kv_transfer import CONTENT_TYPE, KvChunk, frame, kv_frame, read_frame
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.openai_errors import MAX_BODY_BYTES
 from engine.scheduler import ScheduledSeq
 from engine.sequence import CacheNamespace, SamplingParams
 from tests.engine.kv_nodes import (
@@ -289,6 +290,12 @@ async def test_the_cached_endpoint_checks_its_input(pair: Pair) -> None:
             assert body["error"]["message"], body
     async with session.post(source.url + "/v1/kv/cached", data=b"{") as r:
         assert r.status == 400
+    # A body over the limit: OpenAI's JSON error, as on /v1/completions, not aiohttp's text/plain 413.
+    for path in ("/v1/kv/cached", "/v1/kv/prefill"):
+        async with session.post(source.url + path, data=b" " * (MAX_BODY_BYTES + 1)) as r:
+            assert (r.status, r.content_type) == (413, "application/json"), path
+            assert str(MAX_BODY_BYTES) in (await r.json())["error"]["message"]
+    await assert_all_free(source)
 
 
 async def _pull_frames(session: aiohttp.ClientSession, node: Node, ids: list[int], start: int) -> list[Any]:

@@ -175,6 +175,24 @@ def test_config_resolves_and_checks_the_profile() -> None:
         SimEngineConfig(engine_id="e", profile_overrides="max_running=2")
 
 
+@pytest.mark.parametrize(
+    "override", ["step_fixed_s=nan", "step_fixed_s=inf", "decode_s_per_seq=nan", "max_running=inf"]
+)
+def test_a_cost_that_is_no_finite_number_is_refused_with_its_field(override: str) -> None:
+    # A NaN step time slept no time at all and an infinite one held every request forever; an infinite
+    # integer field ended the command in an OverflowError's traceback.
+    field = override.partition("=")[0]
+    with pytest.raises(ValueError, match=f"EngineProfile.{field} must be a finite number"):
+        SimEngineConfig(engine_id="e", profile="llama3-8b-h100", profile_overrides=override)
+
+
+@pytest.mark.parametrize("field", ["prefill_s_per_token", "decode_s_per_token", "kv_pull_s_per_token"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_per_request_costs_must_be_finite(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match="costs must be finite numbers >= 0"):
+        SimEngineConfig(engine_id="e", **{field: value})
+
+
 async def test_a_stream_whose_client_leaves_stops_costing_the_engine_steps(start_sim: StartSim) -> None:
     sim = await start_batching(start_sim)
     batching = loop_of(sim)

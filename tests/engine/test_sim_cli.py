@@ -48,10 +48,21 @@ def test_flags_are_parsed_and_checked() -> None:
         ["--port", "1", "--max-running", "0"],
         ["--port", "1", "--decode-s-per-token", "-1"],
         ["--port", "1", "--prefill-s-per-token", "nan"],
+        ["--port", "1", "--decode-s-per-token", "inf"],  # every request would wait forever
         ["--port", "1", "--capacity-blocks", "-5"],
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(["sim-engine", *bad])
+
+
+def test_a_bad_profile_override_is_one_line_not_a_traceback() -> None:
+    for override, reason in (("max_running=inf", "max_running must be a finite number"),
+                             ("step_fixed_s=nan", "step_fixed_s must be a finite number")):  # fmt: skip
+        args = kvgate_parser().parse_args(
+            ["sim-engine", "--port", "1", "--profile", "llama3-8b-h100", "--profile-overrides", override]
+        )
+        with pytest.raises(SystemExit, match=f"kvgate sim-engine: EngineProfile.{reason}"):
+            run_sim_engine(args)
 
 
 def test_help_says_it_is_simulated(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import socket
 
 from cache.hashing import block_hashes, namespace_seed
 from cache.tokens import ByteTokenizer
+from engine.openai_errors import MAX_BODY_BYTES
 from tests.engine.sim_nodes import BS, StartSim, text_of
 
 
@@ -51,3 +52,14 @@ async def test_kv_cached_refuses_what_it_cannot_answer(start_sim: StartSim) -> N
     ):
         got, body, _ = await sim.post("/v1/kv/cached", {**good, **change})
         assert got == status and body["error"]["param"] == param, body
+
+
+async def test_a_body_over_the_limit_is_a_json_413_on_every_post_route(start_sim: StartSim) -> None:
+    # aiohttp's own 413 was text/plain on the routes that read the body themselves: a peer's importer or a
+    # router's tokenizer client got a body it could not read as the error it is.
+    sim = await start_sim()
+    too_big = b" " * (MAX_BODY_BYTES + 1)
+    for path in ("/v1/kv/cached", "/tokenize", "/v1/completions"):
+        async with sim.session.post(f"{sim.url}{path}", data=too_big) as resp:
+            assert (resp.status, resp.content_type) == (413, "application/json"), path
+            assert str(MAX_BODY_BYTES) in (await resp.json())["error"]["message"]

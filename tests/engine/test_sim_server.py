@@ -166,6 +166,28 @@ async def test_models_health_and_request_id(start_sim: StartSim) -> None:
     assert (load["kv_blocks_used"], load["kv_blocks_free"]) == (4, 96)
 
 
+async def test_unknown_routes_methods_and_models_get_openai_errors_as_from_kvgates_engine(
+    start_sim: StartSim,
+) -> None:
+    # aiohttp's text/plain "404: Not Found" and "405: Method Not Allowed" reached SDKs and routers as a
+    # body they could not read, and GET /v1/models/{model} (the SDK's models.retrieve) had no route.
+    sim = await start_sim()
+    async with sim.session.get(f"{sim.url}/v2/nothing") as resp:
+        assert (resp.status, resp.content_type) == (404, "application/json")
+        assert (await resp.json())["error"]["code"] == "not_found"
+    async with sim.session.get(f"{sim.url}/v1/completions") as resp:
+        assert (resp.status, resp.content_type, resp.headers["allow"]) == (405, "application/json", "POST")
+        assert (await resp.json())["error"]["code"] == "method_not_allowed"
+    async with sim.session.get(f"{sim.url}/v1/models/kvgate-sim") as resp:
+        card = await resp.json()
+        assert resp.status == 200 and (card["id"], card["object"]) == ("kvgate-sim", "model"), card
+    async with sim.session.get(f"{sim.url}/v1/models/gpt-17") as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+    async with sim.session.get(f"{sim.url}/v1/kv_events?after=-1") as resp:
+        assert resp.status == 400  # the KV event feed's own errors are kept, as on kvgate's engine
+
+
 # ---------------------------------------------------------------------------------- prefix caching
 
 
