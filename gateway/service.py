@@ -336,7 +336,7 @@ class Gateway:
             if upstream.status >= 500:
                 await self._raise_server_error(upstream, engine)
             engine.breaker.on_success()
-            self.router.confirm(route, p)
+            self.router.confirm(route, p, computed=upstream.status == 200)
             sglang_prefill = None  # (it finishes by itself now: the decode engine has answered)
             headers = {
                 "x-request-id": p.request_id,

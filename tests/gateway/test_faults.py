@@ -146,6 +146,31 @@ async def test_a_request_every_engine_is_too_busy_for_gets_503_with_their_retry_
     assert await cluster.gateway.billing.ledger.records() == []  # the engine took nothing: nothing billed
 
 
+async def test_a_request_an_engine_refuses_leaves_no_session_binding_or_residency_there(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: Any
+) -> None:
+    # An engine's own 4xx (a prompt over its context, say) reaches the client as it is; the engine computed
+    # nothing of the prompt, so no gateway may count it as cached there, nor bind the session to it.
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/refuses": server_error(400)},
+        engine_options={"eu-west/refuses": {"kv_events": False}},
+        redis_url=redis_url,
+        redis_prefix=redis_keys.prefix,
+    )
+    status, body, _ = await cluster.post(
+        "/v1/chat/completions", chat("a long prompt " * 40), headers={"x-session-affinity": "s"}
+    )
+    assert status == 400 and body["error"]["message"] == "engine exploded"
+    state = cluster.gateway.state
+    await state.writer.flush()
+    assert state.redis_index is not None
+    assert (await state.index.holdings("eu-west/refuses")).approximate == {}
+    assert (await state.redis_index.holdings("eu-west/refuses")).approximate == {}
+    assert state.sessions.get_now("default", "s") is None
+    assert await state.redis_sessions.get("default", "s") is None  # type: ignore[union-attr]
+
+
 async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster: ClusterFactory) -> None:
     cluster = await make_cluster(
         {"eu-west": 1},
