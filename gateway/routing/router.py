@@ -236,7 +236,16 @@ class Router:
         """Wait for the session's claim (one Redis round trip, for a session this gateway had not seen):
         the first claim in Redis wins. When another gateway's came first, the view now holds it: this
         attempt is taken back and decided again, following that binding."""
-        held = await asyncio.shield(claim)
+        try:
+            held = await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            # The client left while the claim travelled: the request goes nowhere, and its committed route
+            # is taken back (before, its prompt stayed queued on the engine for good, and the session bound
+            # there). Its queued prefill now; the rest once the claim is answered, so that the session's
+            # release reaches Redis after the claim rather than being overtaken by it.
+            route.settle()
+            claim.add_done_callback(lambda _: self.release(route))
+            raise
         lost = route.claimed is not None and held != route.claimed  # (this request's own claim lost)
         if held is None or (held.engine == route.engine.id and not lost):
             return route
