@@ -7,7 +7,9 @@ the body and, for a session id never seen before, one Redis read.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +22,13 @@ from aiohttp import web
 from cache.tokens import Tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_body import engine_body
-from gateway.http.errors import GatewayError, ModelNotFound, UpstreamFailed, UpstreamTimedOut
+from gateway.http.errors import (
+    GatewayError,
+    ModelNotFound,
+    Overloaded,
+    UpstreamFailed,
+    UpstreamTimedOut,
+)
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
@@ -323,10 +331,12 @@ class Gateway:
                 raise
             if prefill is not None and upstream.status == 502:
                 await self._raise_if_transfer_failed(upstream, engine, prefill)
+            if upstream.status == 429 or (upstream.status == 503 and upstream.header(b"retry-after")):
+                await self._raise_busy(upstream, engine)
             if upstream.status >= 500:
                 await self._raise_server_error(upstream, engine)
             engine.breaker.on_success()
-            self.router.confirm(route, p)
+            self.router.confirm(route, p, computed=upstream.status == 200)
             sglang_prefill = None  # (it finishes by itself now: the decode engine has answered)
             headers = {
                 "x-request-id": p.request_id,
@@ -394,6 +404,30 @@ class Gateway:
         raise _Retryable(error_out, prefill.id if code == "kv_transfer_failed" else engine.id,
                          prefill_failed=code == "kv_transfer_failed")  # fmt: skip
 
+    async def _raise_busy(self, upstream: Response, engine: EngineState) -> None:
+        """An engine too busy for the request (a 429, or a 503 with ``Retry-After``; a 503 without one is
+        any 5xx) before any byte reached the client: another engine may take it. A 429 was relayed to the
+        client before, although other engines had room (and the session was bound there, the prompt recorded
+        as cached there), and a ``Retry-After`` was ignored: the engine kept getting requests it refused.
+        Now it gets none for as long as it asked; a 429 without ``Retry-After`` counts as a failure, as a
+        5xx does. Should no engine take the request, the client gets 503 with a ``Retry-After`` rather than
+        a 502 or the engine's 429 (the limit is not the client's)."""
+        retry_after_s = _retry_after_s(upstream.header(b"retry-after"))
+        try:
+            data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
+        except UpstreamError:
+            data = b""
+        if retry_after_s is None:
+            engine.breaker.on_failure()
+        else:
+            engine.breaker.hold(retry_after_s)
+        self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
+        _, _, message = error_fields(data, upstream.status)
+        retry = str(max(1, math.ceil(retry_after_s or 0)))
+        error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly",
+                           headers={"Retry-After": retry})  # fmt: skip
+        raise _Retryable(error, engine.id)
+
     async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:
         """An engine's 5xx before any byte reached the client: count it against the engine, try another."""
         try:
@@ -406,6 +440,27 @@ class Gateway:
         raise _Retryable(
             UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
         )
+
+
+def _retry_after_s(value: bytes | None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds (delta-seconds or an HTTP date); None when absent or
+    unreadable."""
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _track(engine: EngineState, response: Response, exchanges: list[Response]) -> None:

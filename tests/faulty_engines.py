@@ -177,3 +177,21 @@ def answers(body: bytes, content_type: str = "application/json") -> web.Applicat
         return web.Response(body=body, content_type=content_type)
 
     return _app(answer)
+
+
+class Busy:
+    """Answers every completion with ``status`` (429 or 503: too busy) and, when given, a ``Retry-After``
+    header, before any token; counts the completions it was sent."""
+
+    def __init__(self, status: int = 503, retry_after: str | None = None) -> None:
+        self.status = status
+        self.retry_after = retry_after
+        self.requests = 0
+        self.app = _app(self.refuse)
+
+    async def refuse(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.requests += 1
+        body = {"error": {"message": "too busy", "type": "server_error", "param": None, "code": None}}
+        headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+        return web.json_response(body, status=self.status, headers=headers)

@@ -236,7 +236,16 @@ class Router:
         """Wait for the session's claim (one Redis round trip, for a session this gateway had not seen):
         the first claim in Redis wins. When another gateway's came first, the view now holds it: this
         attempt is taken back and decided again, following that binding."""
-        held = await asyncio.shield(claim)
+        try:
+            held = await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            # The client left while the claim travelled: the request goes nowhere, and its committed route
+            # is taken back (before, its prompt stayed queued on the engine for good, and the session bound
+            # there). Its queued prefill now; the rest once the claim is answered, so that the session's
+            # release reaches Redis after the claim rather than being overtaken by it.
+            route.settle()
+            claim.add_done_callback(lambda _: self.release(route))
+            raise
         lost = route.claimed is not None and held != route.claimed  # (this request's own claim lost)
         if held is None or (held.engine == route.engine.id and not lost):
             return route
@@ -320,12 +329,17 @@ class Router:
             self.state.forget_soon(route.engine.id, route.held_soon)
             route.held_soon = []
 
-    def confirm(self, route: Route, ask: RoutingAsk) -> None:
+    def confirm(self, route: Route, ask: RoutingAsk, *, computed: bool = True) -> None:
         """The engine took the request: remember where the prefix went for good. An engine that publishes KV
         events will announce the blocks itself; for one that does not, this record is all anyone will know,
-        so it is shared with the other gateways and lives ``approx_ttl_s``."""
+        so it is shared with the other gateways and lives ``approx_ttl_s``. Not ``computed``: the engine
+        answered with an error of its own (a 4xx, about the request) and computed nothing of the prompt.
+        Its claim is taken back as for a failed attempt: recorded, the prompt was counted as cached there for
+        ``approx_ttl_s`` by every gateway, and the session bound to an engine that had refused it."""
         engine, s = route.engine, self.settings
-        if engine.kv_events:
+        if not computed:
+            self.release(route)
+        elif engine.kv_events:
             engine.awaited_blocks += len(route.held_soon)
         else:
             key = engine.chain_key(s.block_size, s.min_block_size)

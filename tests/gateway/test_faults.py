@@ -27,6 +27,7 @@ from gateway.config import parse_config
 from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
 from tests.faulty_engines import (
+    Busy,
     Firehose,
     Scripted,
     answers,
@@ -101,6 +102,73 @@ async def test_a_request_every_engine_fails_gets_the_last_error(make_cluster: Cl
     )
     status, body, _ = await cluster.post("/v1/chat/completions", chat())
     assert status == 502 and "engine exploded" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_an_engine_that_says_it_is_busy_is_failed_over_and_left_alone_for_its_retry_after(
+    make_cluster: ClusterFactory, status: int
+) -> None:
+    # An engine too busy for a request (an OpenAI upstream's 429, a server's 503) answers before any token:
+    # another engine can take the request, and the engine asked for none for Retry-After seconds.
+    busy = Busy(status, retry_after="30")
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        extra_engines={"eu-west/busy": busy.app},
+        engine_options={"eu-west/busy": {"kv_events": False}},
+        routing={"policy": "round_robin"},
+    )
+    answers = []
+    for i in range(6):
+        answers.append(
+            await cluster.post("/v1/chat/completions", chat(f"q{i}"), headers={"x-session-affinity": "s"})
+        )
+    assert [(s, h["x-kvgate-engine"]) for s, _, h in answers] == [(200, "eu-west/e0")] * 6
+    assert busy.requests == 1, "Retry-After: 30 was not honoured"
+    engine = cluster.gateway.fleet.engines["eu-west/busy"]
+    assert (engine.inflight, engine.prefill.tokens) == (0, 0)
+    binding = cluster.gateway.state.sessions.get_now("default", "s")
+    assert binding is not None and binding.engine == "eu-west/e0"
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_request_every_engine_is_too_busy_for_gets_503_with_their_retry_after(
+    make_cluster: ClusterFactory, status: int
+) -> None:
+    busy = Busy(status, retry_after="7")
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/busy": busy.app},
+        engine_options={"eu-west/busy": {"kv_events": False}},
+    )
+    status_out, body, headers = await cluster.post("/v1/chat/completions", chat())
+    assert (status_out, body["error"]["code"], headers.get("Retry-After")) == (503, "engines_overloaded", "7")
+    assert busy.requests == 1
+    assert await cluster.gateway.billing.ledger.records() == []  # the engine took nothing: nothing billed
+
+
+async def test_a_request_an_engine_refuses_leaves_no_session_binding_or_residency_there(
+    make_cluster: ClusterFactory, redis_url: str, redis_keys: Any
+) -> None:
+    # An engine's own 4xx (a prompt over its context, say) reaches the client as it is; the engine computed
+    # nothing of the prompt, so no gateway may count it as cached there, nor bind the session to it.
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/refuses": server_error(400)},
+        engine_options={"eu-west/refuses": {"kv_events": False}},
+        redis_url=redis_url,
+        redis_prefix=redis_keys.prefix,
+    )
+    status, body, _ = await cluster.post(
+        "/v1/chat/completions", chat("a long prompt " * 40), headers={"x-session-affinity": "s"}
+    )
+    assert status == 400 and body["error"]["message"] == "engine exploded"
+    state = cluster.gateway.state
+    await state.writer.flush()
+    assert state.redis_index is not None
+    assert (await state.index.holdings("eu-west/refuses")).approximate == {}
+    assert (await state.redis_index.holdings("eu-west/refuses")).approximate == {}
+    assert state.sessions.get_now("default", "s") is None
+    assert await state.redis_sessions.get("default", "s") is None  # type: ignore[union-attr]
 
 
 async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster: ClusterFactory) -> None:

@@ -8,8 +8,11 @@ request, decided a microsecond later, follows it instead of preferring the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -19,6 +22,7 @@ from redis.asyncio import Redis
 
 from cache.redis_keys import RedisKeys
 from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.redis_process import RedisProcess
 
 # Prefill takes time, so that parallel requests really overlap inside the engines.
 SLOW_PREFILL = {"prefill_s_per_token": 2e-5, "decode_s_per_token": 0.0005}
@@ -115,6 +119,41 @@ async def test_a_claim_is_taken_back_when_the_engine_fails_before_taking_the_req
     assert binding is not None and binding.engine == "eu-west/e1"
     assert gateway.fleet.engines["eu-west/e0"].prefill.tokens == 0
     assert not gateway.state.index.held_soon_now("eu-west/e0")  # nothing "held soon" left there
+
+
+async def test_a_client_that_leaves_while_its_sessions_claim_travels_leaves_no_load_or_binding(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """A new session's request waits for its claim in Redis before it goes anywhere, its route already
+    committed (its prompt counted as queued on the engine, the session bound). A client that leaves
+    meanwhile must take all that back: else the engine's queue estimate never returns to 0 and the session
+    stays bound where no request went."""
+    server = RedisProcess(tmp_path)  # a Redis of the test's own, to freeze
+    server.start()
+    try:
+        cluster = await make_cluster({"eu-west": 1}, redis_url=server.url)
+        gateway = cluster.gateway
+        engine = gateway.fleet.engines["eu-west/e0"]
+        await cluster.wait_for(lambda: engine.healthy)
+        assert server.process is not None
+        server.process.send_signal(signal.SIGSTOP)  # the claim gets no answer (it gives up after 0.25 s)
+        try:
+            request = asyncio.ensure_future(ask(cluster, prefix("gone"), session="s-gone", stream=False))
+            await cluster.wait_for(lambda: bool(gateway.state.claims))
+            assert engine.prefill.tokens > 0  # committed: queued there while the claim travels
+            request.cancel()  # the client leaves
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            await cluster.wait_for(lambda: not gateway.state.claims)  # the claim gave up
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        await cluster.wait_for(lambda: engine.inflight == 0)
+        assert engine.prefill.tokens == 0, "the engine's queue estimate kept a prompt that never went there"
+        assert engine.queued_prefill_tokens(time.monotonic(), 0.0) == 0
+        assert gateway.state.sessions.get_now("default", "s-gone") is None
+        assert not gateway.state.index.held_soon_now("eu-west/e0")
+    finally:
+        server.stop()
 
 
 async def test_two_gateways_on_one_redis_agree_on_a_session_claimed_in_parallel(

@@ -61,3 +61,22 @@ def test_an_abandoned_trial_frees_the_slot() -> None:
     assert not b.allows()
     b.on_abandon()  # the client left before the engine said anything
     assert b.allows() and b.state is BreakerState.HALF_OPEN
+
+
+def test_a_hold_skips_the_engine_for_its_retry_after_capped_and_leaves_the_cooldown_alone() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=3, cooldown_s=2.0, max_cooldown_s=60.0, clock=clock)
+    b.hold(30.0)
+    assert b.state is BreakerState.OPEN and not b.allows()
+    b.hold(1.0)  # a shorter hold does not shorten the longer one
+    clock.now = 29.9
+    assert not b.allows()
+    clock.now = 30.0
+    assert b.allows()
+    b.on_dispatch()  # a trial, as after any cool-down
+    b.on_failure()
+    clock.now += 4.0  # a failed trial after a hold doubles the breaker's own cool-down, not the hold
+    assert b.allows()
+    b.hold(1e9)
+    clock.now += 60.0
+    assert b.allows()  # capped at max_cooldown_s
