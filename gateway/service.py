@@ -7,7 +7,6 @@ the body and, for a session id never seen before, one Redis read.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import math
 import random
@@ -33,6 +32,7 @@ from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import error_fields, relay_stream, relay_whole
+from gateway.http.retry_after import retry_after_seconds
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
@@ -412,7 +412,7 @@ class Gateway:
         Now it gets none for as long as it asked; a 429 without ``Retry-After`` counts as a failure, as a
         5xx does. Should no engine take the request, the client gets 503 with a ``Retry-After`` rather than
         a 502 or the engine's 429 (the limit is not the client's)."""
-        retry_after_s = _retry_after_s(upstream.header(b"retry-after"))
+        retry_after_s = retry_after_seconds(upstream.header(b"retry-after"))
         try:
             data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
         except UpstreamError:
@@ -440,27 +440,6 @@ class Gateway:
         raise _Retryable(
             UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
         )
-
-
-def _retry_after_s(value: bytes | None) -> float | None:
-    """A ``Retry-After`` header's wait in seconds (delta-seconds or an HTTP date); None when absent or
-    unreadable."""
-    if value is None:
-        return None
-    text = value.decode("latin-1").strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        pass
-    else:
-        return max(0.0, seconds) if math.isfinite(seconds) else None
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _track(engine: EngineState, response: Response, exchanges: list[Response]) -> None:
