@@ -191,7 +191,8 @@ class Gateway:
         self.router.find_session(p)
         plan = self.router.plan(p)
         last_error: GatewayError | None = None
-        for attempt in range(self.resilience.max_attempts + len(plan.prefilling)):
+        attempts = self.resilience.max_attempts + len(plan.prefilling)
+        for attempt in range(attempts):
             route = self.router.decide(plan)
             if not isinstance(route, GatewayError) and (claim := self.router.pending_claim(plan)):
                 route = await self.router.follow_claim(plan, route, claim)  # (a session new to this view)
@@ -203,7 +204,8 @@ class Gateway:
                 self.router.failed(plan, route, prefill_only=exc.prefill_failed)
                 log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
                 last_error = exc.error
-                await asyncio.sleep(self._backoff_s(attempt))
+                if attempt + 1 < attempts:  # (after the last attempt the client gets the error at once)
+                    await asyncio.sleep(self._backoff_s(attempt))
         assert last_error is not None  # (max_attempts is at least 1)
         raise last_error
 

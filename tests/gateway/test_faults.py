@@ -104,6 +104,21 @@ async def test_a_request_every_engine_fails_gets_the_last_error(make_cluster: Cl
     assert status == 502 and "engine exploded" in body["error"]["message"]
 
 
+async def test_the_last_failed_attempt_is_answered_without_a_pause_before_it(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The pause between attempts spaces out retries; after the last attempt nothing is retried, so the
+    # client must not wait for it. A pause of 30 s (and up to 45 with its jitter) makes one plain to see.
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/bad": server_error(500)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+        resilience={"max_attempts": 1, "retry_backoff_s": 30.0},
+    )
+    status, body, _ = await asyncio.wait_for(cluster.post("/v1/chat/completions", chat()), timeout=10)
+    assert status == 502 and "engine exploded" in body["error"]["message"]
+
+
 @pytest.mark.parametrize("status", [429, 503])
 async def test_an_engine_that_says_it_is_busy_is_failed_over_and_left_alone_for_its_retry_after(
     make_cluster: ClusterFactory, status: int
