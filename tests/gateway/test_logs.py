@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
+import aiohttp
 import pytest
+from yarl import URL
 
 from gateway.observability.logs import JsonFormatter, TextFormatter
 from tests.faulty_engines import Recorder
@@ -64,3 +67,22 @@ async def test_the_request_id_travels_to_the_engine(make_cluster: ClusterFactory
     _, _, generated = await cluster.post("/v1/chat/completions", body)
     assert [h["X-Request-Id"] for h in recorder.headers] == ["trace-me-42", generated["x-request-id"]]
     assert generated["x-request-id"].startswith("req-")
+
+
+async def test_json_lines_hold_bytes_a_client_sent_that_are_not_utf8(
+    make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A path's percent-escapes are decoded with ``surrogateescape``: ``%FF`` becomes a lone surrogate, which
+    orjson refuses. Whatever record quotes it must still be one JSON line, not a "Logging error"."""
+    cluster = await make_cluster({"eu-west": 1})
+    assert cluster.session is not None
+    caplog.set_level(logging.INFO)
+    with contextlib.suppress(aiohttp.ClientError):  # (what the client got is the other test's)
+        async with cluster.session.get(URL(cluster.url + "/v1/models/%FF%0Aforged", encoded=True)) as r:
+            await r.read()
+    record = logging.LogRecord(
+        "kvgate.app", logging.ERROR, __file__, 1, "on %s", ("/v1/models/\udcff",), None
+    )
+    for rec in [*caplog.records, record]:
+        line = JsonFormatter().format(rec)
+        assert "\n" not in line and json.loads(line)["logger"] == rec.name
