@@ -34,9 +34,18 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
+        try:
+            body = orjson.dumps(self.body())
+        except TypeError:
+            # The message quotes text with a lone surrogate: bytes a client sent that are not UTF-8 (``GET
+            # /v1/models/%FF``, decoded with ``surrogateescape``). orjson refuses it, and the request went
+            # unanswered, its connection dropped, an ERROR traceback logged and the request not counted.
+            error = {k: v if v is None else v.encode("utf-8", "backslashreplace").decode()
+                     for k, v in self.body()["error"].items()}  # fmt: skip
+            body = orjson.dumps({"error": error})
         return web.Response(
             status=self.status,
-            body=orjson.dumps(self.body()),
+            body=body,
             content_type="application/json",
             headers=self.headers,
         )

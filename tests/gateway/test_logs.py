@@ -86,3 +86,21 @@ async def test_json_lines_hold_bytes_a_client_sent_that_are_not_utf8(
     for rec in [*caplog.records, record]:
         line = JsonFormatter().format(rec)
         assert "\n" not in line and json.loads(line)["logger"] == rec.name
+
+
+async def test_a_path_that_is_not_utf8_gets_its_404_and_no_error_log(
+    make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``GET /v1/models/%FF``: the 404 quotes the model id, which held a lone surrogate; serializing it
+    failed, so the client's connection was dropped unanswered, an ERROR traceback was logged per request
+    and the request was not counted."""
+    cluster = await make_cluster({"eu-west": 1})
+    assert cluster.session is not None
+    caplog.set_level(logging.INFO)
+    async with cluster.session.get(URL(cluster.url + "/v1/models/%FFx", encoded=True)) as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["message"] == "The model '\\udcffx' does not exist"
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        text = await r.text()
+    assert 'kvgate_requests_total{endpoint="/v1/models/{model:path}",status="404"} 1.0' in text
