@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import socket
 import urllib.parse
 from collections.abc import Mapping
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cache.ledger import PRICE_DECIMALS, Prices
 from gateway.routing.base import RoutingSettings
 from gateway.routing.home import HomeSettings
-from gateway.tenancy.tenants import TENANT_PATTERN, TenantConfig
+from gateway.tenancy.tenants import TenantConfig, is_tenant_name
 from gateway.user_errors import without_credentials
 from region_map.config import (
     ConfigError,
@@ -380,7 +379,7 @@ def parse_config(
         raise ConfigError(format_validation_error(exc, root="gateway")) from None
     tenants = _table(data, "tenants", TenantConfig)
     for name in tenants:
-        if not re.match(TENANT_PATTERN, name):
+        if not is_tenant_name(name):
             raise ConfigError(f"tenants.{name}: a tenant name is 1-63 letters, digits, '_', '.' or '-'")
     return KvgateConfig(topology, gateway, tenants, _table(data, "prices", PriceConfig))
 

@@ -14,7 +14,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
 from gateway.http.errors import InvalidRequest
-from gateway.tenancy.tenants import TENANT_PATTERN, FileKeyStore, KeyStore, RedisKeyStore, create_key
+from gateway.tenancy.tenants import FileKeyStore, KeyStore, RedisKeyStore, create_key, is_tenant_name
 from gateway.tenancy.usage_api import day_range
 from gateway.user_errors import UserError, without_credentials
 from region_map.config import ConfigError
@@ -119,7 +118,7 @@ async def _keys_async(
         store = RedisKeyStore(client, prefix)
     try:
         if args.keys_command == "create":
-            if not re.match(TENANT_PATTERN, args.tenant):
+            if not is_tenant_name(args.tenant):
                 raise ConfigError("--tenant: 1-63 letters, digits, '_', '.' or '-'")
             key, record = await create_key(store, args.tenant, args.name)
             print(key)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -32,9 +33,14 @@ from gateway.state.single_flight import SingleFlight
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvg-"
-# \A and \Z, not ^ and $: "$" also matches before a final newline, so "acme\n" passed as a tenant name,
-# a tenant apart from "acme" (none of its limits or admin right, its usage under another name).
-TENANT_PATTERN = r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z"
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def is_tenant_name(name: str) -> bool:
+    """Whether ``name`` may name a tenant. The whole of it: a pattern anchored with "$" also matched before a
+    final newline, so "acme\n" passed, a tenant apart from "acme" (none of its limits or admin right, its
+    usage under another name)."""
+    return TENANT_NAME.fullmatch(name) is not None
 
 
 class TenantConfig(BaseModel):
