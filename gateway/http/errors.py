@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from aiohttp import web
+
+from gateway import json_text
 
 
 class GatewayError(Exception):
@@ -34,21 +35,16 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        try:
-            body = orjson.dumps(self.body())
-        except TypeError:
-            # The message quotes text with a lone surrogate: bytes a client sent that are not UTF-8 (``GET
-            # /v1/models/%FF``, decoded with ``surrogateescape``). orjson refuses it, and the request went
-            # unanswered, its connection dropped, an ERROR traceback logged and the request not counted.
-            error = {k: v if v is None else v.encode("utf-8", "backslashreplace").decode()
-                     for k, v in self.body()["error"].items()}  # fmt: skip
-            body = orjson.dumps({"error": error})
         return web.Response(
             status=self.status,
-            body=body,
+            body=json_text.dumps(self.body()),  # (a message may quote a client's bytes that are not UTF-8)
             content_type="application/json",
             headers=self.headers,
         )
+
+    def sse_event(self) -> bytes:
+        """The error as the event that ends a stream whose answer already began."""
+        return b"data: " + json_text.dumps(self.body()) + b"\n\n"
 
 
 class InvalidRequest(GatewayError):

@@ -155,7 +155,7 @@ async def relay_stream(
             # end it with an error event, as a stream that breaks off is ended.
             metrics.upstream_error(engine_id, "stream_without_done")
             error = UpstreamFailed(f"engine {engine_id} ended the stream without [DONE]")
-            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            await response.write(error.sse_event())
             outcome = "failed"
         await response.write_eof()
     except UpstreamError as exc:
@@ -166,7 +166,7 @@ async def relay_stream(
             raise UpstreamFailed(f"engine {engine_id} failed before its first token: {exc}") from None
         # Tokens already reached the client: end the stream with an error event, never retry.
         error = UpstreamFailed(f"engine {engine_id} broke off the stream: {exc}")
-        await _try_write(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
+        await _try_write(response, error.sse_event())
         accounting.done(tap.usage, first_byte, "failed", tap.token_events)
         return response
     except (ConnectionResetError, asyncio.CancelledError):

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-import orjson
+from gateway import json_text
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -31,20 +31,9 @@ class JsonFormatter(logging.Formatter):
             entry.update(fields)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        try:
-            return orjson.dumps(entry, default=str).decode()
-        except TypeError:
-            # A str with a lone surrogate: bytes a client sent that are not UTF-8 (a path's ``%FF``, a
-            # header's value, decoded with ``surrogateescape``). orjson refuses it, and logging would drop
-            # the record with a traceback on stderr: written as ``\udcff`` instead, the line stays JSON.
-            return orjson.dumps({k: _utf8(v) for k, v in entry.items()}, default=str).decode()
-
-
-def _utf8(value: Any) -> Any:
-    """``value``, or for one orjson cannot write, its text with lone surrogates backslash-escaped."""
-    if value is None or isinstance(value, bool | int | float):
-        return value
-    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+        # (json_text: a record quoting bytes a client sent that are not UTF-8 was dropped, with a traceback on
+        # stderr, when orjson refused it)
+        return json_text.dumps(entry, default=str).decode()
 
 
 class TextFormatter(logging.Formatter):
