@@ -415,30 +415,30 @@ class Gateway:
         5xx does. Should no engine take the request, the client gets 503 with a ``Retry-After`` rather than
         a 502 or the engine's 429 (the limit is not the client's)."""
         retry_after_s = retry_after_seconds(upstream.header(b"retry-after"))
-        try:
-            data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
-        except UpstreamError:
-            data = b""
+        message = await self._refusal_message(upstream, engine)
         if retry_after_s is None:
             engine.breaker.on_failure()
         else:
             engine.breaker.hold(retry_after_s)
-        self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
-        _, _, message = error_fields(data, upstream.status)
         retry = str(max(1, math.ceil(retry_after_s or 0)))
         error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly",
                            headers={"Retry-After": retry})  # fmt: skip
         raise _Retryable(error, engine.id)
 
-    async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:
-        """An engine's 5xx before any byte reached the client: count it against the engine, try another."""
+    async def _refusal_message(self, upstream: Response, engine: EngineState) -> str:
+        """What an engine that refused the request (a 5xx, a 429) said, its body read for at most 5 s;
+        counted as an upstream error of its status."""
         try:
             data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
         except UpstreamError:
             data = b""
-        engine.breaker.on_failure()
         self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
-        _, _, message = error_fields(data, upstream.status)
+        return error_fields(data, upstream.status)[2]
+
+    async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:
+        """An engine's 5xx before any byte reached the client: count it against the engine, try another."""
+        message = await self._refusal_message(upstream, engine)
+        engine.breaker.on_failure()
         raise _Retryable(
             UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
         )
