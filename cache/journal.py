@@ -27,7 +27,6 @@ on the segment it has until one can.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -39,6 +38,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from cache.ledger import UsageRecord
+from cache.spool import write_all
 
 log = logging.getLogger("kvgate.journal")
 
@@ -198,8 +198,7 @@ class UsageJournal:
             return
         data = msgpack.packb(entry)
         try:
-            if os.write(self._fd, data) != len(data):  # (the disk took part of it: as good as refused)
-                raise OSError(errno.ENOSPC, "the disk took only part of the entry")
+            write_all(self._fd, data)  # (a part the disk took before refusing the rest is cut off again)
         except OSError as exc:
             self._refused(exc)
             return

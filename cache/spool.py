@@ -47,7 +47,7 @@ class Spool:
         try:
             size = os.fstat(fd).st_size
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
                 os.fsync(fd)
             except OSError:
                 os.ftruncate(fd, size)  # (a full disk, say): no torn record for the next append to follow
@@ -80,14 +80,14 @@ class Spool:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # a .tmp left by a crash keeps its old mode through O_CREAT
-            _write_all(fd, b"".join(msgpack.packb(r.to_dict()) for r in rest))
+            write_all(fd, b"".join(msgpack.packb(r.to_dict()) for r in rest))
             os.fsync(fd)
         finally:
             os.close(fd)
         tmp.replace(self.path)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     """``write(2)`` until all of ``data`` is written (one call may write less: a signal, a full disk)."""
     view = memoryview(data)
     while view:
