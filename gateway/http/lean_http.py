@@ -254,7 +254,7 @@ class LeanConnection(LeanAnswering):
         if found.key_first and identify is not None and not self._identify(identify, expect is not None):
             return  # refused, or the key's verdict is on its way (and the 100 Continue with it)
         if expect is not None:
-            self._continue(expect_now=not self._queue and self._task is None)
+            self._continue()
 
     def on_body(self, body: bytes) -> None:
         self._continue_owed = False  # (the client sent its body without waiting: no 100 is due any more)
@@ -334,12 +334,12 @@ class LeanConnection(LeanAnswering):
         else:
             self._pause_if_backlogged()
 
-    def _continue(self, *, expect_now: bool) -> None:
-        """Tell the client to send the body of the request whose head is read: now, or (``expect_now``
-        False: the requests before it are being answered, and a 100 written now would land inside their
-        answers) once they are answered (``LeanAnswering._when_idle``). Without the 100 a client that
-        waits for it, as RFC 9110 10.1.1 lets it, sent nothing and got a 408 at the body deadline."""
-        if expect_now:
+    def _continue(self) -> None:
+        """Tell the client to send the body of the request whose head is read: now, or, while the requests
+        before it are being answered (a 100 written now would land inside their answers), once they are
+        (``LeanAnswering._when_idle``). Without the 100 a client that waits for it, as RFC 9110 10.1.1 lets
+        it, sent nothing and got a 408 at the body deadline."""
+        if not self._queue and self._task is None:
             self.write(CONTINUE)
         else:
             self._continue_owed = True
@@ -425,7 +425,7 @@ class LeanConnection(LeanAnswering):
             if error is None:
                 self._caller = verdict.result()
                 if expects_continue:
-                    self._continue(expect_now=not self._queue and self._task is None)
+                    self._continue()
             elif isinstance(error, GatewayError):
                 self._refuse_body(error.with_traceback(None))  # (kept as long as the connection)
             else:
