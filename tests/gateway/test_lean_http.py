@@ -373,15 +373,20 @@ async def test_requests_that_cannot_be_taken_get_a_json_error_and_the_connection
     assert await client.is_closed_by_server()
 
 
+async def send_forever(client: Client) -> list[Reply]:
+    """Send 512 KiB of one field's value, 8 KiB at a time (or until the server closes), then the reply."""
+    with contextlib.suppress(ConnectionError):
+        for _ in range(64):
+            await client.send(b"v" * 8192)
+            await asyncio.sleep(0)
+    return await client.replies_until(1)
+
+
 async def test_a_head_that_never_ends_is_refused_not_buffered(client: Client) -> None:
     """httptools keeps a header until it ends: a client sending one forever is cut off once 64 KiB of it
     have come after the read it began in (a read is at most 256 KiB)."""
     await client.send(b"GET /health HTTP/1.1\r\nx-endless: ")
-    with contextlib.suppress(ConnectionError):
-        for _ in range(64):  # 512 KiB
-            await client.send(b"v" * 8192)
-            await asyncio.sleep(0)
-    replies = await client.replies_until(1)
+    replies = await send_forever(client)
     assert replies[0].status == 431
     assert await client.is_closed_by_server()
 
@@ -407,11 +412,7 @@ async def test_a_trailer_that_never_ends_is_refused_not_buffered(client: Client)
     """As a head that never ends: httptools keeps a trailer field until it ends (copying it at every read),
     so one sent forever held memory and the event loop until the body deadline. Refused past 64 KiB."""
     await client.send(chunked_chat(b"x-endless: "))
-    with contextlib.suppress(ConnectionError):
-        for _ in range(64):  # 512 KiB
-            await client.send(b"v" * 8192)
-            await asyncio.sleep(0)
-    replies = await client.replies_until(1)
+    replies = await send_forever(client)
     assert replies[0].status == 431
     assert replies[0].json()["error"]["code"] == "bad_http_request"
     assert await client.is_closed_by_server()
