@@ -24,7 +24,7 @@ from cache.ledger import MemoryLedger
 from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from cache.spool import Spool
-from cache.tokens import load_tokenizer
+from cache.tokens import Tokenizer, TokenizerError, load_tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError
@@ -133,7 +133,7 @@ def build_app(config: KvgateConfig) -> web.Application:
             ),
         ),
         metrics=metrics,
-        tokenizer=load_tokenizer(settings.tokenizer),
+        tokenizer=gateway_tokenizer(config),
         policy=POLICIES[settings.routing.policy](settings.routing),
         billing=billing,
     )
@@ -221,6 +221,15 @@ def redis_client(url: str, max_connections: int) -> aioredis.Redis:
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+
+
+def gateway_tokenizer(config: KvgateConfig) -> Tokenizer:
+    """The tokenizer of gateway.tokenizer; one it cannot load is the operator's mistake, said as such (it was
+    an "unexpected error ... please report it")."""
+    try:
+        return load_tokenizer(config.gateway.tokenizer)
+    except TokenizerError as exc:
+        raise ConfigError(f"gateway.tokenizer: {exc}") from None
 
 
 def redis_db(redis: aioredis.Redis | None) -> int:

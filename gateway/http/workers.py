@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cache.parent_death import die_with_parent
+from gateway.app import gateway_tokenizer
 from gateway.config import KvgateConfig
 from gateway.http.listening import check_can_listen
 from gateway.http.server import run_gateway
@@ -67,6 +68,7 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     when one stops or on SIGINT/SIGTERM; a worker that stopped unasked makes the status non-zero."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
     _check_state_directory(config)
+    gateway_tokenizer(config)  # (once here, not one configuration error per worker)
     if not config.gateway.operator_port:
         clear_snapshots(worker_metrics_dir(config))  # (an earlier run's counts are not this one's)
     if config.gateway.redis_url is not None:

@@ -350,3 +350,26 @@ def test_demo_arguments_are_checked_before_any_engine_starts(args: tuple[str, ..
     assert result.returncode == 2
     assert "engine" not in result.stdout + result.stderr
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("what", ["no-directory", "no-tokenizer-json", "broken-tokenizer-json"])
+def test_serve_with_a_tokenizer_it_cannot_load_names_gateway_tokenizer(
+    tmp_path: Path, what: str, workers: str
+) -> None:
+    """gateway.tokenizer naming a directory without a readable tokenizer.json is the operator's mistake: it
+    was 'unexpected error: TokenizerError ... please report it', status 1."""
+    model = tmp_path / "model"
+    if what != "no-directory":
+        model.mkdir()
+    if what == "broken-tokenizer-json":
+        (model / "tokenizer.json").write_text("{ not json")
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "http://127.0.0.1:9" }}]\n'
+        f'[gateway]\nport = {free_port()}\ntokenizer = "{model}"\nspool_path = "{tmp_path / "spool"}"\n'
+    )
+    result = run("serve", "--config", str(config), "--workers", workers, timeout=60)
+    line = said_in_one_line(result, "configuration error", "gateway.tokenizer", str(model))
+    assert "unexpected" not in line and "report it" not in line
+    assert result.returncode == 2
