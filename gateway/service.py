@@ -31,7 +31,7 @@ from gateway.http.errors import (
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
-from gateway.http.relay import error_fields, relay_stream, relay_whole
+from gateway.http.relay import error_fields, relay_stream, relay_whole, upstream_error_kind
 from gateway.http.retry_after import retry_after_seconds
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
@@ -400,7 +400,7 @@ class Gateway:
         data = await upstream.read(self.settings.read_timeout_s)
         _, code, message = error_fields(data, upstream.status)
         self.metrics.upstream_error(
-            prefill.id if code == "kv_transfer_failed" else engine.id, f"http_502_{code}"
+            prefill.id if code == "kv_transfer_failed" else engine.id, upstream_error_kind(502, code)
         )
         error_out = UpstreamFailed(f"engine {engine.id} answered 502: {message}")
         raise _Retryable(error_out, prefill.id if code == "kv_transfer_failed" else engine.id,
@@ -432,7 +432,7 @@ class Gateway:
             data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
         except UpstreamError:
             data = b""
-        self.metrics.upstream_error(engine.id, f"http_{upstream.status}")
+        self.metrics.upstream_error(engine.id, upstream_error_kind(upstream.status))
         return error_fields(data, upstream.status)[2]
 
     async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:

@@ -62,6 +62,8 @@ class EngineState:
     reported_kv_pull: bool = False
     reported_token_ids_hex: bool = False
     simulated: bool = False
+    # Health probes of this engine that raised an error the probe did not anticipate (region_map.health).
+    probe_errors: int = 0
     # Whether its tokenizer and chat template give the gateway's ids (a /tokenize probe once per healthy
     # spell, gateway.http.engine_probe; None: not checked, so a text prompt is sent as text).
     tokenizer_agrees: bool | None = None

@@ -92,7 +92,24 @@ class HealthPoller:
             self._probed.add(engine.id)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(e) for e in self.fleet))
+        await asyncio.gather(*(self._guarded_probe(e) for e in self.fleet))
+
+    async def _guarded_probe(self, engine: EngineState) -> None:
+        """``probe``, with any error it did not anticipate (a bug, or an answer no parser foresaw) taken as a
+        failed check of this engine: raised out of the gather, it stopped the polling task, and with it the
+        health and load of every engine."""
+        try:
+            await self.probe(engine)
+        except Exception as exc:  # the whole point: nothing escapes one engine's probe
+            engine.probe_errors += 1  # kvgate_health_probe_errors_total
+            message = f"{type(exc).__name__}: {exc}"
+            key = (engine.id, "probe_error")
+            if self._said.get(key) != message:  # once per engine and distinct error, not every poll
+                self._said[key] = message
+                log.error("engine %s: health probe failed unexpectedly: %s", engine.id, message, exc_info=exc)
+            self._failed(engine, f"health probe error: {message}")
+        else:
+            self._clear(engine, "probe_error")
 
     async def _run(self) -> None:
         while True:

@@ -202,6 +202,22 @@ def error_fields(data: bytes, status: int) -> tuple[bool, str | None, str]:
     return True, None if code is None else str(code), str(error["message"])
 
 
+# The error codes an engine of ours answers a 502 with that the metrics tell apart; any other code (an engine,
+# or whatever answers on its port, may send anything) counts as a plain http_502, so that the label set of
+# kvgate_upstream_errors stays closed.
+KNOWN_502_CODES = frozenset({"kv_transfer_failed"})
+
+
+def upstream_error_kind(status: int, code: str | None = None) -> str:
+    """The ``kind`` label of an engine's error answer: its status (a real 1xx-5xx, else ``http_other``) and,
+    for a 502, its code when it is one of ``KNOWN_502_CODES``."""
+    if not 100 <= status <= 599:
+        return "http_other"
+    if status == 502 and code in KNOWN_502_CODES:
+        return f"http_502_{code}"
+    return f"http_{status}"
+
+
 def engine_error(
     engine_id: str, status: int, data: bytes, headers: dict[str, str], metrics: GatewayMetrics
 ) -> web.Response:
@@ -214,7 +230,7 @@ def engine_error(
             data = orjson.dumps({"error": {k: error.get(k) for k in fields}})
         return web.Response(body=data, status=status, content_type="application/json", headers=headers)
     _, _, message = error_fields(data, status)
-    metrics.upstream_error(engine_id, f"http_{status}")
+    metrics.upstream_error(engine_id, upstream_error_kind(status))
     error_out = UpstreamFailed(f"engine {engine_id} answered {status}: {message}")
     if 400 <= status < 500:
         error_out.status = status

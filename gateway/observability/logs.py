@@ -10,12 +10,32 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import sys
 from typing import Any
 
 from gateway import json_text
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Characters that would let text a client or an engine controls (a path, a model name, an x-request-id, an
+# engine's error message) end the line and forge records of its own (CWE-117), move the cursor of a terminal
+# (C0/C1 controls, DEL), or make the stream's encoder refuse the record (lone surrogates: non-UTF-8 bytes).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _SHORT:
+        return _SHORT[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``), so it stays one line."""
+    return _UNSAFE.sub(_escape, text)
 
 
 class JsonFormatter(logging.Formatter):
@@ -37,7 +57,10 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """Plain text, with the structured fields appended as key=value."""
+    """Plain text, with the structured fields appended as key=value; one record is always one line.
+
+    The message, the fields and a traceback have their control characters escaped (``\\n``, ``\\x1b``).
+    """
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
@@ -47,7 +70,9 @@ class TextFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict) and fields:
             text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        return text
+        # Escaped as a whole: a traceback's own newlines too, since its last line quotes the exception's
+        # message, which may carry a client's text.
+        return escape_controls(text)
 
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:

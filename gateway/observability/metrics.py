@@ -334,7 +334,13 @@ class _LiveCollector(Collector):
             "Running + waiting requests the engine last reported.",
             labels=["region", "engine"],
         )
+        probe_errors = CounterMetricFamily(
+            "kvgate_health_probe_errors",
+            "Health probes of the engine that failed with an error the probe did not anticipate (a bug).",
+            labels=["region", "engine"],
+        )
         for e in self._fleet:
+            probe_errors.add_metric([e.region, e.id], float(e.probe_errors))
             healthy.add_metric([e.region, e.id], 1.0 if e.healthy else 0.0)
             breaker.add_metric([e.region, e.id], 0.0 if e.breaker.state is BreakerState.CLOSED else 1.0)
             inflight.add_metric([e.region, e.id], float(e.inflight))
@@ -343,6 +349,7 @@ class _LiveCollector(Collector):
         yield breaker
         yield inflight
         yield load
+        yield probe_errors
         for name, (help_text, value) in self._gauges().items():
             yield GaugeMetricFamily(f"kvgate_{name}", help_text, value=value)
         for name, (help_text, value) in self._counters().items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 
 import aiohttp
 import pytest
@@ -104,3 +105,22 @@ async def test_a_path_that_is_not_utf8_gets_its_404_and_no_error_log(
     async with cluster.session.get(cluster.url + "/metrics") as r:
         text = await r.text()
     assert 'kvgate_requests_total{endpoint="/v1/models/{model:path}",status="404"} 1.0' in text
+
+
+def test_text_lines_escape_the_control_characters_a_client_sends() -> None:
+    """A model name, request id or error text holding a newline or an ESC cannot forge or recolour a line."""
+    forged = "kvgate-tiny\n2026-12-05 11:00:00,000 INFO kvgate.access: request finished tenant=admin"
+    try:
+        raise ValueError("engine said \r\x1b[2Jbye\x85")
+    except ValueError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "kvgate", logging.WARNING, __file__, 1, "no model %r %s", (1, forged), exc_info
+    )
+    record.fields = {"request_id": "r\n1", "tenant": "t\x00\u2028x", "path": "/v1/\udcff"}
+    line = TextFormatter().format(record)
+    assert line.splitlines() == [line]
+    assert "\x1b" not in line and "\x00" not in line and "\x85" not in line
+    assert "kvgate-tiny\\n2026-12-05" in line and "\\r\\x1b[2Jbye\\x85" in line
+    assert "request_id=r\\n1 tenant=t\\x00\\u2028x path=/v1/\\udcff" in line
+    line.encode()  # a lone surrogate from a client's non-UTF-8 bytes no longer makes the stream refuse it

@@ -7,6 +7,7 @@ tolerates (an unreadable ``/metrics``). Also gateway.http.engine_probe.check_tok
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from cache.tokens import Tokenizer, load_tokenizer, render_messages
 from gateway.http.engine_probe import SAMPLE_PROMPT, check_tokenizer
+from gateway.observability.metrics import GatewayMetrics
 from region_map.config import parse_topology
 from region_map.discovery import EngineMetrics
 from region_map.fleet import Fleet
@@ -565,3 +567,49 @@ async def test_check_tokenizer_without_tokenize_or_with_an_unknown_model(
     vllm.tokenize = vllm_tokenize(tokenizer, seen=[])
     said = await check_tokenizer(w, session, tokenizer)  # vLLM's own 404 for a model it does not serve
     assert said is not None and "The model `llama` does not exist." in said and w.tokenizer_agrees is False
+
+
+async def test_an_unexpected_error_in_one_probe_is_logged_once_and_the_others_keep_being_polled(
+    engines: Callable[..., Awaitable[StockEngine]],
+    session: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger=HEALTH_LOG)
+    broken = await engines("vllm", ["probe-a"])
+    fine = await engines("vllm", ["probe-b"])
+    fleet = fleet_of(
+        {"name": "v", "url": broken.url, "kind": "vllm"}, {"name": "w", "url": fine.url, "kind": "vllm"}
+    )
+    poller = HealthPoller(fleet, session, interval_s=0.01, unhealthy_after=1)
+    e, other = fleet.engines["r/v"], fleet.engines["r/w"]
+    real = poller._probe_stock
+
+    async def probe_stock(engine: Any) -> bool:
+        if engine is e:  # no real answer triggers it today: stands for a bug in a probe
+            raise KeyError("unforeseen")
+        return await real(engine)
+
+    monkeypatch.setattr(poller, "_probe_stock", probe_stock)
+    poller.start()
+    try:
+        for running in (3, 7):
+            fine.running = running
+            # Polls go on (the task is alive) until the healthy engine's new load shows.
+            while other.load.running != running:
+                assert poller._task is not None and not poller._task.done()
+                await asyncio.sleep(0.01)
+        assert other.healthy and not e.healthy and "KeyError" in (e.last_error or "")
+        assert e.probe_errors >= 2 and other.probe_errors == 0
+        errors = [
+            r for r in caplog.records if r.levelno == logging.ERROR and "unexpectedly" in r.getMessage()
+        ]
+        assert len(errors) == 1 and errors[0].exc_info is not None
+        metrics = GatewayMetrics()
+        metrics.watch(fleet, dict)
+        exposed = generate_latest(metrics.registry).decode()
+        assert (
+            f'kvgate_health_probe_errors_total{{engine="r/v",region="r"}} {float(e.probe_errors)}' in exposed
+        )
+    finally:
+        await poller.stop()
