@@ -105,14 +105,16 @@ def decode_foreign_batch(payload: bytes) -> ForeignBatch:
 
 def foreign_batch_from_obj(obj: Any) -> ForeignBatch:
     """A batch from an already-unpacked msgpack object."""
-    if isinstance(obj, list) and len(obj) in (2, 3):
+    # Fields past the rank are ones a newer engine added to its EventBatch (msgspec appends them to an
+    # array_like struct): ignored, as those of events are. Refusing them would lose every batch.
+    if isinstance(obj, list) and len(obj) >= 2:
         ts, events = obj[0], obj[1]
-        rank = obj[2] if len(obj) == 3 else None
+        rank = obj[2] if len(obj) >= 3 else None
     elif isinstance(obj, dict) and "ts" in obj and "events" in obj:  # EventBatch without array_like
         ts, events = obj["ts"], obj["events"]
         rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
     else:
-        raise EventDecodeError("an event batch must be [ts, events] or [ts, events, data_parallel_rank]")
+        raise EventDecodeError("an event batch must be [ts, events, data_parallel_rank, ...] or [ts, events]")
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise EventDecodeError(f"batch ts must be a number, got {ts!r}")
     if not isinstance(events, list):

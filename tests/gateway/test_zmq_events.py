@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -496,6 +497,22 @@ async def test_an_event_type_it_does_not_know_is_skipped_and_the_rest_of_its_bat
             engine.evict(a, keep=1)
             await until(holds(state, kv(a), 1))
             assert c.unknown_events == 2 and c.decode_errors == 0 and c.resyncs == 1
+
+
+async def test_a_batch_with_a_field_after_the_rank_applies(ports: int, state: SharedState) -> None:
+    # A newer vLLM appending a field to its EventBatch made every batch unreadable: the rank was forgotten.
+    a, b = prompt(2, 0), prompt(2, 500)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            ids = engine.ids(b)
+            event = vp.encode_event(vp.BlockStored(ids, None, b, BS, extra_keys=[None, None]))
+            pub.publish([], payload=msgpack.packb([time.time(), [event], 0, {"future": True}]))
+            await until(holds(state, kv(b), 2), what="the batch with a field after the rank")
+            assert state.lookup(kv(a)) == {EID: 2} and c.decode_errors == 0 and c.resyncs == 1
 
 
 async def test_a_batch_with_an_array_as_a_map_key_counts_as_lost_and_following_goes_on(
