@@ -48,6 +48,7 @@ class KvEventBatch:
     seq: int
     ts: float
     events: tuple[KvEvent, ...] = field(default_factory=tuple)
+    unknown_events: int = 0  # events of a kind a newer engine added, skipped when decoding (never encoded)
 
     def encode(self) -> bytes:
         return cast(
@@ -106,18 +107,23 @@ def _hashes(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _event_from_wire(raw: Any) -> KvEvent:
+def _event_from_wire(raw: Any) -> KvEvent | None:
+    """The event; None for one of a kind this version does not know (a newer engine's, during a rolling
+    upgrade): skipped, so that the batch's known events apply instead of the whole batch failing and the
+    consumer going back to a snapshot at every batch. Fields after the known ones are ignored likewise."""
     if not isinstance(raw, list) or not raw:
         raise EventDecodeError(f"an event must be a non-empty array, got {raw!r}")
     kind = raw[0]
-    if kind == STORED and len(raw) == 3:
+    if isinstance(kind, str) and kind and kind not in (STORED, REMOVED, CLEARED):
+        return None
+    if kind == STORED and len(raw) >= 3:
         parent = raw[2]
         if parent is not None and not (isinstance(parent, int) and 0 <= parent < 2**64):
             raise EventDecodeError("stored.parent must be an unsigned 64-bit integer or nil")
         return BlockStored(_hashes(raw[1]), parent)
-    if kind == REMOVED and len(raw) == 2:
+    if kind == REMOVED and len(raw) >= 2:
         return BlockRemoved(_hashes(raw[1]))
-    if kind == CLEARED and len(raw) == 1:
+    if kind == CLEARED:
         return AllCleared()
     raise EventDecodeError(f"unknown or malformed event {raw!r}")
 
@@ -134,7 +140,9 @@ def batch_from_obj(obj: Any) -> KvEventBatch:
         raise EventDecodeError("batch engine must be a string and seq a non-negative integer")
     if not isinstance(ts, int | float) or not isinstance(events, list):
         raise EventDecodeError("batch ts must be a number and events an array")
-    return KvEventBatch(engine, seq, float(ts), tuple(_event_from_wire(e) for e in events))
+    decoded = [_event_from_wire(e) for e in events]
+    known = tuple(e for e in decoded if e is not None)
+    return KvEventBatch(engine, seq, float(ts), known, len(decoded) - len(known))
 
 
 def decode_batch(payload: bytes) -> KvEventBatch:

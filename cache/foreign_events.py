@@ -3,7 +3,9 @@
 A payload is msgspec's msgpack of ``EventBatch``, an array ``[ts, events, data_parallel_rank]`` (SGLang
 before ``attn_dp_rank``: ``[ts, events]``). Each event is either a map whose ``"type"`` key names it
 (vLLM >= ~0.26) or a tagged positional array ``[tag, field, ...]`` (older vLLM, SGLang). Fields left at
-their default may be omitted: in a map any of them, in an array the trailing ones.
+their default may be omitted: in a map any of them, in an array the trailing ones. Fields this module does
+not know (vLLM keeps adding trailing ones) are ignored, and so are events of a type it does not know: they
+are listed in ``ForeignBatch.unknown_events`` and the batch's known events still apply.
 
 Engine block hashes are opaque ids here: vLLM sends uint64 (older versions raw digest bytes), SGLang a
 signed int64. ``cache.foreign_chain`` turns these records into kvgate's own (contract 1) hashes.
@@ -40,6 +42,7 @@ _STORED_FIELDS = (
     "group_idx",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_TAG_KEPT = 64  # characters of an unknown type tag kept for the log
 _MIN_STORED = 4  # hashes, parent, tokens, block size: nothing can be done with less
 _I64_MIN = -(2**63)
 _U64_END = 2**64
@@ -85,6 +88,7 @@ class ForeignBatch:
     ts: float
     events: tuple[ForeignEvent, ...]
     data_parallel_rank: int | None = None
+    unknown_events: tuple[str, ...] = ()  # the type tags of the events skipped, in batch order
 
 
 def decode_foreign_batch(payload: bytes) -> ForeignBatch:
@@ -101,24 +105,35 @@ def decode_foreign_batch(payload: bytes) -> ForeignBatch:
 
 def foreign_batch_from_obj(obj: Any) -> ForeignBatch:
     """A batch from an already-unpacked msgpack object."""
-    if isinstance(obj, list) and len(obj) in (2, 3):
+    # Fields past the rank are ones a newer engine added to its EventBatch (msgspec appends them to an
+    # array_like struct): ignored, as those of events are. Refusing them would lose every batch.
+    if isinstance(obj, list) and len(obj) >= 2:
         ts, events = obj[0], obj[1]
-        rank = obj[2] if len(obj) == 3 else None
+        rank = obj[2] if len(obj) >= 3 else None
     elif isinstance(obj, dict) and "ts" in obj and "events" in obj:  # EventBatch without array_like
         ts, events = obj["ts"], obj["events"]
         rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
     else:
-        raise EventDecodeError("an event batch must be [ts, events] or [ts, events, data_parallel_rank]")
+        raise EventDecodeError("an event batch must be [ts, events, data_parallel_rank, ...] or [ts, events]")
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise EventDecodeError(f"batch ts must be a number, got {ts!r}")
     if not isinstance(events, list):
         raise EventDecodeError("batch events must be an array")
     if rank is not None and not _is_int(rank):
         raise EventDecodeError(f"data_parallel_rank must be an integer or nil, got {rank!r}")
-    return ForeignBatch(float(ts), tuple(_event(e) for e in events), rank)
+    known: list[ForeignEvent] = []
+    unknown: list[str] = []
+    for raw in events:
+        event = _event(raw)
+        if isinstance(event, str):
+            unknown.append(event)
+        else:
+            known.append(event)
+    return ForeignBatch(float(ts), tuple(known), rank, tuple(unknown))
 
 
-def _event(raw: Any) -> ForeignEvent:
+def _event(raw: Any) -> ForeignEvent | str:
+    """The event, or the type tag of an event of a type this module does not know."""
     if isinstance(raw, dict):
         tag = raw.get("type")
         values = raw
@@ -133,9 +148,13 @@ def _event(raw: Any) -> ForeignEvent:
         return _removed(raw, values)
     if tag == CLEARED_TAG:
         return ForeignCleared()
-    # An event we cannot read may have changed the cache in a way we cannot follow: the consumer must
-    # treat the batch as lost rather than skip it.
-    raise EventDecodeError(f"unknown event type {tag!r}")
+    if not isinstance(tag, str) or not tag:
+        raise EventDecodeError(f"an event's type must be a non-empty string, got {tag!r}")
+    # A type added by a newer engine release: skipped and counted, as msgpack consumers do. Treating it
+    # as an unreadable batch would make the follower forget the rank at every batch that carries one, so
+    # routing would never see that engine's cache again; the three types above are the ones that say
+    # what the cache holds, and stay applied.
+    return tag[:_TAG_KEPT]
 
 
 def _fields(raw: list[Any], names: Sequence[str]) -> dict[str, Any]:

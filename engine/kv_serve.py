@@ -33,14 +33,16 @@ def engine_failed(exc: BaseException) -> OpenAIError:
 
 
 async def serve_kv_source(
-    request: web.Request, open_frames: OpenFrames, *, model: str, block_size: int
+    request: web.Request, open_frames: OpenFrames, *, model: str, block_size: int, max_model_len: int
 ) -> web.StreamResponse:
     """Check a KV transfer request (the body ``KvImporter`` sends), then stream the frames
     ``open_frames(request id, prompt token ids, namespace, from_position)`` yields, their payloads written
     as they are (``engine.kv_send``)."""
     request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
     try:
-        req = parse_kv_source_request(await read_body(request), served_model=model, block_size=block_size)
+        req = parse_kv_source_request(
+            await read_body(request), served_model=model, block_size=block_size, max_model_len=max_model_len
+        )
         namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
         ids = req.prompt_token_ids.tolist()
         frames = open_frames(f"kv-{request_id}-{new_request_id()}", ids, namespace, req.from_position)

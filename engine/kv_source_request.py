@@ -40,7 +40,11 @@ def kv_source_body(
             "block_size": block_size, "request_id": request_id}  # fmt: skip
 
 
-def parse_kv_source_request(raw: bytes, *, served_model: str, block_size: int) -> KvSourceRequest:
+def parse_kv_source_request(
+    raw: bytes, *, served_model: str, block_size: int, max_model_len: int
+) -> KvSourceRequest:
+    """The request, checked; a prompt longer than ``max_model_len`` (no engine computed or cached K/V for
+    it) is refused before its ids are converted or hashed, work that would hold up the event loop."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -54,7 +58,14 @@ def parse_kv_source_request(raw: bytes, *, served_model: str, block_size: int) -
         )  # fmt: skip
     if body.get("block_size") != block_size:
         raise OpenAIError(f"block_size must be {block_size}", param="block_size")
-    ids = token_ids_param(body.get("prompt_token_ids"), "prompt_token_ids")
+    raw_ids = body.get("prompt_token_ids")
+    if isinstance(raw_ids, list) and len(raw_ids) > max_model_len:
+        raise OpenAIError(
+            f"prompt_token_ids holds {len(raw_ids)} tokens, more than this engine's context of "
+            f"{max_model_len} tokens",
+            param="prompt_token_ids", code="context_length_exceeded",
+        )  # fmt: skip
+    ids = token_ids_param(raw_ids, "prompt_token_ids")
     if not len(ids):
         raise OpenAIError("prompt_token_ids must not be empty", param="prompt_token_ids")
     start = int_param(body.get("from_position"), "from_position", lo=0)

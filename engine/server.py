@@ -130,7 +130,11 @@ class EngineServer:
         redirect the request, body and all (307), to the core's own server of it."""
         if open_frames is not None:
             return await serve_kv_source(
-                request, open_frames, model=self.model, block_size=self.info.block_size
+                request,
+                open_frames,
+                model=self.model,
+                block_size=self.info.block_size,
+                max_model_len=self.info.max_model_len,
             )
         port = self.info.kv_port
         if port is None or not self.engine.alive:

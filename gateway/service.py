@@ -31,7 +31,7 @@ from gateway.http.errors import (
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
-from gateway.http.relay import error_fields, relay_stream, relay_whole, upstream_error_kind
+from gateway.http.relay import MAX_ERROR_BODY, error_fields, relay_stream, relay_whole, upstream_error_kind
 from gateway.http.retry_after import retry_after_seconds
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
@@ -397,7 +397,7 @@ class Gateway:
         self, upstream: Response, engine: EngineState, prefill: EngineState
     ) -> None:
         """A decode engine whose K/V transfer broke answers 502 before any token: retry elsewhere."""
-        data = await upstream.read(self.settings.read_timeout_s)
+        data = await upstream.read_at_most(MAX_ERROR_BODY, self.settings.read_timeout_s)
         _, code, message = error_fields(data, upstream.status)
         self.metrics.upstream_error(
             prefill.id if code == "kv_transfer_failed" else engine.id, upstream_error_kind(502, code)
@@ -429,7 +429,7 @@ class Gateway:
         """What an engine that refused the request (a 5xx, a 429) said, its body read for at most 5 s;
         counted as an upstream error of its status."""
         try:
-            data = await upstream.read(min(self.settings.read_timeout_s, 5.0))
+            data = await upstream.read_at_most(MAX_ERROR_BODY, min(self.settings.read_timeout_s, 5.0))
         except UpstreamError:
             data = b""
         self.metrics.upstream_error(engine.id, upstream_error_kind(upstream.status))

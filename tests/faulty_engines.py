@@ -169,12 +169,12 @@ class Scripted:
         return response
 
 
-def answers(body: bytes, content_type: str = "application/json") -> web.Application:
-    """Answers every completion 200 with ``body`` as it is, whatever was asked (streams included)."""
+def answers(body: bytes, content_type: str = "application/json", status: int = 200) -> web.Application:
+    """Answers every completion ``status`` with ``body`` as it is, whatever was asked (streams included)."""
 
     async def answer(request: web.Request) -> web.Response:
         await request.read()
-        return web.Response(body=body, content_type=content_type)
+        return web.Response(body=body, content_type=content_type, status=status)
 
     return _app(answer)
 

@@ -204,12 +204,17 @@ class EngineCore:
 
     async def _serve_kv(self) -> tuple[web.AppRunner, int]:
         model, block_size, engine = self.llm.model_name, self.llm.config.block_size, self.engine
+        max_model_len = self.llm.max_model_len
 
         async def prefill(request: web.Request) -> web.StreamResponse:
-            return await serve_kv_source(request, engine.export, model=model, block_size=block_size)
+            return await serve_kv_source(
+                request, engine.export, model=model, block_size=block_size, max_model_len=max_model_len
+            )
 
         async def cached(request: web.Request) -> web.StreamResponse:
-            return await serve_kv_source(request, engine.export_cached, model=model, block_size=block_size)
+            return await serve_kv_source(
+                request, engine.export_cached, model=model, block_size=block_size, max_model_len=max_model_len
+            )
 
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/kv/prefill", prefill)

@@ -38,6 +38,7 @@ class SimKvPeer:
         *,
         model: str,
         block_size: int,
+        max_model_len: int,
         send_s_per_token: float,
         cache: PrefixCache,
         counters: EngineCounters,
@@ -46,6 +47,7 @@ class SimKvPeer:
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.send_s_per_token = send_s_per_token
         self.cache = cache
         self.counters = counters
@@ -125,7 +127,10 @@ class SimKvPeer:
         from now on, since the peer holds them."""
         try:
             req = parse_kv_source_request(
-                await read_body(request), served_model=self.model, block_size=self.block_size
+                await read_body(request),
+                served_model=self.model,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
             )
         except OpenAIError as exc:
             return exc.to_response({})

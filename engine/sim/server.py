@@ -84,6 +84,7 @@ class SimEngine:
         self.kv_peer = SimKvPeer(
             model=config.model,
             block_size=config.block_size,
+            max_model_len=config.max_model_len,
             send_s_per_token=config.kv_pull_s_per_token,
             cache=self.cache,
             counters=self.counters,

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from cache.tokens import ChatContentError, Tokenizer, render_messages
+from gateway.http.relay import cut_message
 from region_map.config import EngineKind
 from region_map.fleet import EngineState
 
@@ -116,7 +117,9 @@ async def _tokenize(
         return None
     if resp.status != 200:
         message = error.get("message") if isinstance(error, dict) else None
-        said = f"/tokenize answered {resp.status}: {message or raw[:300].decode(errors='replace')}"
+        # Cut as every engine error the gateway relays or logs is: the caller logs this line.
+        message = cut_message(str(message)) if message else raw[:300].decode(errors="replace")
+        said = f"/tokenize answered {resp.status}: {message}"
         raise _Refused(said) if 400 <= resp.status < 500 else ValueError(said)
     tokens = payload.get("tokens") if isinstance(payload, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):

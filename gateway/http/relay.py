@@ -28,6 +28,12 @@ from gateway.observability.metrics import GatewayMetrics
 # failed: the engine broke off a stream that had started.
 Outcome = Literal["completed", "aborted", "failed"]
 
+# An engine's error body is read up to this many bytes (more, and the exchange is dropped), and its message
+# relayed to the client and logged up to this many characters: a multi-megabyte error (an engine echoing a
+# prompt, or a foreign server on its port) must not be copied into every answer and log line.
+MAX_ERROR_BODY = 64 * 1024
+MAX_ERROR_MESSAGE = 2048
+
 
 class Accounting(Protocol):
     def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +71,10 @@ async def relay_whole(
     An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
     ``UpstreamTimedOut``: nothing reached the client, another engine may answer."""
     try:
-        data = await upstream.read(read_timeout_s)
+        if upstream.status == 200:
+            data = await upstream.read(read_timeout_s)
+        else:
+            data = await upstream.read_at_most(MAX_ERROR_BODY, read_timeout_s)
     except UpstreamTimeout:
         metrics.upstream_error(engine_id, "timeout")
         raise UpstreamTimedOut(f"engine {engine_id} did not finish in time") from None
@@ -192,14 +201,25 @@ def error_object(data: bytes) -> dict[str, Any] | None:
     return error
 
 
+def cut_message(message: str) -> str:
+    """``message``, or its first ``MAX_ERROR_MESSAGE`` characters marked as cut."""
+    if len(message) <= MAX_ERROR_MESSAGE:
+        return message
+    return f"{message[:MAX_ERROR_MESSAGE]}... [cut: {len(message)} characters]"
+
+
 def error_fields(data: bytes, status: int) -> tuple[bool, str | None, str]:
-    """(is OpenAI-shaped, code, message) of an engine's error body; any other body gives its first 200
-    characters (or the status) as the message."""
+    """(is OpenAI-shaped, code, message) of an engine's error body (read with ``read_at_most``), its message
+    cut to ``MAX_ERROR_MESSAGE`` characters; any other body, or one over ``MAX_ERROR_BODY`` bytes, gives its
+    first 200 characters (or the status) as the message."""
+    if len(data) > MAX_ERROR_BODY:
+        head = data[:200].decode("utf-8", errors="replace")
+        return False, None, f"{head}... [cut: the body exceeds {MAX_ERROR_BODY} bytes]"
     error = error_object(data)
     if error is None:
         return False, None, data[:200].decode("utf-8", errors="replace") or f"HTTP {status}"
     code = error.get("code")
-    return True, None if code is None else str(code), str(error["message"])
+    return True, None if code is None else str(code)[:200], cut_message(str(error["message"]))
 
 
 # The error codes an engine of ours answers a 502 with that the metrics tell apart; any other code (an engine,
@@ -223,11 +243,14 @@ def engine_error(
 ) -> web.Response:
     """An engine's own error: its 4xx pass through (they are about the request), in OpenAI's nesting when
     the engine's is flat (SGLang); a 5xx becomes a 502."""
-    error = error_object(data)
+    error = error_object(data) if len(data) <= MAX_ERROR_BODY else None
     if 400 <= status < 500 and error is not None:
-        if error.get("object") == "error":  # flat: what clients parse is {"error": {...}}
-            fields = ("message", "type", "param", "code")
-            data = orjson.dumps({"error": {k: error.get(k) for k in fields}})
+        message = str(error["message"])
+        if error.get("object") == "error" or len(message) > MAX_ERROR_MESSAGE:
+            # flat: what clients parse is {"error": {...}}; too long: cut, as every relayed message is
+            fields = ("type", "param", "code")
+            relayed = {"message": cut_message(message), **{k: error.get(k) for k in fields}}
+            data = orjson.dumps({"error": relayed})
         return web.Response(body=data, status=status, content_type="application/json", headers=headers)
     _, _, message = error_fields(data, status)
     metrics.upstream_error(engine_id, upstream_error_kind(status))

@@ -132,6 +132,21 @@ class Response:
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def read_at_most(self, limit: int, idle_timeout: float | None = None) -> bytes:
+        """The body, or its first ``limit + 1`` bytes when it is longer (so the caller can tell): then the
+        exchange is dropped rather than the rest read, which an engine (or whatever holds its port) could
+        make as long as it likes."""
+        parts = []
+        size = 0
+        while (data := await self.next_batch(idle_timeout)) is not None:
+            parts.append(data)
+            size += len(data)
+            if size > limit:
+                self.abort()
+                break
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        return body[: limit + 1]
+
     def engine_down(self, reason: str, quiet_s: float) -> None:
         """The engine was declared unhealthy: unless bytes arrived in the last ``quiet_s`` seconds (it is
         still answering this one), drop the exchange and fail whoever waits on it (their request fails over,

@@ -241,6 +241,7 @@ class EventFollower(Protocol):
     gaps: int
     restarts: int
     decode_errors: int
+    unknown_events: int
     disconnects: int
     errors: int
 
@@ -264,6 +265,8 @@ class _EventFollowerCollector(Collector):
         ("gaps", "kvgate_kv_event_gaps", "Sequence gaps seen on an engine's live event stream."),
         ("restarts", "kvgate_kv_event_restarts", "Engine restarts seen in its events (seq back to 0)."),
         ("decode_errors", "kvgate_kv_event_decode_errors", "Event batches that could not be read."),
+        ("unknown_events", "kvgate_kv_event_unknown_events",
+         "Events of a type unknown here (a newer engine), skipped; the rest of their batch applies."),
         ("unknown_parent_blocks", "kvgate_kv_event_unknown_parent_blocks",
          "Stored blocks not indexed because their parent was never seen (a missed batch)."),
         ("unindexable_blocks", "kvgate_kv_event_unindexable_blocks",

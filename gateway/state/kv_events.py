@@ -49,6 +49,7 @@ class KvEventConsumer:
         self._max_backoff_s = max_backoff_s
         self.batches = 0
         self.resyncs = 0
+        self.unknown_events = 0  # events of a kind this gateway does not know (a newer engine), skipped
         self.last_seq: int | None = None
 
     async def run(self) -> None:
@@ -106,6 +107,13 @@ class KvEventConsumer:
                     batch = batch_from_obj(obj)
                     if batch.seq != last + 1:
                         raise _Resync(f"seq gap: expected {last + 1}, got {batch.seq}")
+                    if batch.unknown_events and not self.unknown_events:
+                        log.warning(
+                            "engine %s sends KV events of a kind this gateway does not know (a newer "
+                            "engine?); skipping them and applying the rest",
+                            self.engine.id,
+                        )
+                    self.unknown_events += batch.unknown_events
                     await self._sink.apply_events(self.engine.id, batch)
                     last = self.last_seq = batch.seq
                     self.batches += 1

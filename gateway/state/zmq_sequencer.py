@@ -42,6 +42,7 @@ log = logging.getLogger("kvgate.zmq_events")  # the follower's log, whichever of
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _EPOCH_MARKER = b"\x00sgl-kv-epoch="  # SGLang with snapshots: topic + marker + publisher lifetime id
+_UNKNOWN_TYPES_SAID = 32  # distinct unknown event types warned about, per engine
 _DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live copies of replayed ones)
 
 
@@ -107,6 +108,8 @@ class ZmqEventSequencer:
         self.gaps = 0  # seq gaps seen on the live stream
         self.restarts = 0  # rank restarts detected (seq back, changed history or epoch)
         self.decode_errors = 0  # batches that could not be read (treated as lost)
+        self.unknown_events = 0  # events of a type we do not know (a newer engine), skipped
+        self._unknown_said: set[str] = set()  # unknown types already warned about
 
     # -- a rank's live stream ----------------------------------------------------------------------------
 
@@ -248,6 +251,8 @@ class ZmqEventSequencer:
             state.remember(seq, payload)
             return
         self._check_rank(state, batch)
+        if batch.unknown_events:
+            self._count_unknown(state, seq, batch.unknown_events)
         chain = self.chain
         assert chain is not None
         async with self._lock:
@@ -261,6 +266,20 @@ class ZmqEventSequencer:
             if not await self._sink.apply_events(self.engine.id, kv_batch):
                 # Someone else wrote a newer seq for this engine: make the index ours again.
                 await self._resync_index("the index refused a batch")
+
+    def _count_unknown(self, state: RankState, seq: int, tags: tuple[str, ...]) -> None:
+        self.unknown_events += len(tags)
+        new = set(tags) - self._unknown_said
+        if new and len(self._unknown_said) < _UNKNOWN_TYPES_SAID:  # bounded: the tags come off the wire
+            self._unknown_said.update(new)
+            log.warning(
+                "engine %s rank %d: batch %d has events of types this gateway does not know (%s); "
+                "skipping them and applying the rest",
+                self.engine.id,
+                state.rank,
+                seq,
+                ", ".join(sorted(new)),
+            )
 
     def _check_rank(self, state: RankState, batch: ForeignBatch) -> None:
         rank = batch.data_parallel_rank

@@ -290,6 +290,15 @@ async def test_the_cached_endpoint_checks_its_input(pair: Pair) -> None:
             assert body["error"]["message"], body
     async with session.post(source.url + "/v1/kv/cached", data=b"{") as r:
         assert r.status == 400
+    # A prompt longer than the context is refused before its ids are converted or hashed (millions of them
+    # held up the engine's event loop), on both KV source routes.
+    limit = source.server.info.max_model_len
+    for path in ("/v1/kv/cached", "/v1/kv/prefill"):
+        async with session.post(source.url + path, json={**base, "prompt_token_ids": [1] * (limit + 1)}) as r:
+            body = await r.json(content_type=None)
+            assert r.status == 400, (path, body)
+            assert body["error"]["param"] == "prompt_token_ids", body
+            assert body["error"]["code"] == "context_length_exceeded", body
     # A body over the limit: OpenAI's JSON error, as on /v1/completions, not aiohttp's text/plain 413.
     for path in ("/v1/kv/cached", "/v1/kv/prefill"):
         async with session.post(source.url + path, data=b" " * (MAX_BODY_BYTES + 1)) as r:

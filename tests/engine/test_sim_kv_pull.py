@@ -54,6 +54,22 @@ async def test_kv_cached_refuses_what_it_cannot_answer(start_sim: StartSim) -> N
         assert got == status and body["error"]["param"] == param, body
 
 
+async def test_kv_cached_refuses_a_prompt_longer_than_the_context(start_sim: StartSim) -> None:
+    # Millions of ids were converted and hashed on the event loop, holding up every request of the engine.
+    sim = await start_sim()
+    limit = sim.engine.config.max_model_len
+    ids = [1] * (limit + 1)
+    body = {"model": "kvgate-sim", "prompt_token_ids": ids, "from_position": 0, "block_size": BS}
+    got, answer, _ = await sim.post("/v1/kv/cached", body)
+    assert got == 400, answer
+    error = answer["error"]
+    assert error["param"] == "prompt_token_ids" and error["code"] == "context_length_exceeded"
+    assert str(limit) in error["message"]
+    fits = {**body, "prompt_token_ids": ids[:limit]}
+    async with sim.session.post(f"{sim.url}/v1/kv/cached", json=fits) as r:
+        assert r.status == 200  # the context itself is served
+
+
 async def test_a_body_over_the_limit_is_a_json_413_on_every_post_route(start_sim: StartSim) -> None:
     # aiohttp's own 413 was text/plain on the routes that read the body themselves: a peer's importer or a
     # router's tokenizer client got a body it could not read as the error it is.

@@ -119,6 +119,35 @@ async def test_the_last_failed_attempt_is_answered_without_a_pause_before_it(
     assert status == 502 and "engine exploded" in body["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("status", "message_chars", "client_status"),
+    [(500, 5_000_000, 502), (400, 5_000_000, 400), (400, 40_000, 400), (503, 40_000, 502)],
+)
+async def test_a_huge_error_from_an_engine_reaches_the_client_and_the_log_cut(
+    make_cluster: ClusterFactory,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    message_chars: int,
+    client_status: int,
+) -> None:
+    # Multi-megabyte error messages (an engine echoing a prompt, a foreign server on its port) were read
+    # whole and copied into the client's error and the log line.
+    huge = orjson.dumps({"error": {"message": "x" * message_chars, "type": "BadRequestError", "param": None,
+                                   "code": 400}})  # fmt: skip
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/bad": answers(huge, status=status)},
+        engine_options={"eu-west/bad": {"kv_events": False}},
+        resilience={"max_attempts": 1},
+    )
+    got, body, _ = await cluster.post("/v1/chat/completions", chat())
+    assert got == client_status, body
+    message = body["error"]["message"]
+    assert 200 < len(message) < 4096 and "[cut: " in message, message[:300]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert all(len(r.getMessage()) < 8192 for r in caplog.records)
+
+
 @pytest.mark.parametrize("status", [429, 503])
 async def test_an_engine_that_says_it_is_busy_is_failed_over_and_left_alone_for_its_retry_after(
     make_cluster: ClusterFactory, status: int

@@ -133,7 +133,8 @@ async def test_every_follower_counter_is_on_the_metrics_page_per_engine(
     assert cluster.session is not None
     async with cluster.session.get(cluster.url + "/metrics") as r:
         page = await r.text()
-    names = ("batches", "resyncs", "replays", "gaps", "restarts", "decode_errors", "unknown_parent_blocks",
+    names = ("batches", "resyncs", "replays", "gaps", "restarts", "decode_errors", "unknown_events",
+             "unknown_parent_blocks",
              "unindexable_blocks", "ignored_blocks", "disconnects", "errors")  # fmt: skip
     for engine_id in ENGINES:
         region = engine_id.split("/")[0]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -468,6 +469,50 @@ async def test_unreadable_batch_counts_as_lost(ports: int, state: SharedState) -
             engine.prefill(b)
             await until(holds(state, kv(b), 2))
             assert state.lookup(kv(a)) == {} and c.decode_errors == 1 and c.resyncs == 2
+
+
+async def test_an_event_type_it_does_not_know_is_skipped_and_the_rest_of_its_batch_applies(
+    ports: int, state: SharedState
+) -> None:
+    # A newer vLLM adding an event type must not cost the rank its residency at every batch carrying one.
+    a, b = prompt(2, 0), prompt(3, 500)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            ids = engine.ids(b)
+            engine.cached.update(ids)
+            stored = vp.encode_event(vp.BlockStored(ids, None, b, BS, extra_keys=[None] * 3))
+            assert isinstance(stored, dict)
+            pub.publish(
+                [
+                    {"type": "BlockPinned", "block_hashes": ids[:1], "medium": "GPU"},
+                    {**stored, "session_id": "s1", "kv_cache_spec_kind": "full"},  # fields it does not know
+                    ["BlockTiered", ids[:1], "CPU"],
+                ]
+            )
+            await until(holds(state, kv(b), 3), what="the stored blocks beside the unknown events")
+            engine.evict(a, keep=1)
+            await until(holds(state, kv(a), 1))
+            assert c.unknown_events == 2 and c.decode_errors == 0 and c.resyncs == 1
+
+
+async def test_a_batch_with_a_field_after_the_rank_applies(ports: int, state: SharedState) -> None:
+    # A newer vLLM appending a field to its EventBatch made every batch unreadable: the rank was forgotten.
+    a, b = prompt(2, 0), prompt(2, 500)
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", None), state) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            ids = engine.ids(b)
+            event = vp.encode_event(vp.BlockStored(ids, None, b, BS, extra_keys=[None, None]))
+            pub.publish([], payload=msgpack.packb([time.time(), [event], 0, {"future": True}]))
+            await until(holds(state, kv(b), 2), what="the batch with a field after the rank")
+            assert state.lookup(kv(a)) == {EID: 2} and c.decode_errors == 0 and c.resyncs == 1
 
 
 async def test_a_batch_with_an_array_as_a_map_key_counts_as_lost_and_following_goes_on(

@@ -552,6 +552,24 @@ async def test_check_tokenizer_agrees_and_says_where_it_does_not(
     assert said is not None and "a chat (its template and tokenizer) first differs at token 0" in said
 
 
+async def test_check_tokenizer_cuts_a_huge_refusal(
+    engines: Callable[..., Awaitable[StockEngine]], session: aiohttp.ClientSession, tiny_model_dir: Path
+) -> None:
+    # The line the caller logs as an ERROR carried an engine's whole error message, megabytes of it.
+    vllm = await engines("vllm", ["probe-a"])
+    fleet = fleet_of({"name": "v", "url": vllm.url, "kind": "vllm"})
+    await HealthPoller(fleet, session).probe_all()
+
+    async def refuse(body: dict[str, Any]) -> web.Response:
+        error = {"message": "y" * 3_000_000, "type": "BadRequestError", "code": 400}
+        return web.json_response({"error": error}, status=400)
+
+    vllm.tokenize = refuse
+    said = await check_tokenizer(fleet.engines["r/v"], session, load_tokenizer(tiny_model_dir))
+    assert said is not None and "refused to tokenize" in said
+    assert len(said) < 4096 and "[cut: 3000000 characters]" in said
+
+
 async def test_check_tokenizer_without_tokenize_or_with_an_unknown_model(
     engines: Callable[..., Awaitable[StockEngine]], session: aiohttp.ClientSession, tiny_model_dir: Path
 ) -> None:
