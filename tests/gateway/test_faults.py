@@ -305,6 +305,21 @@ async def test_a_stream_whose_engine_keeps_its_response_open_after_done_ends_for
     engine.resume.set()
 
 
+async def test_a_stream_that_ends_without_done_after_its_usage_is_billed_as_failed_as_the_client_was_told(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The usage chunk came, then the engine ended its response without [DONE]: the client gets an error
+    # event (the stream failed), so the ledger must say failed too, billing the tokens the usage reports.
+    usage = usage_of(5, 2)
+    engine = Scripted([chat_chunk(role=True), chat_chunk("x"), chat_chunk("x"), chat_chunk(usage=usage)])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts, raised = await _stream_until_the_sdk_raises(client)
+    assert "".join(texts) == "xx" and "[DONE]" in raised.message
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", False, 2)
+    assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
+
+
 async def test_a_stream_the_engine_ends_empty_is_failed_over_before_the_client_sees_it(
     make_cluster: ClusterFactory,
 ) -> None:
