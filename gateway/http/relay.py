@@ -147,6 +147,10 @@ async def relay_stream(
                 accounting.streamed(tap.token_events)
             if out:
                 await response.write(out)
+            if tap.saw_done:
+                # [DONE] ends the stream, whether or not the engine ends its response (a proxy holding the
+                # chunked body's end, a buggy engine): the client is not kept waiting for the stall timeout.
+                break
         if first_byte is None:  # a 200 whose body ended empty: nothing reached the client, try another
             metrics.upstream_error(engine_id, "empty_stream")
             raise UpstreamFailed(f"engine {engine_id} ended its stream before sending anything")
@@ -167,6 +171,9 @@ async def relay_stream(
             await response.write(error.sse_event())
             outcome = "failed"
         await response.write_eof()
+        # An engine whose response goes on past [DONE] is in no known state: its connection is closed, not
+        # pooled (a response that ended with it is untouched: abort() leaves a complete exchange alone).
+        upstream.abort()
     except UpstreamError as exc:
         metrics.upstream_error(engine_id, type(exc).__name__)
         if first_byte is None:  # nothing reached the client: another engine may answer

@@ -19,8 +19,8 @@ import orjson
 Annotate = Callable[[dict[str, Any]], dict[str, Any]]
 
 # The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
-# be inside an event's JSON).
-_DONE = re.compile(rb"(?:^|\n)data: ?\[DONE\]")
+# be inside an event's JSON). Lines may end in \n, \r\n or a lone \r: SSE allows all three.
+_DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\]")
 
 
 class SseUsageTap:
@@ -40,11 +40,11 @@ class SseUsageTap:
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
         buf = self._tail + data if self._tail else data
-        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-        if lf < 0 and crlf < 0:
+        lf, crlf, cr = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n"), buf.rfind(b"\r\r")
+        if lf < 0 and crlf < 0 and cr < 0:
             self._tail = buf
             return b""
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
         complete, self._tail = buf[:end], buf[end:]
         if not self.events:
             self._wordless += _announces_role_only(complete)
@@ -112,14 +112,14 @@ class SseUsageTap:
 
 def _announces_role_only(data: bytes) -> bool:
     """Whether the first event of ``data`` is a chat stream's opening chunk: the role, empty content."""
-    ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n")) if i >= 0]
+    ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n"), data.find(b"\r\r")) if i >= 0]
     first = data[: min(ends)] if ends else data
     return b'"role"' in first and (b'"content":""' in first or b'"content"' not in first)
 
 
 def _split_events(data: bytes) -> list[bytes]:
-    """Events with their terminating blank line, for either line ending."""
-    sep = b"\r\n\r\n" if b"\r\n\r\n" in data else b"\n\n"
+    """Events with their terminating blank line, for any of SSE's line endings."""
+    sep = b"\r\n\r\n" if b"\r\n\r\n" in data else b"\n\n" if b"\n\n" in data else b"\r\r"
     parts = data.split(sep)
     return [p + sep for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
 

@@ -8,6 +8,7 @@ final record before the last byte of the answer leaves: a gateway that dies stil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -154,7 +155,11 @@ class RequestAccount:
             itl_s=itl,
         )
         record = self._final
-        if record is None and usage is not None:
+        if record is not None and outcome != record.status:
+            # The usage came, but the stream then failed (no [DONE], broken off) or the client left: the
+            # client was told it failed, so the record says so too, billing the usage's tokens all the same.
+            record = dataclasses.replace(record, status=outcome)
+        elif record is None and usage is not None:
             record = self._record(prompt, cached, completion, outcome, estimated=False)
         elif record is None:
             # It ended without the engine's usage: bill what the engine did by the gateway's own counts (the

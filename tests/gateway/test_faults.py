@@ -35,6 +35,7 @@ from tests.faulty_engines import (
     chat_chunk,
     server_error,
     stalls_after,
+    usage_of,
 )
 from tests.harness import MODEL, ClusterFactory, _start
 from tests.redis_prefixes import new_prefix
@@ -307,6 +308,45 @@ async def test_a_stream_the_engine_ends_without_done_is_an_error_to_the_sdk_not_
     assert isinstance(raised.body, dict) and raised.body["code"] == "upstream_error"
     record = await _one_record(cluster)
     assert (record.status, record.estimated, record.completion_tokens) == ("failed", True, 2)
+
+
+async def test_a_stream_whose_engine_keeps_its_response_open_after_done_ends_for_the_client_at_done(
+    make_cluster: ClusterFactory,
+) -> None:
+    # An engine (or a proxy in front of it) that sends [DONE] and then holds its response open: a client
+    # reading to the end of the response (curl, httpx) waited out the stall timeout, and the ledger record
+    # waited with it. [DONE] ends the stream.
+    usage = usage_of(5, 2)
+    events = [chat_chunk(role=True), chat_chunk("x"), chat_chunk("x", finish="stop"), chat_chunk(usage=usage)]
+    engine = Scripted([*events, b"data: [DONE]\n\n", b": never sent\n\n"], pause_at=len(events) + 1)
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/scripted": engine.app},
+        engine_options={"eu-west/scripted": {"kv_events": False}},
+        resilience={"stall_timeout_s": 60},
+    )
+    assert cluster.session is not None
+    async with asyncio.timeout(5):  # (the stall timeout is 60 s)
+        status, text, _ = await stream_text(cluster.session, cluster.url, chat())
+        record = await _one_record(cluster)
+    assert status == 200 and text.endswith("data: [DONE]\n\n") and text.count('"content":"x"') == 2
+    assert (record.status, record.estimated, record.completion_tokens) == ("completed", False, 2)
+    engine.resume.set()
+
+
+async def test_a_stream_that_ends_without_done_after_its_usage_is_billed_as_failed_as_the_client_was_told(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The usage chunk came, then the engine ended its response without [DONE]: the client gets an error
+    # event (the stream failed), so the ledger must say failed too, billing the tokens the usage reports.
+    usage = usage_of(5, 2)
+    engine = Scripted([chat_chunk(role=True), chat_chunk("x"), chat_chunk("x"), chat_chunk(usage=usage)])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts, raised = await _stream_until_the_sdk_raises(client)
+    assert "".join(texts) == "xx" and "[DONE]" in raised.message
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("failed", False, 2)
+    assert _usage_records(cluster, "failed") == 1 and _usage_records(cluster, "completed") == 0
 
 
 async def test_a_stream_the_engine_ends_empty_is_failed_over_before_the_client_sees_it(

@@ -106,3 +106,16 @@ def test_only_the_usage_chunk_carries_the_final_usage() -> None:
     assert tap.usage == running and tap.final_usage is None
     assert tap.feed(USAGE_EVENT + DONE) == DONE
     assert tap.usage == tap.final_usage == USAGE
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
+def test_every_sse_line_ending_byte_by_byte_with_comments_and_spaceless_data(eol: bytes) -> None:
+    # SSE allows \n, \r\n and a lone \r as line ends; proxies add ": keep-alive" comments; "data:" needs no
+    # space. Fed one byte at a time, the usage, the error event and [DONE] are still found.
+    error = b'data:{"error":{"message":"oom"}}'
+    usage = b"data:" + orjson.dumps({"choices": [], "usage": USAGE})
+    lines = [b": keep-alive", b"", CHUNK.strip(), b"", usage, b"", error, b"", b"data:[DONE]", b""]
+    stream = eol.join(lines) + eol
+    tap = SseUsageTap(forward_usage_event=True)
+    out = b"".join(tap.feed(stream[i : i + 1]) for i in range(len(stream))) + tap.flush()
+    assert out == stream and tap.usage == USAGE and tap.error == {"message": "oom"} and tap.saw_done
