@@ -69,6 +69,7 @@ class Prepared:
     max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
     choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
     tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
+    ratelimit_headers: dict[str, str] | None = None  # its caller's x-ratelimit-* at admission
 
     @property
     def hashes(self) -> list[int]:

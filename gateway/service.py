@@ -113,17 +113,24 @@ class Gateway:
         answers do: the OpenAI SDKs read it into every error they raise, and clients quote it."""
         received = time.perf_counter()
         p: Prepared | None = None
+        limits: dict[str, str] | None = None  # OpenAI's x-ratelimit-* headers, for a caller with limits
         try:
             caller = await self._caller(request)
-            await self.billing.admit_request(caller)
+            limits = await self.billing.admit_request(caller)
             body = await self.prepare.read_json(request)
             p = await prepare(request, body, caller.tenant)
             p.key_id = caller.key_id
-            await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
+            tokens = await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
+            if tokens is not None:
+                limits = tokens if limits is None else {**limits, **tokens}
+            p.ratelimit_headers = limits
             return await self._serve(request, received, p)
         except GatewayError as exc:
             rid = p.request_id if p is not None else self.prepare.refused_request_id(request)
             exc.headers["x-request-id"] = rid
+            if limits is not None:  # an answer after admission, refused or failed, says them as well
+                for name, value in limits.items():
+                    exc.headers.setdefault(name, value)
             raise
 
     async def _caller(self, request: LeanRequest) -> Caller:
@@ -348,6 +355,8 @@ class Gateway:
                 "x-kvgate-predicted-cached-tokens": str(predicted),
                 "x-kvgate-home-region": p.home_region,
             }
+            if p.ratelimit_headers is not None:
+                headers.update(p.ratelimit_headers)
             if pull is not None:
                 headers["x-kvgate-kv-pull-from"] = pull.source.id
                 self.metrics.kv_pulled(engine.region, pull.tokens)

@@ -18,7 +18,7 @@ from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
 from gateway.http.errors import AuthenticationFailed, RateLimited, Unavailable
 from gateway.tenancy.ledger_writer import LedgerWriter
-from gateway.tenancy.ratelimit import LimitExceeded, RateLimiter
+from gateway.tenancy.ratelimit import Allowance, LimitExceeded, RateLimiter
 from gateway.tenancy.tenants import (
     Authenticator,
     KeyRecord,
@@ -114,38 +114,65 @@ class Billing:
 
     # -- limits ------------------------------------------------------------------------------------------
 
-    async def admit_request(self, caller: Caller) -> None:
+    async def admit_request(self, caller: Caller) -> dict[str, str] | None:
         """Charge one request against the caller's requests per minute, or raise 429. Called before the body
-        is validated: a request refused as invalid costs its sender as much as any other."""
+        is validated: a request refused as invalid costs its sender as much as any other. Returns OpenAI's
+        ``x-ratelimit-*-requests`` headers when the caller has that limit, else None."""
         tenant = caller.tenant
         rpm = tenant.requests_per_minute or self.auth.requests_per_minute
-        if rpm:
-            await self._spend(caller, "rpm", rpm, 1, "requests per min (RPM)")
+        if not rpm:
+            return None
+        try:
+            allowance = await self._spend(caller, "rpm", rpm, 1, "requests per min (RPM)", "requests")
+        except RateLimited as exc:
+            # OpenAI sends every limit's headers on a 429: the tokens' too, as this gateway last saw them.
+            tpm = tenant.tokens_per_minute or self.auth.tokens_per_minute
+            if tpm:
+                exc.headers.update(
+                    ratelimit_headers("tokens", self.limiter.allowance(_bucket(caller, "tpm"), tpm))
+                )
+            raise
+        return ratelimit_headers("requests", allowance)
 
-    async def admit_tokens(self, caller: Caller, prompt_tokens: int, max_tokens: int) -> None:
+    async def admit_tokens(
+        self, caller: Caller, prompt_tokens: int, max_tokens: int
+    ) -> dict[str, str] | None:
         """Charge the caller's tokens per minute, or raise 429. Tokens count as prompt + max_tokens at
-        admission (OpenAI's convention): what the answer could cost is known before it is generated."""
+        admission (OpenAI's convention): what the answer could cost is known before it is generated. Returns
+        OpenAI's ``x-ratelimit-*-tokens`` headers when the caller has that limit, else None."""
         tenant = caller.tenant
         tpm = tenant.tokens_per_minute or self.auth.tokens_per_minute
-        if tpm:
-            await self._spend(caller, "tpm", tpm, prompt_tokens + max_tokens, "tokens per min (TPM)")
+        if not tpm:
+            return None
+        amount = prompt_tokens + max_tokens
+        allowance = await self._spend(caller, "tpm", tpm, amount, "tokens per min (TPM)", "tokens")
+        return ratelimit_headers("tokens", allowance)
 
     async def admit_usage_read(self, caller: Caller) -> None:
         """Charge one read of the usage endpoints, or raise 429. Each read flushes the ledger writer and
         reads up to a year of the ledger, so it has its own allowance apart from the completions'."""
         per_minute = self.auth.usage_reads_per_minute
-        await self._spend(caller, "usage", per_minute, 1, "usage reads per min")
+        await self._spend(caller, "usage", per_minute, 1, "usage reads per min", None)
 
-    async def _spend(self, caller: Caller, kind: str, per_minute: int, amount: int, what: str) -> None:
-        bucket = f"{caller.key_id or caller.tenant.name}:{kind}"
+    async def _spend(
+        self, caller: Caller, kind: str, per_minute: int, amount: int, what: str, unit: str | None
+    ) -> Allowance:
+        """Spend from the caller's ``kind`` bucket, or raise 429: OpenAI's body (``type``: "requests" or
+        "tokens"), ``Retry-After`` in whole seconds rounded up, and with a ``unit`` the bucket's
+        ``x-ratelimit-*-UNIT`` headers."""
         try:
-            await self.limiter.spend(bucket, per_minute, amount, what)
+            return await self.limiter.spend(_bucket(caller, kind), per_minute, amount, what)
         except LimitExceeded as exc:
             retry = max(1, math.ceil(exc.retry_after_s))
-            raise RateLimited(
+            headers = {"Retry-After": str(retry)}
+            if unit is not None:
+                headers.update(ratelimit_headers(unit, exc.allowance))
+            error = RateLimited(
                 f"Rate limit reached for tenant {caller.tenant.name} on {exc}. Please try again in {retry}s.",
-                headers={"Retry-After": str(retry)},
-            ) from None
+                headers=headers,
+            )
+            error.type = unit or "requests"  # (OpenAI's 429s say which limit in ``type``)
+            raise error from None
 
     # -- money -------------------------------------------------------------------------------------------
 
@@ -175,6 +202,34 @@ class Billing:
     def record(self, rec: UsageRecord) -> None:
         """Hand a finished request's record to the ledger writer (never blocks, never drops)."""
         self.writer.submit(rec)
+
+
+def _bucket(caller: Caller, kind: str) -> str:
+    return f"{caller.key_id or caller.tenant.name}:{kind}"
+
+
+def ratelimit_headers(unit: str, allowance: Allowance) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-UNIT`` ("requests" or "tokens") for an allowance."""
+    return {
+        f"x-ratelimit-limit-{unit}": str(allowance.limit),
+        f"x-ratelimit-remaining-{unit}": str(allowance.remaining),
+        f"x-ratelimit-reset-{unit}": reset_duration(allowance.reset_s),
+    }
+
+
+def reset_duration(seconds: float) -> str:
+    """A wait as OpenAI writes it (Go's duration format, to the millisecond, rounded up): ``0s``, ``20ms``,
+    ``1s``, ``8.64s``, ``6m0s``, ``1h0m0s``."""
+    ms = math.ceil(seconds * 1000 - 1e-6)  # (so that 1.0000000002 s is 1s, not 1.001s)
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    head = f"{hours}h{minutes}m" if hours else f"{minutes}m" if minutes else ""
+    return f"{head}{secs}s"
 
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:

@@ -6,6 +6,10 @@ allowance in leases of about 1/20 of a minute's worth and spends them locally; i
 when a lease runs out, with one refill per bucket at a time however many requests wait on it. Without Redis
 (or while it is away or slow) the buckets are in process. An exhausted bucket answers 429 with the
 seconds until enough has refilled.
+
+Each spend also says where the bucket stands (``Allowance``: remaining and time until full again, what the
+OpenAI ``x-ratelimit-*`` headers carry), from what the last take from the store said and this gateway's
+lease, without asking the store again.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import asyncio
 import functools
 import math
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -23,7 +27,8 @@ from gateway.state.single_flight import SingleFlight
 
 STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
 
-# KEYS[1] the bucket hash. ARGV: capacity, refill per second, wanted. Returns {granted, ms until 1 refills}.
+# KEYS[1] the bucket hash. ARGV: capacity, refill per second, wanted. Returns {granted, ms until the rest
+# refills, thousandths of a token left} (Redis makes Lua numbers integers: what is left in milli-tokens).
 _TAKE = """
 local capacity, rate, want = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
@@ -38,21 +43,29 @@ redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
 redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate * 1000) + 1000)
 local wait = 0
 if granted < want then wait = math.ceil((want - granted - tokens) / rate * 1000) end
-return {granted, wait}
+return {granted, wait, math.floor(tokens * 1000)}
 """
 
 
 class BucketStore(Protocol):
-    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
-        """Take up to ``want`` (granted, seconds until the rest would have refilled)."""
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float, float]:
+        """Take up to ``want``: (granted, seconds until the rest would have refilled, tokens left after)."""
         ...
+
+
+class Allowance(NamedTuple):
+    """Where a key's bucket stands after a spend (or a refusal): what OpenAI's rate-limit headers say."""
+
+    limit: int
+    remaining: int
+    reset_s: float  # until the bucket is full again at its refill rate
 
 
 class MemoryBuckets:
     def __init__(self) -> None:
         self._state: dict[str, tuple[float, float]] = {}
 
-    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float, float]:
         now = time.monotonic()
         tokens, ts = self._state.get(bucket, (float(capacity), now))
         tokens = min(float(capacity), tokens + (now - ts) * per_s)
@@ -60,7 +73,7 @@ class MemoryBuckets:
         tokens -= granted
         self._state[bucket] = (tokens, now)
         wait = 0.0 if granted >= want else (want - granted - tokens) / per_s
-        return granted, wait
+        return granted, wait, tokens
 
 
 class RedisBuckets:
@@ -68,17 +81,18 @@ class RedisBuckets:
         self._prefix = prefix
         self._take = redis.register_script(_TAKE)
 
-    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float, float]:
         key = f"{self._prefix}:rl:{{{bucket}}}"
-        granted, wait_ms = await self._take(keys=[key], args=[capacity, per_s, want])
-        return int(granted), int(wait_ms) / 1000.0
+        granted, wait_ms, left_milli = await self._take(keys=[key], args=[capacity, per_s, want])
+        return int(granted), int(wait_ms) / 1000.0, int(left_milli) / 1000.0
 
 
 class LimitExceeded(Exception):
-    def __init__(self, what: str, retry_after_s: float) -> None:
+    def __init__(self, what: str, retry_after_s: float, allowance: Allowance) -> None:
         super().__init__(what)
         self.what = what
         self.retry_after_s = retry_after_s
+        self.allowance = allowance
 
 
 class RateLimiter:
@@ -96,31 +110,51 @@ class RateLimiter:
         self._lease_fraction = lease_fraction
         self._leases: dict[str, int] = {}
         self._refills: SingleFlight[str, tuple[int, int, float]] = SingleFlight()  # one per bucket
+        # The store's bucket as the last take from it left it: (tokens left, time.monotonic() then).
+        self._seen: dict[str, tuple[float, float]] = {}
 
-    async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> None:
-        """Spend ``amount`` of a per-minute allowance or raise LimitExceeded."""
+    async def spend(self, bucket: str, per_minute: int, amount: int, what: str) -> Allowance:
+        """Spend ``amount`` of a per-minute allowance (and say what is left) or raise LimitExceeded."""
         if amount > per_minute:
-            raise LimitExceeded(f"{what}: Limit {per_minute}, Requested {amount}", 60.0)
+            allowance = self.allowance(bucket, per_minute)
+            raise LimitExceeded(f"{what}: Limit {per_minute}, Requested {amount}", 60.0, allowance)
         while True:
             have = self._leases.get(bucket, 0)
             if have >= amount:  # the common case: no await, so nothing can change the lease in between
                 self._leases[bucket] = have - amount
-                return
+                return self.allowance(bucket, per_minute)
             want = max(amount - have, math.ceil(per_minute * self._lease_fraction))  # (if it starts one)
             refill = functools.partial(self._refill, bucket, per_minute, want)
             granted, wanted, wait = await self._refills.run(bucket, refill)
             if granted < wanted and self._leases.get(bucket, 0) < amount:
                 # The shared bucket is empty: another refill now would get nothing either.
-                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0))
+                allowance = self.allowance(bucket, per_minute)
+                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0), allowance)
             # Else the refill got all it asked for, but spends ahead of this one (or a refill sized for a
             # smaller amount) left too little: look again, and refill again if need be.
+
+    def allowance(self, bucket: str, per_minute: int) -> Allowance:
+        """What this gateway's lease holds plus what the store's bucket held at the last take from it,
+        refilled since at its rate; a bucket never taken from is full. No await and no store round trip: with
+        several gateways, the others' takes since then are not seen (until this one's next refill)."""
+        per_s = per_minute / 60.0
+        seen = self._seen.get(bucket)
+        if seen is None:
+            stored = float(per_minute - self._leases.get(bucket, 0))
+        else:
+            left, at = seen
+            stored = min(float(per_minute), left + (time.monotonic() - at) * per_s)
+        # (A lease taken before the store refilled can add up to more than the limit: never say more.)
+        exact = min(float(per_minute), self._leases.get(bucket, 0) + stored)
+        return Allowance(per_minute, int(exact), (per_minute - exact) / per_s)
 
     async def _refill(self, bucket: str, per_minute: int, want: int) -> tuple[int, int, float]:
         """Take ``want`` from the store into the lease: (granted, wanted, seconds until the rest refills)."""
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                granted, wait = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
+                granted, wait, left = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
         except (RedisError, OSError, TimeoutError):
-            granted, wait = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
+            granted, wait, left = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
         self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
+        self._seen[bucket] = (left, time.monotonic())
         return granted, want, wait

@@ -19,9 +19,11 @@ def buckets(
 
 
 async def test_a_bucket_grants_its_capacity_then_refills_with_time(buckets: BucketStore) -> None:
-    assert await buckets.take("k", 5, 10.0, 3) == (3, 0.0)
-    granted, wait = await buckets.take("k", 5, 10.0, 4)
+    granted, wait, left = await buckets.take("k", 5, 10.0, 3)
+    assert (granted, wait) == (3, 0.0) and left == pytest.approx(2, abs=0.05)  # (and what is left)
+    granted, wait, left = await buckets.take("k", 5, 10.0, 4)
     assert granted == 2 and wait == pytest.approx(2 / 10.0, abs=0.05)  # two more refill in 0.2 s
+    assert left < 0.05
     await asyncio.sleep(0.55)  # 5 tokens at 10/s
     assert (await buckets.take("k", 5, 10.0, 5))[0] == 5
 
@@ -40,6 +42,31 @@ async def test_gateways_sharing_redis_share_one_allowance(
     assert admitted == 6  # not 6 per gateway
 
 
+async def test_each_spend_says_what_remains_and_when_the_bucket_is_full_again(
+    buckets: BucketStore,
+) -> None:
+    """The figures of OpenAI's x-ratelimit-* headers, from the lease and the store's last answer: they count
+    down request by request (a lease of one request at 6 per minute: each spend takes from the store)."""
+    limiter = RateLimiter(buckets)
+    seen = [await limiter.spend("k:rpm", 6, 1, "RPM") for _ in range(6)]
+    assert [a.remaining for a in seen] == [5, 4, 3, 2, 1, 0]
+    assert all(a.limit == 6 for a in seen)
+    # Each spent request refills in 10 s at 6 per minute: full again after (spent x 10 s), less a little.
+    for spent, allowance in enumerate(seen, start=1):
+        assert spent * 10 - 1 < allowance.reset_s <= spent * 10
+    with pytest.raises(LimitExceeded) as refused:
+        await limiter.spend("k:rpm", 6, 1, "RPM")
+    assert refused.value.allowance.remaining == 0 and refused.value.allowance.reset_s > 59
+
+
+async def test_a_lease_counts_down_without_the_store() -> None:
+    store = CountingBuckets()
+    limiter = RateLimiter(store)
+    seen = [await limiter.spend("k:rpm", 60, 1, "RPM") for _ in range(3)]
+    assert store.takes == 1  # one lease of 3 requests served all three
+    assert [a.remaining for a in seen] == [59, 58, 57]
+
+
 async def test_a_request_larger_than_the_limit_is_refused_outright() -> None:
     limiter = RateLimiter(MemoryBuckets())
     with pytest.raises(LimitExceeded, match="Requested 5000"):
@@ -49,10 +76,11 @@ async def test_a_request_larger_than_the_limit_is_refused_outright() -> None:
 async def test_without_redis_the_limit_holds_per_gateway() -> None:
     unreachable = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     limiter = RateLimiter(RedisBuckets(unreachable, "x"))
-    for _ in range(3):
+    remaining = [(await limiter.spend("k:rpm", 3, 1, "RPM")).remaining for _ in range(3)]
+    assert remaining == [2, 1, 0]
+    with pytest.raises(LimitExceeded) as refused:
         await limiter.spend("k:rpm", 3, 1, "RPM")
-    with pytest.raises(LimitExceeded):
-        await limiter.spend("k:rpm", 3, 1, "RPM")
+    assert refused.value.allowance.remaining == 0  # the figures come from this gateway's own bucket
     await unreachable.aclose()
 
 
@@ -68,12 +96,12 @@ class CountingBuckets(MemoryBuckets):
         self.granted = 0
         self.takes = 0
 
-    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float]:
+    async def take(self, bucket: str, capacity: int, per_s: float, want: int) -> tuple[int, float, float]:
         self.takes += 1
         await asyncio.sleep(0)  # the answer comes back in a later turn of the event loop
-        granted, wait = await super().take(bucket, capacity, per_s, want)
+        granted, wait, left = await super().take(bucket, capacity, per_s, want)
         self.granted += granted
-        return granted, wait
+        return granted, wait, left
 
 
 async def test_concurrent_spends_through_redis_neither_refuse_nor_drain_the_shared_bucket(
@@ -84,7 +112,7 @@ async def test_concurrent_spends_through_redis_neither_refuse_nor_drain_the_shar
         *(limiter.spend("key1:rpm", 600, 1, "requests per min (RPM)") for _ in range(64)),
         return_exceptions=True,
     )
-    assert [r for r in results if r is not None] == []  # no LimitExceeded for 64 of 600
+    assert [r for r in results if isinstance(r, BaseException)] == []  # no LimitExceeded for 64 of 600
     tokens = float(await redis_client.hget(f"{redis_keys.prefix}:rl:{{key1:rpm}}", "tokens") or 0)
     lease = 600 // 20
     # Other gateways still find (at least) all but what this one spent plus one lease in reserve.
@@ -98,7 +126,7 @@ async def test_concurrent_spends_neither_lose_nor_double_count_allowance() -> No
         *(limiter.spend("k:tpm", 600, 7, "tokens per min (TPM)") for _ in range(64)),
         return_exceptions=True,
     )
-    assert [r for r in results if r is not None] == []  # 448 of 600
+    assert [r for r in results if isinstance(r, BaseException)] == []  # 448 of 600
     # Everything taken from the store was spent or is still held as this gateway's lease.
     assert store.granted == 64 * 7 + limiter._leases["k:tpm"]
     assert store.granted <= 64 * 7 + 30  # and at most one lease more than was spent

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from cache.ledger_redis import RedisLedger
 from cache.redis_keys import RedisKeys
 from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
-from gateway.tenancy.billing import usage_counts
+from gateway.tenancy.billing import reset_duration, usage_counts
 from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
 from tests.conftest import ThirdPartyFleet
 from tests.faulty_engines import Scripted, answers, chat_chunk, cut_stream, usage_of
@@ -269,6 +270,106 @@ async def test_token_limit_counts_prompt_and_max_tokens(make_cluster: ClusterFac
         "/v1/chat/completions", chat("hi", max_tokens=900), headers=bearer(key)
     )
     assert status == 429 and "TPM" in body["error"]["message"] and "Retry-After" in headers
+
+
+# OpenAI's rate-limit headers, and its duration format for the resets ("20ms", "8.64s", "6m0s").
+RATE_HEADERS = [
+    f"x-ratelimit-{what}-{unit}"
+    for unit in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+]
+DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s|(\d+)ms)")
+
+
+def seconds(duration: str) -> float:
+    match = DURATION.fullmatch(duration)
+    assert match, duration
+    hours, minutes, secs, ms = match.groups()
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(secs or 0) + int(ms or 0) / 1000
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "per-gateway"])
+async def test_answers_carry_openai_rate_limit_headers(
+    make_cluster: ClusterFactory, redis_url: str, shared: bool
+) -> None:
+    """Every answer to a key with limits says what is left of each (streams on their head), counting down
+    request by request; the 429 says it too, with Retry-After, and the OpenAI SDK reads it all."""
+    tenants = {"limited": {"requests_per_minute": 3, "tokens_per_minute": 3000}, "open": {}}
+    redis = {"redis_url": redis_url} if shared else {}
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True}, tenants=tenants, **redis)
+    store = cluster.gateway.billing.keys
+    limited, open_key = [(await create_key(store, tenant))[0] for tenant in tenants]
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=limited, max_retries=0)
+    heads = []
+    for i in range(3):
+        messages: Any = chat(f"q{i}")["messages"]
+        if i == 1:  # a stream: on its response head
+            raw: Any = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=4, stream=True
+            )
+            async for _ in raw.parse():
+                pass
+        else:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=4
+            )
+        heads.append(raw.headers)
+    assert [h["x-ratelimit-limit-requests"] for h in heads] == ["3"] * 3
+    assert [h["x-ratelimit-remaining-requests"] for h in heads] == ["2", "1", "0"]
+    resets = [seconds(h["x-ratelimit-reset-requests"]) for h in heads]
+    assert resets[0] <= 20 < resets[1] <= 40 < resets[2] <= 60  # one request refills in 20 s at 3 a minute
+    tokens = [int(h["x-ratelimit-remaining-tokens"]) for h in heads]
+    assert all(h["x-ratelimit-limit-tokens"] == "3000" for h in heads)
+    assert 3000 > tokens[0] > tokens[1] > tokens[2] > 0, tokens  # each took its prompt + max_tokens
+    assert 0 < seconds(heads[2]["x-ratelimit-reset-tokens"]) <= 60
+    assert "retry-after" not in heads[0]
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=chat("q3")["messages"], max_tokens=4)
+    headers = refused.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 20
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-limit-requests"] == "3"
+    assert headers["x-ratelimit-limit-tokens"] == "3000"
+    assert refused.value.code == "rate_limit_exceeded" and refused.value.type == "requests"
+
+    unlimited = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=open_key, max_retries=0)
+    raw = await unlimited.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat("q")["messages"], max_tokens=4
+    )
+    assert [name for name in RATE_HEADERS if name in raw.headers] == []
+
+
+async def test_a_token_limit_429_says_tokens(make_cluster: ClusterFactory) -> None:
+    """Only the limits a tenant has get headers; the 429 of its token limit is OpenAI's ``tokens`` type."""
+    tenants = {"small": {"tokens_per_minute": 1000}}
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True}, tenants=tenants)
+    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
+    status, _, headers = await cluster.post(
+        "/v1/chat/completions", chat("hi", max_tokens=10), headers=bearer(key)
+    )
+    assert status == 200 and headers["x-ratelimit-limit-tokens"] == "1000"
+    assert "x-ratelimit-limit-requests" not in headers  # no request limit: no request headers
+    before = int(headers["x-ratelimit-remaining-tokens"])
+    status, body, headers = await cluster.post(
+        "/v1/chat/completions", chat("hi", max_tokens=900), headers=bearer(key)
+    )
+    assert status == 429 and body["error"]["type"] == "tokens" and int(headers["Retry-After"]) >= 1
+    assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) <= before + 10
+    assert seconds(headers["x-ratelimit-reset-tokens"]) > 0
+
+
+def test_resets_are_written_as_openai_writes_them() -> None:
+    cases = {
+        0.0: "0s",
+        0.02: "20ms",
+        0.0201: "21ms",
+        1.0: "1s",
+        8.64: "8.64s",
+        360.0: "6m0s",
+        90.5: "1m30.5s",
+    }
+    assert {s: reset_duration(s) for s in cases} == cases
+    assert reset_duration(3600.0) == "1h0m0s"
 
 
 # -- usage ----------------------------------------------------------------------------------------------
