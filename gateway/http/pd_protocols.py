@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.http.engine_body import prefill_only
-from gateway.http.relay import MAX_ERROR_BODY, error_fields
+from gateway.http.relay import error_fields, read_answer
 from gateway.http.upstream import UpstreamPool, split_base_url
 from gateway.http.upstream_errors import UpstreamError
 from gateway.http.upstream_response import Response
@@ -74,10 +74,7 @@ async def _prefill_half(
     headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
     try:
         response = await pool.request("POST", path, payload, headers, header_timeout=timeout_s)
-        if response.status == 200:
-            data = await response.read(timeout_s)
-        else:
-            data = await response.read_at_most(MAX_ERROR_BODY, timeout_s)
+        data = await read_answer(response, timeout_s)
     except UpstreamError as exc:
         raise PrefillFailed(str(exc) or type(exc).__name__) from None
     if response.status != 200:
