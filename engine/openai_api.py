@@ -35,6 +35,10 @@ from engine.sequence import SamplingParams
 RequestKind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
 
+# A completion without max_tokens stops at 16 tokens (OpenAI's legacy completions default, and vLLM's); a
+# chat without max_tokens / max_completion_tokens may fill what the context leaves (OpenAI's chat and vLLM's),
+# which costs nothing up front: the KV cache grows a block at a time as the answer does. With no known
+# context length a chat falls back to the completion default.
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_PARAMS = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
 
@@ -189,10 +193,13 @@ def parse_request(
     max_tokens_raw = data.get("max_tokens")
     if kind == "chat" and data.get("max_completion_tokens") is not None:
         max_tokens_param, max_tokens_raw = "max_completion_tokens", data["max_completion_tokens"]
-    max_tokens = (
-        DEFAULT_MAX_TOKENS if max_tokens_raw is None else int_param(max_tokens_raw, max_tokens_param, lo=1)
-    )
     prompt_tokens = int(ids.shape[0])
+    if max_tokens_raw is not None:
+        max_tokens = int_param(max_tokens_raw, max_tokens_param, lo=1)
+    elif kind == "chat" and max_model_len is not None:
+        max_tokens = max(1, max_model_len - prompt_tokens)
+    else:
+        max_tokens = DEFAULT_MAX_TOKENS
     if max_model_len is not None and prompt_tokens + max_tokens > max_model_len:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -166,6 +166,19 @@ def test_context_length() -> None:
     assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
 
 
+def test_a_chat_without_a_limit_may_fill_the_context_a_completion_stops_at_16() -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = parse({"messages": messages}, "chat", max_model_len=1000)
+    assert chat.max_tokens == 1000 - chat.prompt_tokens
+    limited = parse({"messages": messages, "max_completion_tokens": 5}, "chat", max_model_len=1000)
+    assert limited.max_tokens == 5
+    assert parse({"prompt": "hello there"}, max_model_len=1000).max_tokens == 16
+    assert parse({"messages": messages}, "chat").max_tokens == 16  # no known context: the completion default
+    # A prompt that fills the context is still refused, and blamed on the prompt.
+    err = error_of({"messages": messages}, "chat", max_model_len=chat.prompt_tokens)
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "messages")
+
+
 def test_unknown_model_and_bad_json() -> None:
     err = error_of({"model": "other", "prompt": "x"})
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
