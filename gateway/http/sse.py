@@ -21,6 +21,12 @@ Annotate = Callable[[dict[str, Any]], dict[str, Any]]
 # The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
 # be inside an event's JSON). Lines may end in \n, \r\n or a lone \r: SSE allows all three.
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\]")
+# A blank line, which ends an event: two line ends, each \n, \r\n or a lone \r (a \r\n is one line end, not a
+# \r and then an empty line).
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+# A data field's line, at the start of a line ("data" alone is an empty data field). A "data:" inside a
+# token's text is not one: it follows a quote or other JSON, never a line end (JSON has no raw newlines).
+_DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?:[:\r\n]|$)")
 
 
 class SseUsageTap:
@@ -34,7 +40,7 @@ class SseUsageTap:
         self.final_usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None  # the engine's own error event, if it sent one
         self.saw_done = False
-        self.events = 0  # data events forwarded
+        self.events = 0  # SSE events with data forwarded (not data lines: an event may have several)
         self._wordless = 0  # of those, the chat role announcement, [DONE] and an error: no completion token
 
     def feed(self, data: bytes) -> bytes:
@@ -52,10 +58,10 @@ class SseUsageTap:
             self.saw_done = True
             self._wordless += 1
         if b'"usage"' not in complete and b'"error"' not in complete:
-            self.events += complete.count(b"data:")
+            self.events += _count_events(complete)
             return complete
         out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
-        self.events += out.count(b"data:")
+        self.events += _count_events(out)
         return out
 
     @property
@@ -115,6 +121,20 @@ def _announces_role_only(data: bytes) -> bool:
     ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n"), data.find(b"\r\r")) if i >= 0]
     first = data[: min(ends)] if ends else data
     return b'"role"' in first and (b'"content":""' in first or b'"content"' not in first)
+
+
+def _count_events(data: bytes) -> int:
+    """The events in ``data`` (whole events) as an SSE client dispatches them: blocks ended by a blank line
+    with at least one data line. Several data lines are one event; a comment (":...") or a block of other
+    fields only (``event:``, ``id:``, ``retry:``) is none."""
+    if b"\r" not in data and data.startswith(b"data:") and data.endswith(b"\n\n"):
+        # The usual batch: events of one data line each, \n-ended. When every line end is half of a blank line
+        # and every block starts with "data:", each block is one data line: a few C loops count the events,
+        # with no split.
+        blank = data.count(b"\n\n")
+        if data.count(b"\n") == 2 * blank and data.count(b"\n\ndata:") == blank - 1:
+            return blank
+    return sum(1 for block in _BLANK_LINE.split(data) if _DATA_LINE.search(block))
 
 
 def _split_events(data: bytes) -> list[bytes]:
