@@ -146,3 +146,15 @@ def test_a_data_line_naming_data_inside_a_token_is_still_one_event() -> None:
     assert tap.events == 3 and tap.token_events == 2
     tap.feed(USAGE_EVENT.replace(b"[]", b'[{"index":0,"delta":{"content":"data:"}}]') + DONE)
     assert tap.events == 5 and tap.token_events == 3
+
+
+def test_a_large_event_in_many_reads_is_searched_once_not_once_per_read() -> None:
+    # A 4 MB event (a huge token, an echoed prompt) in 4 KB reads: searching the whole buffered event for
+    # its end again on every read costs O(n^2); only each read's new bytes (and a separator's overlap) need
+    # searching.
+    head, tail = b'data: {"choices":[{"index":0,"delta":{"content":"', b'"}}]}\r\n\r\n'
+    event = head + b"x" * (4 * 1024 * 1024) + tail
+    tap = SseUsageTap(forward_usage_event=False)
+    out = b"".join(tap.feed(event[i : i + 4096]) for i in range(0, len(event), 4096))
+    assert out == event and tap.events == 1 and tap.token_events == 1
+    assert tap.scanned < 2 * len(event)
