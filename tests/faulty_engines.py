@@ -195,3 +195,43 @@ class Busy:
         body = {"error": {"message": "too busy", "type": "server_error", "param": None, "code": None}}
         headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
         return web.json_response(body, status=self.status, headers=headers)
+
+
+class EndsAfterDone:
+    """Streams a two-token chat answer and ``[DONE]``, then ends its response ``end_after_s`` later (the
+    chunked body's terminator; None: never, it holds the response open until the gateway disconnects).
+    Notes the connection (the gateway's address) of each completion, how many responses it ended, and how
+    many the gateway dropped while they were still open (its handler is cancelled then)."""
+
+    def __init__(self, end_after_s: float | None) -> None:
+        self.end_after_s = end_after_s
+        self.peers: list[Any] = []
+        self.ended = 0
+        self.dropped = 0
+        self.finished = 0  # handlers done, either way
+        self.app = _app(self.stream)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        transport = request.transport
+        assert transport is not None
+        self.peers.append(transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage = usage_of(5, 2)
+        for event in (chat_chunk(role=True), chat_chunk("x"), chat_chunk("x", finish="stop")):
+            await response.write(event)
+        await response.write(chat_chunk(usage=usage) + b"data: [DONE]\n\n")
+        try:
+            if self.end_after_s is not None:
+                await asyncio.sleep(self.end_after_s)
+                await response.write_eof()
+                self.ended += 1
+            else:
+                await asyncio.Event().wait()  # until the gateway disconnects: the handler is cancelled then
+        except asyncio.CancelledError:
+            self.dropped += 1
+            raise
+        finally:
+            self.finished += 1
+        return response

@@ -34,6 +34,13 @@ Outcome = Literal["completed", "aborted", "failed"]
 MAX_ERROR_BODY = 64 * 1024
 MAX_ERROR_MESSAGE = 2048
 
+# How long an engine has, after its [DONE], to end its HTTP response (a chunked body's terminator comes in
+# a write of its own, often a few ms later): a response that ends in time leaves its keep-alive connection
+# in the pool, where aborting at [DONE] made every streamed request open a new one. An engine that keeps its
+# response open longer (a buggy one, a proxy holding the body's end) is in no known state: it is
+# disconnected then. The client is not kept waiting for it: its stream ends at [DONE].
+DONE_GRACE_S = 0.05
+
 
 class Accounting(Protocol):
     def annotate(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +154,9 @@ async def relay_stream(
             if tap.saw_done:
                 # [DONE] ends the stream, whether or not the engine ends its response (a proxy holding the
                 # chunked body's end, a buggy engine): the client is not kept waiting for the stall timeout.
+                # The engine's connection is aborted unless its response ends within DONE_GRACE_S (a client
+                # that leaves before, below, aborts it at once).
+                upstream.abort_unless_ended_within(DONE_GRACE_S)
                 break
         if first_byte is None:  # a 200 whose body ended empty: nothing reached the client, try another
             metrics.upstream_error(engine_id, "empty_stream")
@@ -168,9 +178,6 @@ async def relay_stream(
             await response.write(error.sse_event())
             outcome = "failed"
         await response.write_eof()
-        # An engine whose response goes on past [DONE] is in no known state: its connection is closed, not
-        # pooled (a response that ended with it is untouched: abort() leaves a complete exchange alone).
-        upstream.abort()
     except UpstreamError as exc:
         metrics.upstream_error(engine_id, type(exc).__name__)
         if first_byte is None:  # nothing reached the client: another engine may answer

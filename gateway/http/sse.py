@@ -21,42 +21,74 @@ Annotate = Callable[[dict[str, Any]], dict[str, Any]]
 # The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
 # be inside an event's JSON). Lines may end in \n, \r\n or a lone \r: SSE allows all three.
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\]")
+# An event end ("\n\n", "\r\n\r\n" or "\r\r") may be split between two reads: the last bytes of a buffered
+# partial event, as many as the longest end less one, are searched again with the next read.
+_OVERLAP = len(b"\r\n\r\n") - 1
+# A blank line, which ends an event: two line ends, each \n, \r\n or a lone \r (a \r\n is one line end, not a
+# \r and then an empty line).
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+# A data field's line, at the start of a line ("data" alone is an empty data field). A "data:" inside a
+# token's text is not one: it follows a quote or other JSON, never a line end (JSON has no raw newlines).
+_DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?:[:\r\n]|$)")
 
 
 class SseUsageTap:
     def __init__(self, *, forward_usage_event: bool, annotate: Annotate | None = None) -> None:
         self._forward_usage_event = forward_usage_event
         self._annotate = annotate
-        self._tail = b""
+        # A partial event waiting for its end. A bytearray: a large event (a huge token, an echoed prompt)
+        # that arrives in many reads is appended to, not copied whole on each read.
+        self._tail = bytearray()
+        self.scanned = 0  # bytes searched for an event's end: about the stream's size, however it is read
         self.usage: dict[str, Any] | None = None  # the last usage seen, in any chunk
         # The usage of the usage chunk (``choices: []``), which comes after every token. Chunks with choices
         # may carry a running usage too (vLLM's ``continuous_usage_stats``): not the final count.
         self.final_usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None  # the engine's own error event, if it sent one
         self.saw_done = False
-        self.events = 0  # data events forwarded
+        self.events = 0  # SSE events with data forwarded (not data lines: an event may have several)
         self._wordless = 0  # of those, the chat role announcement, [DONE] and an error: no completion token
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to forward now: whole events only (a partial event waits for its end)."""
-        buf = self._tail + data if self._tail else data
-        lf, crlf, cr = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n"), buf.rfind(b"\r\r")
-        if lf < 0 and crlf < 0 and cr < 0:
-            self._tail = buf
-            return b""
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
-        complete, self._tail = buf[:end], buf[end:]
+        tail = self._tail
+        if tail:
+            # The buffered bytes were searched already (they hold no event end): only the new ones are, and
+            # the overlap an event end split between two reads needs. Searching all again on every read
+            # would cost O(n^2) for an event of n bytes.
+            start = max(len(tail) - _OVERLAP, 0)
+            tail += data
+            end = self._event_end(tail, start)
+            if end < 0:
+                return b""
+            complete = bytes(tail[:end])
+            del tail[:end]
+        else:
+            end = self._event_end(data, 0)
+            if end < 0:
+                tail += data
+                return b""
+            complete = data if end == len(data) else data[:end]
+            tail += memoryview(data)[end:]
         if not self.events:
             self._wordless += _announces_role_only(complete)
         if b"[DONE]" in complete and _DONE.search(complete):
             self.saw_done = True
             self._wordless += 1
         if b'"usage"' not in complete and b'"error"' not in complete:
-            self.events += complete.count(b"data:")
+            self.events += _count_events(complete)
             return complete
         out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
-        self.events += out.count(b"data:")
+        self.events += _count_events(out)
         return out
+
+    def _event_end(self, buf: bytes | bytearray, start: int) -> int:
+        """Where the last whole event of ``buf`` ends (-1: none), searching from ``start`` on."""
+        self.scanned += len(buf) - start
+        lf, crlf, cr = buf.rfind(b"\n\n", start), buf.rfind(b"\r\n\r\n", start), buf.rfind(b"\r\r", start)
+        if lf < 0 and crlf < 0 and cr < 0:
+            return -1
+        return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
 
     @property
     def token_events(self) -> int:
@@ -68,7 +100,7 @@ class SseUsageTap:
         """What to forward, once the stream ended, of a last event the engine did not end with its blank
         line: a ``[DONE]`` is ended and forwarded; anything else is dropped, as an SSE client drops an event
         cut short (forwarded, half an event would run into the error event that the relay then writes)."""
-        rest, self._tail = self._tail, b""
+        rest, self._tail = bytes(self._tail), bytearray()
         if not _DONE.fullmatch(rest.strip()):
             return b""
         self.saw_done = True
@@ -115,6 +147,20 @@ def _announces_role_only(data: bytes) -> bool:
     ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n"), data.find(b"\r\r")) if i >= 0]
     first = data[: min(ends)] if ends else data
     return b'"role"' in first and (b'"content":""' in first or b'"content"' not in first)
+
+
+def _count_events(data: bytes) -> int:
+    """The events in ``data`` (whole events) as an SSE client dispatches them: blocks ended by a blank line
+    with at least one data line. Several data lines are one event; a comment (":...") or a block of other
+    fields only (``event:``, ``id:``, ``retry:``) is none."""
+    if b"\r" not in data and data.startswith(b"data:") and data.endswith(b"\n\n"):
+        # The usual batch: events of one data line each, \n-ended. When every line end is half of a blank line
+        # and every block starts with "data:", each block is one data line: a few C loops count the events,
+        # with no split.
+        blank = data.count(b"\n\n")
+        if data.count(b"\n") == 2 * blank and data.count(b"\n\ndata:") == blank - 1:
+            return blank
+    return sum(1 for block in _BLANK_LINE.split(data) if _DATA_LINE.search(block))
 
 
 def _split_events(data: bytes) -> list[bytes]:

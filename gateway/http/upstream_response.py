@@ -22,6 +22,7 @@ class Response:
     underscore members are the side its connection (``gateway.http.upstream.UpstreamConnection``) drives."""
 
     __slots__ = (
+        "_abort_timer",
         "_buffered",
         "_chunks",
         "_connection",
@@ -51,6 +52,7 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._error: UpstreamError | None = None
         self._connection: UpstreamConnection | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
 
     def header(self, name: bytes) -> bytes | None:
         name = name.lower()
@@ -72,6 +74,7 @@ class Response:
     def _finish(self) -> None:
         self.complete = True
         self._connection = None
+        self._cancel_abort_timer()  # ended in time: its connection is back in the pool, not to be aborted
         self._wake()
 
     def _fail(self, error: UpstreamError) -> None:
@@ -80,6 +83,7 @@ class Response:
         error.before_response = not self.received_any and not self._headers.done()
         self._error = error
         self._connection = None
+        self._cancel_abort_timer()
         if not self._headers.done():
             self._headers.set_exception(error)
             self._headers.exception()  # mark retrieved: the caller may already have given up waiting
@@ -158,9 +162,22 @@ class Response:
 
     def abort(self) -> None:
         """Drop the exchange: the connection is closed (the engine sees a disconnect) and not reused."""
+        self._cancel_abort_timer()
         if not self.complete and self._connection is not None:
             self._connection.abort()
             self._connection = None
+
+    def abort_unless_ended_within(self, grace_s: float) -> None:
+        """``abort`` in ``grace_s`` seconds unless the response ends before (its connection then goes back
+        to the pool, as after any whole response)."""
+        if self.complete or self._connection is None or self._abort_timer is not None:
+            return
+        self._abort_timer = asyncio.get_running_loop().call_later(grace_s, self.abort)
+
+    def _cancel_abort_timer(self) -> None:
+        timer, self._abort_timer = self._abort_timer, None
+        if timer is not None:
+            timer.cancel()
 
 
 class _Batches:

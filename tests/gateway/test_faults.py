@@ -28,6 +28,7 @@ from gateway.demo import EngineProcess, free_port, stop_engines, wait_healthy
 from region_map.breaker import BreakerState
 from tests.faulty_engines import (
     Busy,
+    EndsAfterDone,
     Firehose,
     Scripted,
     answers,
@@ -332,6 +333,57 @@ async def test_a_stream_whose_engine_keeps_its_response_open_after_done_ends_for
     assert status == 200 and text.endswith("data: [DONE]\n\n") and text.count('"content":"x"') == 2
     assert (record.status, record.estimated, record.completion_tokens) == ("completed", False, 2)
     engine.resume.set()
+
+
+async def test_an_engine_that_ends_its_response_just_after_done_keeps_its_pooled_connection(
+    make_cluster: ClusterFactory,
+) -> None:
+    # An engine's HTTP response ends a moment after its [DONE] (the chunked body's terminator, written
+    # separately). Aborting the exchange at [DONE] lost that keep-alive connection, and every streamed
+    # request opened a new one; the gateway waits a short grace for the response's end instead.
+    engine = EndsAfterDone(end_after_s=0.01)
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/late": engine.app},
+        engine_options={"eu-west/late": {"kv_events": False}},
+    )
+    assert cluster.session is not None
+    for i in range(5):
+        status, text, _ = await stream_text(cluster.session, cluster.url, chat())
+        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        await cluster.wait_for(lambda n=i + 1: engine.finished == n)  # (a client is rarely back in 10 ms)
+        await asyncio.sleep(0.02)  # ... and the response's end reached the gateway
+    assert len(engine.peers) == 5 and len(set(engine.peers)) == 1, engine.peers
+    assert cluster.gateway.clients.pool(cluster.engines["eu-west/late"][1]).open_connections == 1
+
+
+@pytest.mark.parametrize("client_leaves", [False, True])
+async def test_an_engine_that_never_ends_its_response_after_done_is_disconnected_after_the_grace(
+    make_cluster: ClusterFactory, client_leaves: bool
+) -> None:
+    # The grace after [DONE] is bounded: an engine that holds its response open is disconnected once it is
+    # up, whether the client reads its answer to the end or leaves as soon as it has seen [DONE].
+    engine = EndsAfterDone(end_after_s=None)
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/open": engine.app},
+        engine_options={"eu-west/open": {"kv_events": False}},
+        resilience={"stall_timeout_s": 60},
+    )
+    assert cluster.session is not None
+    async with asyncio.timeout(5):  # (the stall timeout is 60 s)
+        async with cluster.session.post(cluster.url + "/v1/chat/completions", json=chat(stream=True)) as r:
+            if client_leaves:
+                seen = b""
+                while b"[DONE]" not in seen:
+                    seen += await r.content.readany()
+                r.close()  # drops the client's connection
+            else:
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        await cluster.wait_for(lambda: engine.dropped == 1, within_s=1)
+        record = await _one_record(cluster)
+    assert record.status == "completed" and record.completion_tokens == 2
+    assert cluster.gateway.clients.pool(cluster.engines["eu-west/open"][1]).open_connections == 0
 
 
 async def test_a_stream_that_ends_without_done_after_its_usage_is_billed_as_failed_as_the_client_was_told(

@@ -119,3 +119,42 @@ def test_every_sse_line_ending_byte_by_byte_with_comments_and_spaceless_data(eol
     tap = SseUsageTap(forward_usage_event=True)
     out = b"".join(tap.feed(stream[i : i + 1]) for i in range(len(stream))) + tap.flush()
     assert out == stream and tap.usage == USAGE and tap.error == {"message": "oom"} and tap.saw_done
+
+
+def test_an_event_of_several_data_lines_is_one_event_and_a_comment_is_none() -> None:
+    # SSE (WHATWG): an event is the block of lines up to a blank line; its data lines are one event's data,
+    # joined with newlines; a line starting with ":" is a comment, and a block without data is no event.
+    two_lines = b'data: {"choices":[{"index":0,\ndata: "delta":{"content":"hi"}}]}\n\n'
+    comment = b": keep-alive, no data: here\n\n"
+    tap = SseUsageTap(forward_usage_event=False)
+    stream = ROLE + two_lines + comment + b"event: ping\nid: 7\n\n" + CHUNK + DONE
+    assert tap.feed(stream) == stream
+    assert tap.events == 4 and tap.token_events == 2  # role, the two-line token, CHUNK, [DONE]
+    usage = b"data: " + orjson.dumps({"choices": [], "usage": USAGE}).replace(b',"usage"', b',\ndata:"usage"')
+    tap = SseUsageTap(forward_usage_event=True)
+    assert tap.feed(ROLE + two_lines + comment + usage + b"\n\n" + DONE) == ROLE + two_lines + comment + (
+        usage + b"\n\n" + DONE
+    )
+    assert tap.usage == USAGE and tap.events == 4  # its two data lines are parsed as one JSON, too
+
+
+def test_a_data_line_naming_data_inside_a_token_is_still_one_event() -> None:
+    # A token's text may say "data:" (or "\ndata:" escaped in its JSON): one event, one token.
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"data: x\\ndata: y"}}]}\n\n'
+    tap = SseUsageTap(forward_usage_event=False)
+    assert tap.feed(ROLE + token + token) == ROLE + token + token
+    assert tap.events == 3 and tap.token_events == 2
+    tap.feed(USAGE_EVENT.replace(b"[]", b'[{"index":0,"delta":{"content":"data:"}}]') + DONE)
+    assert tap.events == 5 and tap.token_events == 3
+
+
+def test_a_large_event_in_many_reads_is_searched_once_not_once_per_read() -> None:
+    # A 4 MB event (a huge token, an echoed prompt) in 4 KB reads: searching the whole buffered event for
+    # its end again on every read costs O(n^2); only each read's new bytes (and a separator's overlap) need
+    # searching.
+    head, tail = b'data: {"choices":[{"index":0,"delta":{"content":"', b'"}}]}\r\n\r\n'
+    event = head + b"x" * (4 * 1024 * 1024) + tail
+    tap = SseUsageTap(forward_usage_event=False)
+    out = b"".join(tap.feed(event[i : i + 4096]) for i in range(0, len(event), 4096))
+    assert out == event and tap.events == 1 and tap.token_events == 1
+    assert tap.scanned < 2 * len(event)
