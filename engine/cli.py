@@ -73,7 +73,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batched-tokens", type=positive_int, default=2048, help="token budget per step (default: 2048)"
     )
     parser.add_argument(
-        "--max-model-len", type=positive_int, default=None, help="default: the model's context"
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="default: the model's context, or what the KV cache holds if less",
     )
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="CPU threads for torch (default: all)"

@@ -64,7 +64,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda when available
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_model_len: int | None = None  # default: max_position_embeddings, or what the KV cache holds if less
     compressed_weights: bool = False  # BF16 weights held in the palette form, each layer expanded as it runs
     tensor_parallel_size: int = 1  # with either above 1, tp x pp worker processes run the model
     pipeline_parallel_size: int = 1
@@ -148,7 +148,11 @@ class LLMEngine(KvTransferMixin):
                 max_model_len=config.max_model_len or mc.max_position_embeddings,
                 cuda_graphs=config.cuda_graphs and not config.compressed_weights,
             )
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # Unset, the context is what the model allows and the KV cache can hold (a chat without max_tokens
+        # may fill it, so it must fit); a configured one larger than the cache is the operator's to keep.
+        self.max_model_len = config.max_model_len or min(
+            mc.max_position_embeddings, num_blocks * config.block_size
+        )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks,

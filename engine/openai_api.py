@@ -144,10 +144,13 @@ def parse_request(
     max_model_len: int | None = None,
     capabilities: Capabilities = PLAIN,
     vocab_size: int | None = None,
+    chat_fills_context: bool = True,
 ) -> GenerationRequest:
     """Validate a request body; raises :class:`OpenAIError` for anything a client got wrong, or asked for
     and the engine cannot do: ``capabilities`` says whether that includes n > 1 and logprobs. With
     ``vocab_size`` token ids in the prompt, logit_bias and stop_token_ids are checked against it.
+    A chat without max_tokens may write what ``max_model_len`` leaves, as OpenAI's and vLLM's do, unless
+    ``chat_fills_context`` is False; a completion, or a chat then, writes 16 tokens.
 
     ``prompt_token_ids`` (a kvgate extension the gateway sends), or the same ids packed in
     ``prompt_token_ids_hex``, wins over ``prompt`` / ``messages``: the gateway already tokenized the prompt
@@ -196,7 +199,7 @@ def parse_request(
     prompt_tokens = int(ids.shape[0])
     if max_tokens_raw is not None:
         max_tokens = int_param(max_tokens_raw, max_tokens_param, lo=1)
-    elif kind == "chat" and max_model_len is not None:
+    elif kind == "chat" and chat_fills_context and max_model_len is not None:
         max_tokens = max(1, max_model_len - prompt_tokens)
     else:
         max_tokens = DEFAULT_MAX_TOKENS

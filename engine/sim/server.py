@@ -224,6 +224,8 @@ class SimEngine:
                 tokenizer=self.tokenizer,
                 request_id=request_id,
                 max_model_len=cfg.max_model_len,
+                # Its pseudo-text has no end of sequence: filling a 128k context would stream for minutes.
+                chat_fills_context=False,
             )
         except OpenAIError as exc:
             return exc.to_response(headers)

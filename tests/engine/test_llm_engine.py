@@ -165,13 +165,24 @@ def test_kv_events_describe_the_prefix_cache(tiny_model_dir: Path) -> None:
 
 
 def test_requests_that_can_never_fit_are_rejected(tiny_model_dir: Path) -> None:
-    e = engine(tiny_model_dir, num_kv_blocks=4)
+    # A context configured past the cache (the operator's choice) leaves the KV-block check to refuse.
+    e = engine(tiny_model_dir, num_kv_blocks=4, max_model_len=64)
     with pytest.raises(RequestRejected, match="KV blocks"):
         e.add_request("big", list(range(1, 20)), SamplingParams(max_tokens=1))
     with pytest.raises(RequestRejected, match="vocabulary"):
         e.add_request("oov", [10**6], SamplingParams(max_tokens=1))
     with pytest.raises(RequestRejected, match="empty"):
         e.add_request("empty", [], SamplingParams(max_tokens=1))
+
+
+def test_an_unset_context_is_what_the_kv_cache_holds_when_the_model_allows_more(tiny_model_dir: Path) -> None:
+    # A chat without max_tokens may fill the context (engine.openai_api), so the context must fit the cache.
+    small = engine(tiny_model_dir, num_kv_blocks=4)
+    assert small.model_config.max_position_embeddings > 16 and small.max_model_len == 16
+    small.check_request(list(range(1, 6)), SamplingParams(max_tokens=small.max_model_len - 5))
+    roomy = engine(tiny_model_dir, num_kv_blocks=4096)
+    assert roomy.max_model_len == roomy.model_config.max_position_embeddings
+    assert engine(tiny_model_dir, num_kv_blocks=4, max_model_len=64).max_model_len == 64  # configured: kept
 
 
 def test_qwen3_runs_through_the_engine(tiny_qwen3_dir: Path) -> None:

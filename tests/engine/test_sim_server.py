@@ -59,6 +59,9 @@ async def test_default_max_tokens_is_16(start_sim: StartSim) -> None:
     sim = await start_sim()
     body = await sim.complete({"prompt": "x"})
     assert body["usage"]["completion_tokens"] == 16
+    # A chat too: the pseudo-text never ends on its own, so filling the context would stream for minutes.
+    chat = await sim.chat({"messages": [{"role": "user", "content": "x"}]})
+    assert chat["usage"]["completion_tokens"] == 16
 
 
 async def test_completion_streaming(start_sim: StartSim) -> None:
