@@ -26,6 +26,7 @@ from gateway.user_errors import without_credentials
 from region_map.config import (
     ConfigError,
     TopologyConfig,
+    checked_as_written,
     format_validation_error,
     parse_topology,
     read_config_file,
@@ -367,13 +368,14 @@ def parse_config(
     raw_gateway = data.get("gateway", {})
     if not isinstance(raw_gateway, Mapping):
         raise ConfigError("gateway: must be a table")
+    checked_as_written(GatewaySettings, raw_gateway, "gateway")
     merged = dict(raw_gateway)
     for var, key in ENV_OVERRIDES.items():
         if environ and var in environ:
             merged[key] = environ[var]
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        # Strings from the environment are coerced (lax mode); the file's own types are checked as written.
+        # Strings from the environment are coerced (lax mode); the file's own types were checked as written.
         gateway = GatewaySettings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, root="gateway")) from None
@@ -390,6 +392,7 @@ def _table(data: Mapping[str, Any], key: str, model: type[_T]) -> dict[str, _T]:
         raise ConfigError(f"{key}: must be a table")
     out = {}
     for name, value in raw.items():
+        checked_as_written(model, value, f"{key}.{name}")
         try:
             out[str(name)] = model.model_validate(value)
         except ValidationError as exc:

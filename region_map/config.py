@@ -33,6 +33,8 @@ from pydantic import (
     model_validator,
 )
 
+from region_map.written_types import WrittenTypeError, check_written_types
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
@@ -233,6 +235,14 @@ def format_validation_error(exc: ValidationError, root: str = "") -> str:
     return "; ".join(lines)
 
 
+def checked_as_written(model: type[BaseModel], data: object, root: str = "") -> None:
+    """:func:`check_written_types` as a :class:`ConfigError`, for what a file wrote (not the environment)."""
+    try:
+        check_written_types(model, data, root)
+    except WrittenTypeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping of a TOML (.toml) or YAML (.yaml/.yml) file."""
     p = Path(path)
@@ -258,7 +268,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def parse_topology(data: Mapping[str, Any]) -> TopologyConfig:
     keys = ("region", "regions", "rtt_ms", "default_rtt_ms")
+    topology = {k: data[k] for k in keys if k in data}
+    checked_as_written(TopologyConfig, topology)
     try:
-        return TopologyConfig.model_validate({k: data[k] for k in keys if k in data})
+        return TopologyConfig.model_validate(topology)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None

@@ -213,3 +213,45 @@ def test_the_readmes_third_party_deployment_file_loads_as_written() -> None:
     kinds = [e.kind.value for e in config.topology.regions[0].engines]
     assert kinds == ["vllm", "vllm", "sglang", "openai"]
     assert config.topology.regions[0].engines[0].kv_events_replay_endpoint == "tcp://10.0.0.5:5558"
+
+
+@pytest.mark.parametrize(
+    ("tables", "message"),
+    [
+        ({"gateway": {"port": True}}, "gateway.port: must be a whole number, not true"),
+        (
+            {"gateway": {"port": "8080"}},
+            "gateway.port: must be a whole number, not the string '8080' (write it",
+        ),
+        (
+            {"gateway": {"auth": {"enabled": "yes"}}},
+            "gateway.auth.enabled: must be true or false, not the string",
+        ),
+        ({"gateway": {"routing": {"kv_pull": 1}}}, "gateway.routing.kv_pull: must be true or false, not 1"),
+        (
+            {"gateway": {"resilience": {"stall_timeout_s": True}}},
+            "gateway.resilience.stall_timeout_s: must be a",
+        ),
+        ({"rtt_ms": {"a.b": "80"}}, "rtt_ms.a.b: must be a number"),
+        ({"tenants": {"t": {"admin": "false"}}}, "tenants.t.admin: must be true or false"),
+        ({"tenants": {"t": {"requests_per_minute": True}}}, "tenants.t.requests_per_minute: must be a whole"),
+    ],
+)
+def test_a_file_that_writes_a_number_or_a_switch_as_something_else_is_refused(
+    tables: dict[str, object], message: str
+) -> None:
+    """Lax coercion read `port = true` as port 1 and `enabled = "yes"` as on: a file has types, so they
+    are checked as written. The environment's strings are still read as numbers."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({**_base(), **tables})
+    assert message in str(info.value)
+    data = _base()
+    data["regions"][0]["engines"][0]["kv_capacity_blocks"] = True
+    with pytest.raises(
+        ConfigError, match=r"regions\.0\.engines\.0\.kv_capacity_blocks: must be a whole number"
+    ):
+        parse_config(data)
+    assert (
+        parse_config(_base(), environ={"KVGATE_PORT": "2000", "KVGATE_BLOCK_SIZE": "32"}).gateway.port == 2000
+    )
+    assert parse_config(_base() | {"gateway": {"health_interval_s": 2, "operator_port": None}}).gateway
