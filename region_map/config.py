@@ -231,7 +231,10 @@ def format_validation_error(exc: ValidationError, root: str = "") -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in (root, *err["loc"]) if p != "")
-        lines.append(f"{key or '<root>'}: {err['msg']}")
+        message = err["msg"]
+        if err["type"] == "value_error":  # a validator's own sentence, without pydantic's "Value error, "
+            message = str(err.get("ctx", {}).get("error", message))
+        lines.append(f"{key}: {message}" if key else message)
     return "; ".join(lines)
 
 

@@ -255,3 +255,15 @@ def test_a_file_that_writes_a_number_or_a_switch_as_something_else_is_refused(
         parse_config(_base(), environ={"KVGATE_PORT": "2000", "KVGATE_BLOCK_SIZE": "32"}).gateway.port == 2000
     )
     assert parse_config(_base() | {"gateway": {"health_interval_s": 2, "operator_port": None}}).gateway
+
+
+def test_a_rule_across_keys_reads_as_its_own_sentence() -> None:
+    """It read "<root>: Value error, engines a/e0 and ..." (pydantic's wrapping around the sentence)."""
+    data = _base()
+    data["regions"][0]["engines"].append({"name": "e1", "url": "http://127.0.0.1:9"})
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value).startswith("engines a/e0 and a/e1 have the same url")
+    with pytest.raises(ConfigError) as info:
+        parse_config(_base() | {"gateway": {"default_max_tokens": 100, "max_output_tokens": 10}})
+    assert str(info.value).startswith("gateway: default_max_tokens (100) exceeds max_output_tokens (10)")
