@@ -157,9 +157,11 @@ class GatewayMetrics:
         self.open_connections: Callable[[], int] = lambda: (
             0
         )  # the server's count (gateway.http.server sets it)
-        # Followers of vLLM/SGLang KV events (gateway.state.zmq_events), read at scrape time.
+        # Followers of vLLM/SGLang KV events (gateway.state.zmq_events) and of kvgate's own engines'
+        # (gateway.state.kv_events), read at scrape time.
         self.event_followers: list[EventFollower] = []
-        r.register(_EventFollowerCollector(self.event_followers))
+        self.own_event_followers: list[OwnEventFollower] = []
+        r.register(_EventFollowerCollector(self.event_followers, self.own_event_followers))
         r.register(
             _CallbackGauge(
                 "kvgate_client_connections",
@@ -255,6 +257,13 @@ class EventFollower(Protocol):
     def ignored_blocks(self) -> int: ...
 
 
+class OwnEventFollower(Protocol):
+    """What the metrics read of a follower of a kvgate engine's KV events (gateway.state.kv_events)."""
+
+    engine: EngineState
+    unknown_events: int
+
+
 class _EventFollowerCollector(Collector):
     """Counters of the KV event followers: how well the residency index follows vLLM and SGLang engines."""
 
@@ -278,14 +287,27 @@ class _EventFollowerCollector(Collector):
          "Unexpected failures while following an engine's events (logged with a traceback: a bug)."),
     )  # fmt: skip
 
-    def __init__(self, followers: list[EventFollower]) -> None:
+    # Counters that both kinds of follower keep: labelled with their source, "zmq" (vLLM, SGLang) or
+    # "kvgate" (kvgate's own engines, over HTTP), since the two followers skip events for different reasons.
+    BY_SOURCE = frozenset({"unknown_events"})
+
+    def __init__(self, followers: list[EventFollower], own: list[OwnEventFollower]) -> None:
         self._followers = followers
+        self._own = own
 
     def collect(self) -> Iterable[Metric]:
         for attr, name, documentation in self.FIELDS:
-            family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
+            if attr not in self.BY_SOURCE:
+                family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
+                for f in self._followers:
+                    family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+                yield family
+                continue
+            family = CounterMetricFamily(name, documentation, labels=["region", "engine", "source"])
             for f in self._followers:
-                family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+                family.add_metric([f.engine.region, f.engine.id, "zmq"], float(getattr(f, attr)))
+            for o in self._own:
+                family.add_metric([o.engine.region, o.engine.id, "kvgate"], float(getattr(o, attr)))
             yield family
 
     def describe(self) -> Iterable[Metric]:
