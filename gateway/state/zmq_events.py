@@ -56,6 +56,8 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
         model_poll_s: float = 0.5,
         rcvhwm: int = 100_000,
         min_block_size: int = _MIN_BLOCK_SIZE,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
     ) -> None:
         endpoint = engine.config.kv_events_endpoint
         if endpoint is None:
@@ -66,6 +68,8 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
         self._model_poll_s = model_poll_s
         self._rcvhwm = rcvhwm
         self._min_block_size = min_block_size
+        self._backoff_s = backoff_s  # the first pause before reopening a rank's socket after a failure
+        self._max_backoff_s = max_backoff_s  # what the pause doubles up to while failures follow each other
         replay = engine.config.kv_events_replay_endpoint
         self._ranks = [
             RankState(
@@ -166,8 +170,9 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
     # -- one rank ----------------------------------------------------------------------------------------
 
     async def _follow(self, context: zmq.asyncio.Context, state: RankState) -> None:
-        backoff = 0.2
+        backoff = self._backoff_s
         while True:
+            state.heard = False
             try:
                 await self._follow_once(context, state)
             except _IdentityChanged:
@@ -178,8 +183,13 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                 self.errors += 1
                 log.exception("engine %s rank %d: following KV events failed", self.engine.id, state.rank)
             self._rank_ready(state)  # not ready, but waiting for it would wait for ever
+            if state.heard:
+                # This attempt reached the engine: its failure is a new one, not the latest of a run of
+                # failures the pause grew for (a ZMQ connect succeeds whether or not anyone listens, so
+                # hearing the engine is what tells a connection that worked).
+                backoff = self._backoff_s
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _follow_once(self, context: zmq.asyncio.Context, state: RankState) -> None:
         sub = context.socket(zmq.SUB)
@@ -216,6 +226,7 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                     log.debug("engine %s rank %d: publisher disconnected", self.engine.id, state.rank)
                 if sub in ready:
                     frames = await sub.recv_multipart()
+                    state.heard = True
                     if state.suspect:
                         await self._probe(state)
                     await self._on_live(state, frames)

@@ -76,6 +76,7 @@ class RankState:
     ready: bool = False
     suspect: bool = False  # the connection dropped since the last check of our history against the engine's
     replay_silent: bool = False  # its replay socket stopped answering (said once, as a warning)
+    heard: bool = False  # the engine answered (a live batch, a whole replay) since its socket was opened
 
     def remember(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
@@ -216,7 +217,7 @@ class ZmqEventSequencer:
                 if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                     raise ReplayUnavailable(f"malformed replay answer ({len(frames)} frames)")
                 if frames[-2] == END_SEQ:
-                    complete = True
+                    complete = state.heard = True
                     return
                 yield int.from_bytes(frames[-2], "big"), frames[-1]
         finally:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -699,3 +700,43 @@ async def test_an_endpoint_that_never_speaks_while_blocks_are_sent_is_a_warning_
             assert c.batches == 0
     said = [r for r in caplog.records if "no KV event has arrived" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING and f":{ports}" in said[0].getMessage()
+
+
+async def test_the_reconnect_backoff_starts_over_after_a_connection_that_worked(
+    ports: int, state: SharedState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pause before reopening a rank's socket doubled at each failure and never came back down: once an
+    # engine had been away long enough, every later failure, however rare, cost the pause at its maximum.
+    attempts: list[float] = []
+    failed_at: list[float] = []
+    fail = False
+    follow_once, on_live = ZmqKvEventConsumer._follow_once, ZmqKvEventConsumer._on_live
+
+    async def counted(self: ZmqKvEventConsumer, *args: Any) -> None:
+        attempts.append(time.monotonic())
+        await follow_once(self, *args)
+
+    async def failing(self: ZmqKvEventConsumer, *args: Any) -> None:
+        nonlocal fail
+        if fail:
+            fail = False
+            failed_at.append(time.monotonic())
+            raise OSError("connection reset")  # the socket fails after batches were heard on it
+        await on_live(self, *args)
+
+    monkeypatch.setattr(ZmqKvEventConsumer, "_follow_once", counted)
+    monkeypatch.setattr(ZmqKvEventConsumer, "_on_live", failing)
+    blocker = socket.socket()  # the port the gateway binds is taken: every attempt fails, the pause grows
+    blocker.bind(("0.0.0.0", ports))
+    blocker.listen()
+    engine = engine_state(f"tcp://*:{ports}", None)
+    async with following(engine, state, backoff_s=0.01, max_backoff_s=1.0) as c:
+        await until(lambda: len(attempts) >= 9, 5, "the pause at its maximum")  # 0.01, 0.02, ... 0.64, 1.0
+        blocker.close()
+        await until(lambda: len(attempts) >= 10, 3, "the port bound")
+        with vp.VllmPublisher(f"tcp://127.0.0.1:{ports}") as pub:
+            await subscribed(pub, c)
+            fail = True
+            await until(lambda: pub.publish([]) >= 0 and bool(failed_at), 3, "the failure")
+            await until(lambda: len(attempts) >= 11, 3, "the next attempt")
+    assert attempts[-1] - failed_at[0] < 0.4  # the first pause again (0.01 s), not the maximum (1 s)
