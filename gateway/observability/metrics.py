@@ -245,6 +245,7 @@ class EventFollower(Protocol):
     decode_errors: int
     unknown_events: int
     disconnects: int
+    oversized_messages: int
     errors: int
 
     @property
@@ -283,6 +284,8 @@ class _EventFollowerCollector(Collector):
         ("ignored_blocks", "kvgate_kv_event_ignored_blocks",
          "Blocks of another medium (CPU, disk offload) or KV cache group, not routed on."),
         ("disconnects", "kvgate_kv_event_disconnects", "Event publisher connections that dropped."),
+        ("oversized_messages", "kvgate_kv_event_oversized_messages",
+         "Event connections dropped for a message over gateway.kv_event_max_message_bytes (it is lost)."),
         ("errors", "kvgate_kv_event_errors",
          "Unexpected failures while following an engine's events (logged with a traceback: a bug)."),
     )  # fmt: skip

@@ -740,3 +740,64 @@ async def test_the_reconnect_backoff_starts_over_after_a_connection_that_worked(
             await until(lambda: pub.publish([]) >= 0 and bool(failed_at), 3, "the failure")
             await until(lambda: len(attempts) >= 11, 3, "the next attempt")
     assert attempts[-1] - failed_at[0] < 0.4  # the first pause again (0.01 s), not the maximum (1 s)
+
+
+OVER = 2 << 20  # a payload over the 1 MiB limit the tests below set (the smallest the configuration takes)
+
+
+async def test_a_message_over_the_size_limit_is_not_read_and_later_events_still_apply(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    # libzmq drops a connection whose peer sent more than MAXMSGSIZE and, on a socket that connected, never
+    # reconnects: the follower must notice, reopen its socket and go on. The replay buffer holds the large
+    # message too, so the catch-up replay after the reopen drops as well: it must fail at once, not after its
+    # (here 30 s) timeout.
+    a, b = prompt(2, 0), prompt(2, 500)
+    with (
+        vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub,
+        caplog.at_level(logging.WARNING, "kvgate.zmq_events"),
+    ):
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=b"\x00" * OVER)
+            await until(lambda: c.oversized_messages >= 1, 3, "the dropped connection")
+            await subscribed(pub, c)  # the socket was reopened
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2), 3, "a batch after the large one")
+            await until(lambda: c.oversized_messages >= 2, 3, "the replay's drop")  # (the live one's first)
+            assert c.decode_errors == 0
+        said = [r for r in caplog.records if "kv_event_max_message_bytes" in r.getMessage()]
+        assert len(said) == 1  # not one per drop
+
+
+async def test_a_replayed_message_over_the_size_limit_is_not_read(ports: int, state: SharedState) -> None:
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        pub.publish([], payload=b"\x00" * OVER)  # in the replay buffer before the gateway follows
+        FakeVllm(pub).prefill(prompt(2, 0))
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        # (following() waits 3 s for the first replay: a request on a dropped socket fails at once.)
+        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
+            await until(lambda: c.oversized_messages == 1, 3, "the dropped replay connection")
+            assert c.decode_errors == 0 and c.batches == 0
+            await subscribed(pub, c)  # live events still apply
+            FakeVllm(pub).prefill(prompt(3, 900))
+            await until(holds(state, kv(prompt(3, 900)), 3))
+
+
+async def test_the_idle_probe_waits_for_a_pause_in_the_batches(ports: int, state: SharedState) -> None:
+    # The probe replays from the last batch after probe_interval_s of silence: counted from the last batch
+    # or probe, so a steady stream of batches is never probed, and a pause always is.
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, probe_interval_s=0.3) as c:
+            await subscribed(pub, c)
+            replays = c.replays
+            for _ in range(12):  # 1.2 s of batches, 0.1 s apart
+                pub.publish([])
+                await asyncio.sleep(0.1)
+            assert c.replays == replays
+            await until(lambda: c.replays > replays, 1, "the probe after the pause")
