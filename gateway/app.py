@@ -398,10 +398,16 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         for engine in fleet:
             if engine.kind is EngineKind.KVGATE and engine.config.kv_events is not False:
                 consumer = KvEventConsumer(engine, session, state)
+                gateway.metrics.own_event_followers.append(consumer)
                 consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
             elif engine.kv_events and engine.config.kv_events_endpoint is not None:
                 # vLLM and SGLang publish over ZMQ (their events carry the token ids kvgate hashes).
-                follower = ZmqKvEventConsumer(engine, state, min_block_size=settings.min_block_size)
+                follower = ZmqKvEventConsumer(
+                    engine,
+                    state,
+                    min_block_size=settings.min_block_size,
+                    max_message_bytes=settings.kv_event_max_message_bytes,
+                )
                 gateway.metrics.event_followers.append(follower)
                 consumers.append(asyncio.create_task(follower.run(), name=f"zmq-kv-events-{engine.id}"))
         consumers.append(

@@ -247,6 +247,12 @@ class GatewaySettings(BaseModel):
         "many tokens, a whole number of their pages, so that a prompt's hashing and lookup stay cheap; "
         "predicted cached tokens are then rounded down to it",
     )
+    kv_event_max_message_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="vLLM/SGLang KV event messages (live and replayed) larger than this are refused (ZMQ "
+        "MAXMSGSIZE): the message is lost as a missed batch is, and the follower reconnects",
+    )
     tokenizer: str | None = Field(
         default=None, description="model directory with tokenizer.json; None: bytes"
     )

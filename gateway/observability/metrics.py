@@ -157,9 +157,11 @@ class GatewayMetrics:
         self.open_connections: Callable[[], int] = lambda: (
             0
         )  # the server's count (gateway.http.server sets it)
-        # Followers of vLLM/SGLang KV events (gateway.state.zmq_events), read at scrape time.
+        # Followers of vLLM/SGLang KV events (gateway.state.zmq_events) and of kvgate's own engines'
+        # (gateway.state.kv_events), read at scrape time.
         self.event_followers: list[EventFollower] = []
-        r.register(_EventFollowerCollector(self.event_followers))
+        self.own_event_followers: list[OwnEventFollower] = []
+        r.register(_EventFollowerCollector(self.event_followers, self.own_event_followers))
         r.register(
             _CallbackGauge(
                 "kvgate_client_connections",
@@ -243,6 +245,7 @@ class EventFollower(Protocol):
     decode_errors: int
     unknown_events: int
     disconnects: int
+    oversized_messages: int
     errors: int
 
     @property
@@ -253,6 +256,13 @@ class EventFollower(Protocol):
 
     @property
     def ignored_blocks(self) -> int: ...
+
+
+class OwnEventFollower(Protocol):
+    """What the metrics read of a follower of a kvgate engine's KV events (gateway.state.kv_events)."""
+
+    engine: EngineState
+    unknown_events: int
 
 
 class _EventFollowerCollector(Collector):
@@ -274,18 +284,33 @@ class _EventFollowerCollector(Collector):
         ("ignored_blocks", "kvgate_kv_event_ignored_blocks",
          "Blocks of another medium (CPU, disk offload) or KV cache group, not routed on."),
         ("disconnects", "kvgate_kv_event_disconnects", "Event publisher connections that dropped."),
+        ("oversized_messages", "kvgate_kv_event_oversized_messages",
+         "Event connections dropped for a message over gateway.kv_event_max_message_bytes (it is lost)."),
         ("errors", "kvgate_kv_event_errors",
          "Unexpected failures while following an engine's events (logged with a traceback: a bug)."),
     )  # fmt: skip
 
-    def __init__(self, followers: list[EventFollower]) -> None:
+    # Counters that both kinds of follower keep: labelled with their source, "zmq" (vLLM, SGLang) or
+    # "kvgate" (kvgate's own engines, over HTTP), since the two followers skip events for different reasons.
+    BY_SOURCE = frozenset({"unknown_events"})
+
+    def __init__(self, followers: list[EventFollower], own: list[OwnEventFollower]) -> None:
         self._followers = followers
+        self._own = own
 
     def collect(self) -> Iterable[Metric]:
         for attr, name, documentation in self.FIELDS:
-            family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
+            if attr not in self.BY_SOURCE:
+                family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
+                for f in self._followers:
+                    family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+                yield family
+                continue
+            family = CounterMetricFamily(name, documentation, labels=["region", "engine", "source"])
             for f in self._followers:
-                family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+                family.add_metric([f.engine.region, f.engine.id, "zmq"], float(getattr(f, attr)))
+            for o in self._own:
+                family.add_metric([o.engine.region, o.engine.id, "kvgate"], float(getattr(o, attr)))
             yield family
 
     def describe(self) -> Iterable[Metric]:

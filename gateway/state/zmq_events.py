@@ -22,14 +22,16 @@ import zmq.asyncio
 from cache.foreign_chain import ForeignChain, routing_block
 from gateway.config import GatewaySettings
 from gateway.state.kv_events import EventSink
+from gateway.state.zmq_drops import DropWatch, SocketDropped
 from gateway.state.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
-from gateway.state.zmq_sequencer import RankState, ReplayUnavailable, ZmqEventSequencer
+from gateway.state.zmq_sequencer import RankState, ReplayDropped, ReplayUnavailable, ZmqEventSequencer
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.zmq_events")
 
 UNHEARD_BLOCKS = 8  # blocks sent to an engine, none announced: enough to say its events are not reaching us
 _MIN_BLOCK_SIZE: int = GatewaySettings.model_fields["min_block_size"].default
+_MAX_MESSAGE_BYTES: int = GatewaySettings.model_fields["kv_event_max_message_bytes"].default
 
 
 class _IdentityChanged(Exception):
@@ -42,7 +44,8 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
     ``run()`` runs until cancelled; it waits for the engine's model to be known (its namespace names the
     hashes), and starts over if the model or block size changes. The counters are for metrics.
     ``min_block_size`` must be the gateway's (``GatewaySettings.min_block_size``): an engine of smaller
-    blocks is indexed in the routing blocks the gateway hashes its prompts in.
+    blocks is indexed in the routing blocks the gateway hashes its prompts in. ``max_message_bytes`` is
+    the gateway's ``kv_event_max_message_bytes``: larger messages are refused (``gateway.state.zmq_drops``).
     """
 
     def __init__(
@@ -56,16 +59,21 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
         model_poll_s: float = 0.5,
         rcvhwm: int = 100_000,
         min_block_size: int = _MIN_BLOCK_SIZE,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        max_message_bytes: int = _MAX_MESSAGE_BYTES,
     ) -> None:
         endpoint = engine.config.kv_events_endpoint
         if endpoint is None:
             raise ValueError(f"engine {engine.id} has no kv_events_endpoint")
-        super().__init__(engine, sink, replay_timeout_s=replay_timeout_s)
+        super().__init__(engine, sink, replay_timeout_s=replay_timeout_s, max_message_bytes=max_message_bytes)
         self._context = context
         self._probe_interval_s = probe_interval_s
         self._model_poll_s = model_poll_s
         self._rcvhwm = rcvhwm
         self._min_block_size = min_block_size
+        self._backoff_s = backoff_s  # the first pause before reopening a rank's socket after a failure
+        self._max_backoff_s = max_backoff_s  # what the pause doubles up to while failures follow each other
         replay = engine.config.kv_events_replay_endpoint
         self._ranks = [
             RankState(
@@ -134,6 +142,7 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                 except* _IdentityChanged:
                     log.info("engine %s: model or block size changed; starting over", self.engine.id)
         finally:
+            await self._stop_settling()
             self._active = None
             if self._context is None:
                 context.destroy(linger=0)
@@ -166,66 +175,88 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
     # -- one rank ----------------------------------------------------------------------------------------
 
     async def _follow(self, context: zmq.asyncio.Context, state: RankState) -> None:
-        backoff = 0.2
+        backoff = self._backoff_s
         while True:
+            state.heard = False
             try:
                 await self._follow_once(context, state)
             except _IdentityChanged:
                 raise
+            except SocketDropped as exc:
+                if exc.oversized:
+                    self._count_oversized(state, "live")
+                else:
+                    log.warning("engine %s rank %d: KV event socket: %s", self.engine.id, state.rank, exc)
             except (zmq.ZMQError, OSError) as exc:
                 log.warning("engine %s rank %d: KV event socket failed: %s", self.engine.id, state.rank, exc)
             except Exception:  # a bug must not stop the gateway from following the engine
                 self.errors += 1
                 log.exception("engine %s rank %d: following KV events failed", self.engine.id, state.rank)
             self._rank_ready(state)  # not ready, but waiting for it would wait for ever
+            if state.heard:
+                # This attempt reached the engine: its failure is a new one, not the latest of a run of
+                # failures the pause grew for (a ZMQ connect succeeds whether or not anyone listens, so
+                # hearing the engine is what tells a connection that worked).
+                backoff = self._backoff_s
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _follow_once(self, context: zmq.asyncio.Context, state: RankState) -> None:
         sub = context.socket(zmq.SUB)
-        monitor: zmq.asyncio.Socket | None = None
+        watch: DropWatch | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             if "[" in state.endpoint:
                 sub.setsockopt(zmq.IPV6, 1)
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             # A dropped connection means the engine may have restarted, and a restarted engine whose seq
             # happens to reach ours again would go unnoticed: after one, the next batch is checked first.
-            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            if gateway_binds(state.endpoint):
+            # A connection dropped for a message over the limit is never reconnected: the watch says when
+            # the socket went deaf, and it is reopened (with a replay from our last batch, as after a gap).
+            binds = gateway_binds(state.endpoint)
+            watch = DropWatch(sub, connects=not binds)
+            if binds:
                 sub.bind(state.endpoint)
             else:
                 sub.connect(state.endpoint)
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            poller.register(watch.monitor, zmq.POLLIN)
             # Subscribed before the replay is asked for: a batch published meanwhile arrives live, or is
             # in the replay, or both (then it is recognised and skipped).
             await self._probe(state)
             self._rank_ready(state)
-            probe_ms = int(self._probe_interval_s * 1000)
+            loop = asyncio.get_running_loop()
+            # The idle probe comes probe_interval_s after the last batch or probe: not while batches flow,
+            # and not held off by the monitor's events.
+            next_probe = loop.time() + self._probe_interval_s
             while True:
-                ready = dict(await poller.poll(probe_ms))
+                wake = next_probe if watch.deadline is None else min(next_probe, watch.deadline)
+                ready = dict(await poller.poll(max(0, int((wake - loop.time()) * 1000) + 1)))
                 self._check_identity()
-                if monitor in ready:
-                    while await monitor.poll(0):
-                        await monitor.recv_multipart()
-                    self.disconnects += 1
-                    state.suspect = True
-                    log.debug("engine %s rank %d: publisher disconnected", self.engine.id, state.rank)
+                if watch.monitor in ready:
+                    disconnects = await watch.read()
+                    if disconnects:
+                        self.disconnects += disconnects
+                        state.suspect = True
+                        log.debug("engine %s rank %d: publisher disconnected", self.engine.id, state.rank)
                 if sub in ready:
                     frames = await sub.recv_multipart()
+                    state.heard = True
                     if state.suspect:
                         await self._probe(state)
                     await self._on_live(state, frames)
-                elif not ready:
+                    next_probe = loop.time() + self._probe_interval_s
+                elif loop.time() >= next_probe:
                     await self._probe(state)
                     self._check_heard()
+                    next_probe = loop.time() + self._probe_interval_s
+                watch.check()
         finally:
-            if monitor is not None:
-                sub.disable_monitor()
-                monitor.close(linger=0)
+            if watch is not None:
+                watch.close()
             sub.close(linger=0)
             self._close_dealer(state)
 
@@ -233,6 +264,12 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
         try:
             await self._catch_up(state)
             state.suspect = False
+        except ReplayDropped:
+            # A message over the size limit in its buffer (counted and said once when the socket closes):
+            # the replay cannot be read past it until it leaves the buffer, and asking again at every live
+            # batch would only drop again. The socket answers, so it is not said to be silent.
+            state.suspect = False
+            return
         except ReplayUnavailable as exc:
             # Said once per silence: a wrong endpoint or a firewalled port would otherwise leave the engine
             # routed on what the gateway can guess, with nothing in the log to say why.

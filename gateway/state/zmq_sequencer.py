@@ -36,6 +36,7 @@ from cache.events import EventDecodeError, KvEventBatch
 from cache.foreign_chain import ForeignChain
 from cache.foreign_events import ForeignBatch, decode_foreign_batch
 from gateway.state.kv_events import EventSink
+from gateway.state.zmq_drops import DropWatch
 from region_map.fleet import EngineState
 
 log = logging.getLogger("kvgate.zmq_events")  # the follower's log, whichever of its parts speaks
@@ -48,6 +49,10 @@ _DIGESTS_KEPT = 4096  # recent batches recognised when they arrive again (live c
 
 class ReplayUnavailable(Exception):
     """The replay socket did not answer (engine down, or no such socket)."""
+
+
+class ReplayDropped(ReplayUnavailable):
+    """The replay socket's connection dropped while an answer was awaited (the rest of it is lost)."""
 
 
 def _epoch(topic: bytes) -> bytes | None:
@@ -72,10 +77,12 @@ class RankState:
     digests: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
     epoch: bytes | None = None
     dealer: zmq.asyncio.Socket | None = None
+    dealer_watch: DropWatch | None = None  # the dealer's monitor: a dropped connection fails its request
     warned_rank: bool = False
     ready: bool = False
     suspect: bool = False  # the connection dropped since the last check of our history against the engine's
     replay_silent: bool = False  # its replay socket stopped answering (said once, as a warning)
+    heard: bool = False  # the engine answered (a live batch, a whole replay) since its socket was opened
 
     def remember(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
@@ -93,10 +100,13 @@ class ZmqEventSequencer:
     the engine's replay socket (or by forgetting a rank) when a rank's stream cannot be trusted. The
     counters are for metrics; ``gateway.state.zmq_events.ZmqKvEventConsumer`` is the follower built on it."""
 
-    def __init__(self, engine: EngineState, sink: EventSink, *, replay_timeout_s: float) -> None:
+    def __init__(
+        self, engine: EngineState, sink: EventSink, *, replay_timeout_s: float, max_message_bytes: int
+    ) -> None:
         self.engine = engine
         self._sink = sink
         self._replay_timeout_s = replay_timeout_s
+        self._max_message_bytes = max_message_bytes  # ZMQ_MAXMSGSIZE of every socket the follower opens
         self._lock = asyncio.Lock()  # one index write at a time, across ranks, in index-seq order
         self._index_seq = 0
         self._active: zmq.asyncio.Context | None = None  # the context replay sockets open in, while running
@@ -110,6 +120,10 @@ class ZmqEventSequencer:
         self.decode_errors = 0  # batches that could not be read (treated as lost)
         self.unknown_events = 0  # events of a type we do not know (a newer engine), skipped
         self._unknown_said: set[str] = set()  # unknown types already warned about
+        self.oversized_messages = 0  # connections libzmq dropped for a message over max_message_bytes
+        self._said_oversized = False
+        # Dropped replay sockets, closed once it is known whether a message over the limit dropped them.
+        self._settling: set[asyncio.Task[None]] = set()
 
     # -- a rank's live stream ----------------------------------------------------------------------------
 
@@ -200,23 +214,37 @@ class ZmqEventSequencer:
     async def _replay(self, state: RankState, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
         """Yield ``(seq, payload)`` for every buffered batch with seq >= start, as the engine answers."""
         assert state.replay_endpoint is not None
-        dealer = state.dealer
-        if dealer is None:
-            dealer = state.dealer = self._open_dealer(state.replay_endpoint)
+        if state.dealer is None:
+            self._open_dealer(state, state.replay_endpoint)
+        dealer, watch = state.dealer, state.dealer_watch
+        assert dealer is not None and watch is not None
+        await watch.read()  # (a disconnect before this request was reconnected by libzmq; not ours)
+        poller = zmq.asyncio.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
         self.replays += 1
         complete = False
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            timeout_ms = int(self._replay_timeout_s * 1000)
             while True:
-                if not await dealer.poll(timeout_ms):
-                    raise ReplayUnavailable(f"no answer from {state.replay_endpoint}")
+                deadline = loop.time() + self._replay_timeout_s  # for each message of the answer
+                while True:
+                    ready = dict(await poller.poll(max(0, int((deadline - loop.time()) * 1000))))
+                    if watch.monitor in ready and await watch.read():
+                        # The ROUTER forgets a peer that disconnects: the rest of the answer will never
+                        # come, so the request fails now rather than at its timeout.
+                        raise ReplayDropped(f"{state.replay_endpoint} dropped the connection")
+                    if dealer in ready:
+                        break
+                    if loop.time() >= deadline:
+                        raise ReplayUnavailable(f"no answer from {state.replay_endpoint}")
                 frames = await dealer.recv_multipart()
                 # [b"", seq, payload] (older vLLM, SGLang) or [b"", topic, seq, payload] (vLLM 0.32).
                 if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                     raise ReplayUnavailable(f"malformed replay answer ({len(frames)} frames)")
                 if frames[-2] == END_SEQ:
-                    complete = True
+                    complete = state.heard = True
                     return
                 yield int.from_bytes(frames[-2], "big"), frames[-1]
         finally:
@@ -224,20 +252,60 @@ class ZmqEventSequencer:
                 # The rest of an unfinished answer would be read as the answer to the next request.
                 self._close_dealer(state)
 
-    def _open_dealer(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _open_dealer(self, state: RankState, endpoint: str) -> None:
         context = self._active
         assert context is not None
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         if "[" in endpoint:
             dealer.setsockopt(zmq.IPV6, 1)
+        state.dealer_watch = DropWatch(dealer, connects=True)  # (the ROUTER is always the engine's)
         dealer.connect(endpoint)
-        return dealer
+        state.dealer = dealer
 
     def _close_dealer(self, state: RankState) -> None:
-        if state.dealer is not None:
-            state.dealer.close(linger=0)
-            state.dealer = None
+        dealer, watch = state.dealer, state.dealer_watch
+        state.dealer = state.dealer_watch = None
+        if dealer is None or watch is None:
+            return
+        if watch.deadline is None:
+            watch.close()
+            dealer.close(linger=0)
+            return
+        # Its connection dropped: whether for a message over the limit shows only once libzmq does not
+        # reconnect within the grace period. The request already failed; the socket is closed after that.
+        task = asyncio.get_running_loop().create_task(self._settle(state, dealer, watch))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, state: RankState, dealer: zmq.asyncio.Socket, watch: DropWatch) -> None:
+        try:
+            if await watch.settle():
+                self._count_oversized(state, "replay")
+        finally:
+            watch.close()
+            dealer.close(linger=0)
+
+    async def _stop_settling(self) -> None:
+        """Close the dropped replay sockets still settling (the follower stops)."""
+        for task in list(self._settling):
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
+    def _count_oversized(self, state: RankState, socket: str) -> None:
+        self.oversized_messages += 1
+        if self._said_oversized:  # once per engine: every drop is counted in the metrics
+            return
+        self._said_oversized = True
+        log.warning(
+            "engine %s rank %d: its %s KV event socket got a message over gateway.kv_event_max_message_bytes "
+            "(%d bytes); libzmq dropped the connection, so the socket is reopened and the message is lost "
+            "(raise the setting if the engine's batches are that large; further drops are counted in "
+            "kvgate_kv_event_oversized_messages_total, not logged)",
+            self.engine.id, state.rank, socket, self._max_message_bytes,
+        )  # fmt: skip
 
     # -- applying ----------------------------------------------------------------------------------------
 

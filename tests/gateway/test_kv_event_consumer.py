@@ -13,6 +13,7 @@ from cache.events import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from gateway.state.kv_events import KvEventConsumer
 from region_map.config import EngineConfig
 from region_map.fleet import EngineState
+from tests.harness import MODEL, ClusterFactory
 
 
 class RecordingSink:
@@ -78,3 +79,26 @@ async def test_an_event_kind_it_does_not_know_is_skipped_and_the_rest_of_its_bat
     (applied,) = sink.batches
     assert applied.seq == 1 and applied.events == (BlockStored((5,), 1), BlockRemoved((1,)))
     assert consumer.unknown_events == 1 and consumer.resyncs == 1 and consumer.batches == 1
+
+
+async def test_its_skipped_events_are_on_the_gateways_metrics_page(make_cluster: ClusterFactory) -> None:
+    # The follower of kvgate's own engines counted what it skipped, but nothing exported the count: an
+    # operator could not see a rolling upgrade's newer engines, as they can for vLLM and SGLang (source zmq).
+    events = [["pinned", [1]], ["stored", [5], 1], ["tiered", [5], "CPU"]]
+    engine = newer_engine([{"engine": "e", "seq": 1, "ts": 1.0, "events": events}])
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": MODEL, "block_size": 16, "kv_events": True})
+
+    engine.router.add_get("/health", health)
+    cluster = await make_cluster({"eu-west": 0}, extra_engines={"eu-west/e0": engine})
+    assert cluster.session is not None
+    series = 'kvgate_kv_event_unknown_events_total{engine="eu-west/e0",region="eu-west",source="kvgate"} 2.0'
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:
+        async with cluster.session.get(cluster.url + "/metrics") as r:
+            page = await r.text()
+        if series in page:
+            break
+        assert asyncio.get_running_loop().time() < deadline, page
+        await asyncio.sleep(0.05)

@@ -134,9 +134,12 @@ async def test_every_follower_counter_is_on_the_metrics_page_per_engine(
     async with cluster.session.get(cluster.url + "/metrics") as r:
         page = await r.text()
     names = ("batches", "resyncs", "replays", "gaps", "restarts", "decode_errors", "unknown_events",
-             "unknown_parent_blocks",
-             "unindexable_blocks", "ignored_blocks", "disconnects", "errors")  # fmt: skip
+             "unknown_parent_blocks", "unindexable_blocks", "ignored_blocks", "disconnects",
+             "oversized_messages", "errors")  # fmt: skip
     for engine_id in ENGINES:
         region = engine_id.split("/")[0]
         for name in names:
-            assert f'kvgate_kv_event_{name}_total{{engine="{engine_id}",region="{region}"}}' in page, name
+            labels = f'engine="{engine_id}",region="{region}"'
+            if name == "unknown_events":
+                labels += ',source="zmq"'  # (kvgate's own engines: "kvgate")
+            assert f"kvgate_kv_event_{name}_total{{{labels}}}" in page, name

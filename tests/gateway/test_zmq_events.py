@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -699,3 +700,104 @@ async def test_an_endpoint_that_never_speaks_while_blocks_are_sent_is_a_warning_
             assert c.batches == 0
     said = [r for r in caplog.records if "no KV event has arrived" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING and f":{ports}" in said[0].getMessage()
+
+
+async def test_the_reconnect_backoff_starts_over_after_a_connection_that_worked(
+    ports: int, state: SharedState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pause before reopening a rank's socket doubled at each failure and never came back down: once an
+    # engine had been away long enough, every later failure, however rare, cost the pause at its maximum.
+    attempts: list[float] = []
+    failed_at: list[float] = []
+    fail = False
+    follow_once, on_live = ZmqKvEventConsumer._follow_once, ZmqKvEventConsumer._on_live
+
+    async def counted(self: ZmqKvEventConsumer, *args: Any) -> None:
+        attempts.append(time.monotonic())
+        await follow_once(self, *args)
+
+    async def failing(self: ZmqKvEventConsumer, *args: Any) -> None:
+        nonlocal fail
+        if fail:
+            fail = False
+            failed_at.append(time.monotonic())
+            raise OSError("connection reset")  # the socket fails after batches were heard on it
+        await on_live(self, *args)
+
+    monkeypatch.setattr(ZmqKvEventConsumer, "_follow_once", counted)
+    monkeypatch.setattr(ZmqKvEventConsumer, "_on_live", failing)
+    blocker = socket.socket()  # the port the gateway binds is taken: every attempt fails, the pause grows
+    blocker.bind(("0.0.0.0", ports))
+    blocker.listen()
+    engine = engine_state(f"tcp://*:{ports}", None)
+    async with following(engine, state, backoff_s=0.01, max_backoff_s=1.0) as c:
+        await until(lambda: len(attempts) >= 9, 5, "the pause at its maximum")  # 0.01, 0.02, ... 0.64, 1.0
+        blocker.close()
+        await until(lambda: len(attempts) >= 10, 3, "the port bound")
+        with vp.VllmPublisher(f"tcp://127.0.0.1:{ports}") as pub:
+            await subscribed(pub, c)
+            fail = True
+            await until(lambda: pub.publish([]) >= 0 and bool(failed_at), 3, "the failure")
+            await until(lambda: len(attempts) >= 11, 3, "the next attempt")
+    assert attempts[-1] - failed_at[0] < 0.4  # the first pause again (0.01 s), not the maximum (1 s)
+
+
+OVER = 2 << 20  # a payload over the 1 MiB limit the tests below set (the smallest the configuration takes)
+
+
+async def test_a_message_over_the_size_limit_is_not_read_and_later_events_still_apply(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    # libzmq drops a connection whose peer sent more than MAXMSGSIZE and, on a socket that connected, never
+    # reconnects: the follower must notice, reopen its socket and go on. The replay buffer holds the large
+    # message too, so the catch-up replay after the reopen drops as well: it must fail at once, not after its
+    # (here 30 s) timeout.
+    a, b = prompt(2, 0), prompt(2, 500)
+    with (
+        vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub,
+        caplog.at_level(logging.WARNING, "kvgate.zmq_events"),
+    ):
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=b"\x00" * OVER)
+            await until(lambda: c.oversized_messages >= 1, 3, "the dropped connection")
+            await subscribed(pub, c)  # the socket was reopened
+            engine.prefill(b)
+            await until(holds(state, kv(b), 2), 3, "a batch after the large one")
+            await until(lambda: c.oversized_messages >= 2, 3, "the replay's drop")  # (the live one's first)
+            assert c.decode_errors == 0
+        said = [r for r in caplog.records if "kv_event_max_message_bytes" in r.getMessage()]
+        assert len(said) == 1  # not one per drop
+
+
+async def test_a_replayed_message_over_the_size_limit_is_not_read(ports: int, state: SharedState) -> None:
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        pub.publish([], payload=b"\x00" * OVER)  # in the replay buffer before the gateway follows
+        FakeVllm(pub).prefill(prompt(2, 0))
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        # (following() waits 3 s for the first replay: a request on a dropped socket fails at once.)
+        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
+            await until(lambda: c.oversized_messages == 1, 3, "the dropped replay connection")
+            assert c.decode_errors == 0 and c.batches == 0
+            await subscribed(pub, c)  # live events still apply
+            FakeVllm(pub).prefill(prompt(3, 900))
+            await until(holds(state, kv(prompt(3, 900)), 3))
+
+
+async def test_the_idle_probe_waits_for_a_pause_in_the_batches(ports: int, state: SharedState) -> None:
+    # The probe replays from the last batch after probe_interval_s of silence: counted from the last batch
+    # or probe, so a steady stream of batches is never probed, and a pause always is.
+    with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, probe_interval_s=0.3) as c:
+            await subscribed(pub, c)
+            replays = c.replays
+            for _ in range(12):  # 1.2 s of batches, 0.1 s apart
+                pub.publish([])
+                await asyncio.sleep(0.1)
+            assert c.replays == replays
+            await until(lambda: c.replays > replays, 1, "the probe after the pause")

@@ -169,6 +169,16 @@ def test_engine_kinds_and_their_event_endpoints_load() -> None:
     assert engines[2].kv_events is None and engines[2].accepts_token_ids is None
 
 
+def test_the_kv_event_message_size_limit_defaults_to_64_mib_and_is_at_least_1_mib() -> None:
+    assert parse_config(_base()).gateway.kv_event_max_message_bytes == 64 << 20
+    data = _base() | {"gateway": {"kv_event_max_message_bytes": 1 << 20}}
+    assert parse_config(data).gateway.kv_event_max_message_bytes == 1 << 20
+    for bad in ((1 << 20) - 1, 0, "64MiB"):
+        data = _base() | {"gateway": {"kv_event_max_message_bytes": bad}}
+        with pytest.raises(ConfigError, match=r"^gateway\.kv_event_max_message_bytes: "):
+            parse_config(data)
+
+
 def test_environment_and_flags_override_the_file() -> None:
     data = _base() | {"gateway": {"port": 1000, "redis_url": "redis://file"}}
     config = parse_config(data, environ={"KVGATE_PORT": "2000"}, overrides={"redis_url": "redis://flag"})
