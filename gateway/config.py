@@ -262,7 +262,14 @@ class GatewaySettings(BaseModel):
     default_max_tokens: int = Field(
         default=16,
         ge=1,
-        description="max_tokens of a request naming none (sent to the engine: its own default may differ)",
+        description="max_tokens of a completion naming none (OpenAI's default), sent to the engine; what "
+        "admission charges for a chat naming none",
+    )
+    default_chat_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="max_tokens sent for a chat naming none; None sends none: the engine writes what its "
+        "context leaves, as OpenAI's chat does",
     )
     max_session_id_length: int = Field(default=256, ge=1, le=4096)
     max_messages: int = Field(default=4096, ge=1, description="messages in one chat request")
@@ -322,11 +329,13 @@ class GatewaySettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:
-        if self.default_max_tokens > self.max_output_tokens:
-            raise ValueError(
-                f"default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
-                f"({self.max_output_tokens}): every request that names no max_tokens would be refused"
-            )
+        for name in ("default_max_tokens", "default_chat_max_tokens"):
+            default = getattr(self, name)
+            if default is not None and default > self.max_output_tokens:
+                raise ValueError(
+                    f"{name} ({default}) exceeds max_output_tokens ({self.max_output_tokens}): every "
+                    "request that names no max_tokens would be refused"
+                )
         if self.operator_port and self.operator_port == self.port:
             raise ValueError(f"operator_port ({self.operator_port}) must differ from port: the public port")
         return self

@@ -67,6 +67,9 @@ class Prepared:
     key_id: str = ""
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
     max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
+    # False: a chat that named no budget, sent without one (the engine writes what its context leaves, as
+    # OpenAI's chat does); ``max_tokens`` is then only what admission charges before the answer is known.
+    budget_named: bool = True
     choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
     tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
     ratelimit_headers: dict[str, str] | None = None  # its caller's x-ratelimit-* at admission
@@ -225,7 +228,7 @@ class RequestPreparer:
                 "configured with tools = true)",
                 param=tools_field,
             )
-        max_tokens, budget_param = self._output_budget(body, path)
+        max_tokens, budget_param, budget_named = self._output_budget(body, path)
         if max_tokens > s.max_output_tokens:
             raise InvalidRequest(
                 f"{budget_param} is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
@@ -268,6 +271,7 @@ class RequestPreparer:
             shared_tokens=shared_tokens,
             record_id=record_id,
             max_tokens=max_tokens,
+            budget_named=budget_named,
             choices=_choices(body),
             tools=tools_field is not None,
         )
@@ -284,11 +288,18 @@ class RequestPreparer:
         sane, else a new one. The HTTP layer names what no handler named with it (``gateway.http.edge``)."""
         return request_id(raw, self._new_record_id())
 
-    def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str]:
-        """(tokens per choice the engine will generate at most, the parameter that says so), read as the
-        engines read it, and written into ``body`` so that no engine's own default decides instead: chat
-        takes ``max_completion_tokens`` over ``max_tokens``; legacy completions know only ``max_tokens``."""
-        if path == "/v1/chat/completions" and body.get("max_completion_tokens") is not None:
+    def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str, bool]:
+        """(tokens per choice the engine will generate at most, the parameter that says so, whether the
+        engine is told), read as the engines read it: chat takes ``max_completion_tokens`` over
+        ``max_tokens``; legacy completions know only ``max_tokens``.
+
+        A completion naming none gets ``default_max_tokens`` (OpenAI's 16), written into ``body`` so that
+        no engine's own default decides instead. A chat naming none is OpenAI's "as long as the context
+        allows": it is sent without one unless ``default_chat_max_tokens`` is set (a fixed budget could only
+        be wrong: past an engine's context, vLLM refuses the request); admission then charges
+        ``default_max_tokens`` and the tokens generated past it are charged when the answer is done."""
+        chat = path == "/v1/chat/completions"
+        if chat and body.get("max_completion_tokens") is not None:
             param = "max_completion_tokens"
         else:
             if body.get("max_completion_tokens") is not None:
@@ -298,9 +309,13 @@ class RequestPreparer:
                 )
             param = "max_tokens"
         requested = body.get(param)
-        if not isinstance(requested, int):  # absent (the schema checked its type otherwise)
-            requested = body[param] = self.settings.default_max_tokens
-        return requested, param
+        if isinstance(requested, int):  # (the schema checked its type when present)
+            return requested, param, True
+        if chat and self.settings.default_chat_max_tokens is None:
+            return self.settings.default_max_tokens, param, False
+        default = self.settings.default_chat_max_tokens if chat else None
+        requested = body[param] = default or self.settings.default_max_tokens
+        return requested, param, True
 
     def _shared_tokens(self, token_ids: np.ndarray) -> int:
         """Length of the longest declared shared prefix this prompt starts with."""

@@ -229,7 +229,9 @@ class Gateway:
         r = self.resilience
         if p.stream:
             return min(r.first_byte_timeout_s, self.settings.read_timeout_s)
-        return r.first_byte_timeout_s + p.max_tokens * r.s_per_output_token
+        # (A chat sent without a budget may write what the engine's context leaves: the largest budget.)
+        budget = p.max_tokens if p.budget_named else self.settings.max_output_tokens
+        return r.first_byte_timeout_s + budget * r.s_per_output_token
 
     def _queue_wait_s(self, route: Route) -> float:
         """The prompt's estimated wait for its prefill (its own included), added to the first-byte limit:

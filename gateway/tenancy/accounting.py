@@ -174,6 +174,8 @@ class RequestAccount:
                   record.completion_tokens, record.cost_picodollars)  # fmt: skip
         self.billing.record(record)
         self.metrics.usage_recorded(record.status, record.estimated)
+        # Admission charged the budget; an answer that went past it (sent without one) is charged the rest.
+        self.billing.charge_overrun(p.tenant, p.key_id, record.completion_tokens - p.output_budget)
 
     def _record(
         self, prompt: int, cached: int, completion: int, status: str, *, estimated: bool

@@ -148,6 +148,16 @@ class Billing:
         allowance = await self._spend(caller, "tpm", tpm, amount, "tokens per min (TPM)", "tokens")
         return ratelimit_headers("tokens", allowance)
 
+    def charge_overrun(self, tenant: str, key_id: str, tokens: int) -> None:
+        """Charge tokens an answer generated past what admission charged for it (a chat sent without a
+        budget writes what the engine's context leaves) to the caller's tokens per minute: never refused,
+        since they are spent, they come out of what the caller's next requests may take."""
+        if tokens <= 0:
+            return
+        tpm = self.tenant(tenant).tokens_per_minute or self.auth.tokens_per_minute
+        if tpm:
+            self.limiter.debit(_bucket_of(key_id, tenant, "tpm"), tokens)
+
     async def admit_usage_read(self, caller: Caller) -> None:
         """Charge one read of the usage endpoints, or raise 429. Each read flushes the ledger writer and
         reads up to a year of the ledger, so it has its own allowance apart from the completions'."""
@@ -205,7 +215,12 @@ class Billing:
 
 
 def _bucket(caller: Caller, kind: str) -> str:
-    return f"{caller.key_id or caller.tenant.name}:{kind}"
+    return _bucket_of(caller.key_id, caller.tenant.name, kind)
+
+
+def _bucket_of(key_id: str, tenant: str, kind: str) -> str:
+    """A key's bucket of one kind of limit; with no key (auth off), the tenant's."""
+    return f"{key_id or tenant}:{kind}"
 
 
 def ratelimit_headers(unit: str, allowance: Allowance) -> dict[str, str]:

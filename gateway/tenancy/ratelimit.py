@@ -133,6 +133,13 @@ class RateLimiter:
             # Else the refill got all it asked for, but spends ahead of this one (or a refill sized for a
             # smaller amount) left too little: look again, and refill again if need be.
 
+    def debit(self, bucket: str, amount: int) -> None:
+        """Charge ``amount`` that was already used (tokens an answer generated past what admission charged
+        for it), never refused: this gateway's lease goes below zero, so its next spends from the bucket
+        first pay it back from the store, and wait for the refill when the store has too little."""
+        if amount > 0:
+            self._leases[bucket] = self._leases.get(bucket, 0) - amount
+
     def allowance(self, bucket: str, per_minute: int) -> Allowance:
         """What this gateway's lease holds plus what the store's bucket held at the last take from it,
         refilled since at its rate; a bucket never taken from is full. No await and no store round trip: with
@@ -146,7 +153,8 @@ class RateLimiter:
             stored = min(float(per_minute), left + (time.monotonic() - at) * per_s)
         # (A lease taken before the store refilled can add up to more than the limit: never say more.)
         exact = min(float(per_minute), self._leases.get(bucket, 0) + stored)
-        return Allowance(per_minute, int(exact), (per_minute - exact) / per_s)
+        # (A debit can leave it below zero: none remains, and filling up takes longer than a minute.)
+        return Allowance(per_minute, max(0, int(exact)), (per_minute - exact) / per_s)
 
     async def _refill(self, bucket: str, per_minute: int, want: int) -> tuple[int, int, float]:
         """Take ``want`` from the store into the lease: (granted, wanted, seconds until the rest refills)."""

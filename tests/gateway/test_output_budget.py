@@ -3,6 +3,7 @@ endpoint (chat reads ``max_completion_tokens`` first, legacy completions only ``
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gateway.tenancy.tenants import create_key
@@ -49,15 +50,58 @@ async def test_chat_reads_max_completion_tokens_first_as_engines_do(make_cluster
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
 
 
-async def test_the_default_budget_is_sent_to_the_engine_explicitly(make_cluster: ClusterFactory) -> None:
-    """An engine's own default (vLLM's chat default is the whole context) must not decide the budget: the
-    gateway forwards the one it charged for."""
+async def test_a_completion_naming_no_budget_gets_the_default_explicitly(
+    make_cluster: ClusterFactory,
+) -> None:
+    """An engine's own default must not decide a completion's budget: the gateway forwards the one it charged
+    for (OpenAI's 16 unless configured)."""
     cluster = await make_cluster({"eu-west": 1}, default_max_tokens=5)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
-    status, answer, _ = await cluster.post("/v1/chat/completions", body)
-    assert status == 200 and answer["usage"]["completion_tokens"] == 5
     status, answer, _ = await cluster.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
     assert status == 200 and answer["usage"]["completion_tokens"] == 5
+
+
+async def test_a_chat_naming_no_budget_is_as_long_as_the_engine_makes_it(
+    make_cluster: ClusterFactory,
+) -> None:
+    """OpenAI's chat, vLLM's and SGLang's write what the context leaves when no budget is named: the gateway
+    sent its default_max_tokens (16) instead, cutting every such answer short with finish_reason "length".
+    It now sends none (the simulated engine's own default is 16, not the 5 configured here), unless
+    default_chat_max_tokens says otherwise."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
+    cluster = await make_cluster({"eu-west": 1}, default_max_tokens=5)
+    status, answer, _ = await cluster.post("/v1/chat/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 16, answer
+    configured = await make_cluster({"eu-west": 1}, default_max_tokens=5, default_chat_max_tokens=7)
+    status, answer, _ = await configured.post("/v1/chat/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 7, answer
+
+
+async def test_tokens_a_chat_generated_past_its_admission_charge_are_charged_after(
+    make_cluster: ClusterFactory,
+) -> None:
+    """A chat without a budget is charged prompt + default_max_tokens at admission, then what it generated
+    past that: the next request sees it gone from the allowance (less what refilled meanwhile)."""
+    per_minute = 600
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        default_max_tokens=5,
+        auth={"enabled": True},
+        tenants={"t": {"tokens_per_minute": per_minute}},
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "t"))[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    status, first, headers = await cluster.post("/v1/chat/completions", body, headers=bearer(key))
+    started = time.monotonic()
+    assert status == 200 and first["usage"]["completion_tokens"] == 16, first
+    before = int(headers["x-ratelimit-remaining-tokens"])  # after its admission charge: prompt + 5
+    status, answer, headers = await cluster.post(
+        "/v1/chat/completions", {**body, "max_tokens": 5}, headers=bearer(key)
+    )
+    refilled = (time.monotonic() - started) * per_minute / 60 + 1
+    assert status == 200, answer
+    spent = before - int(headers["x-ratelimit-remaining-tokens"])
+    charged = first["usage"]["prompt_tokens"] + 5 + 11  # this one's admission + the first one's overrun
+    assert charged - refilled <= spent <= charged, (spent, charged, refilled)
 
 
 async def test_tokens_per_minute_are_charged_by_the_budget_the_engine_will_use(

@@ -139,3 +139,17 @@ async def test_concurrent_spends_neither_lose_nor_double_count_allowance() -> No
     assert store.granted == spent + limiter._leases["k:tpm"]
     assert spent > 600 - 2 * 7  # refused only once the store had less than one request's worth left
     assert refused.value.retry_after_s >= 1.0
+
+
+async def test_a_debit_is_paid_back_before_the_next_spend_and_never_refused(buckets: BucketStore) -> None:
+    """Tokens already generated past what was charged come out of the next spends: a bucket of 600 a minute
+    debited 590 has 10 left, says so, and refuses 20 until enough has refilled (10 a second)."""
+    limiter = RateLimiter(buckets)
+    await limiter.spend("k:tpm", 600, 1, "TPM")
+    limiter.debit("k:tpm", 590)  # (however much is left: what was generated is spent)
+    assert limiter.allowance("k:tpm", 600).remaining <= 9
+    with pytest.raises(LimitExceeded) as refused:
+        await limiter.spend("k:tpm", 600, 20, "TPM")
+    assert 0.5 < refused.value.retry_after_s <= 2.0
+    limiter.debit("k:tpm", 10_000)  # more than the whole allowance: nothing remains, for over a minute
+    assert limiter.allowance("k:tpm", 600) == (600, 0, pytest.approx(1060, abs=2))

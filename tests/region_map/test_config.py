@@ -277,3 +277,5 @@ def test_a_rule_across_keys_reads_as_its_own_sentence() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(_base() | {"gateway": {"default_max_tokens": 100, "max_output_tokens": 10}})
     assert str(info.value).startswith("gateway: default_max_tokens (100) exceeds max_output_tokens (10)")
+    with pytest.raises(ConfigError, match=r"default_chat_max_tokens \(100\) exceeds max_output_tokens"):
+        parse_config(_base() | {"gateway": {"default_chat_max_tokens": 100, "max_output_tokens": 20}})
