@@ -300,6 +300,12 @@ class VllmPublisher:
         if reopen:
             self._open()
 
+    def reconnect(self) -> None:
+        """Close and reopen the sockets, history kept: subscribers see their connection drop (a network
+        blip, a proxy restarting), and the next batch follows the last one."""
+        self._close_sockets()
+        self._open()
+
     def wait_for_subscriber(self, timeout_s: float = 3.0) -> None:
         """Block until a subscriber's subscription reaches this socket (after a connect or reconnect):
         what is published before that is lost to it (ZMQ's slow joiner)."""

@@ -245,7 +245,9 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     state.heard = True
-                    if state.suspect:
+                    if state.suspect and not state.replay_silent:
+                        # (A replay socket known to be silent would hold every batch for its timeout: the
+                        # idle probe asks it again, and checks our history once it answers.)
                         await self._probe(state)
                     await self._on_live(state, frames)
                     next_probe = loop.time() + self._probe_interval_s

@@ -683,6 +683,29 @@ async def test_a_replay_socket_that_never_answers_is_a_warning_once_not_a_silent
         assert "kv_events_replay_endpoint" in warnings[0].getMessage()
 
 
+async def test_a_replay_socket_known_to_be_silent_holds_no_live_batch_after_a_disconnect(
+    ports: int, state: SharedState
+) -> None:
+    """After the publisher's connection drops, the next live batch is checked against the replay buffer
+    first. With a replay socket that never answers, every later batch asked it again and waited for its
+    timeout (one replay request per batch): the live stream fell further behind with each batch."""
+    with vp.VllmPublisher(f"tcp://*:{ports}") as pub:
+        engine = FakeVllm(pub)
+        silent = f"tcp://127.0.0.1:{ports + 3}"
+        async with following(engine_state(f"tcp://127.0.0.1:{ports}", silent), state) as c:
+            await subscribed(pub, c)
+            pub.reconnect()
+            await until(lambda: c.disconnects >= 1, what="the disconnect")
+            await asyncio.to_thread(pub.wait_for_subscriber)
+            asked = c.replays
+            prompts = [prompt(1, 1000 * i) for i in range(1, 5)]
+            for tokens in prompts:
+                engine.prefill(tokens)
+            for tokens in prompts:
+                await until(holds(state, kv(tokens), 1), within=5.0)
+            assert c.replays - asked <= 1  # (an idle probe may ask it once meanwhile)
+
+
 async def test_an_endpoint_that_never_speaks_while_blocks_are_sent_is_a_warning_once(
     ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
 ) -> None:
