@@ -152,8 +152,9 @@ class ZmqEventSequencer:
         else:
             self.gaps += 1
             log.debug("engine %s rank %d: seq gap %d..%d", self.engine.id, state.rank, last + 1, seq - 1)
-            with suppress(ReplayUnavailable):
-                await self._catch_up(state)
+            if not state.replay_silent:  # (known silent: waiting for its timeout would only fall behind)
+                with suppress(ReplayUnavailable):
+                    await self._catch_up(state)
             why = (
                 "a gap the replay could not fill" if state.replay_endpoint else "a gap, and no replay socket"
             )

@@ -704,6 +704,13 @@ async def test_a_replay_socket_known_to_be_silent_holds_no_live_batch_after_a_di
             for tokens in prompts:
                 await until(holds(state, kv(tokens), 1), within=5.0)
             assert c.replays - asked <= 1  # (an idle probe may ask it once meanwhile)
+            # Nor does each gap wait for it: the rank's blocks are forgotten at once, as without a replay.
+            asked = c.replays
+            for i in range(3):
+                engine.prefill(prompt(1, 9000 + i), drop=True)  # lost on the way
+                engine.prefill(tokens := prompt(1, 9500 + i))
+                await until(holds(state, kv(tokens), 1), within=5.0)
+            assert c.replays - asked <= 1 and c.gaps >= 3
 
 
 async def test_an_endpoint_that_never_speaks_while_blocks_are_sent_is_a_warning_once(
