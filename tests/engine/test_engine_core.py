@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -174,9 +175,12 @@ async def test_kv_routes_redirect_to_the_core_and_transfers_go_through(modes: tu
 
 
 async def test_a_killed_core_fails_open_requests_cleanly(tiny_model_dir: Path) -> None:
-    served = await start(await EngineCoreClient.launch(engine_config(tiny_model_dir)), "doomed")
+    # A long answer (the whole 4096-token context): under load the client may read its first chunk late, and
+    # a shorter one (900 tokens) was once over by then, [DONE] and all, leaving nothing to cut.
+    config = dataclasses.replace(engine_config(tiny_model_dir), num_kv_blocks=1024)
+    served = await start(await EngineCoreClient.launch(config), "doomed")
     try:
-        body = {"prompt_token_ids": ids(8, 5), "prompt": "x", "max_tokens": 900, "stream": True}
+        body = {"prompt_token_ids": ids(8, 5), "prompt": "x", "max_tokens": 4000, "stream": True}
         async with served.session.post(served.url + "/v1/completions", json=body) as r:
             assert r.status == 200
             await r.content.readany()

@@ -44,7 +44,7 @@ def newer_engine(batches: list[object]) -> web.Application:
         await response.prepare(request)
         for batch in batches:
             await response.write(msgpack.packb(batch))
-        await asyncio.sleep(30)  # cancelled when the test ends
+        await asyncio.sleep(30)  # cancelled when the client leaves (handler_cancellation)
         return response
 
     app = web.Application()
@@ -58,7 +58,7 @@ async def test_an_event_kind_it_does_not_know_is_skipped_and_the_rest_of_its_bat
     # whole, and the consumer went back to a snapshot at every batch that carried one.
     events = [["pinned", [1]], ["stored", [5], 1, "trailing"], ["removed", [1], "GPU"]]
     batch = {"engine": "e", "seq": 1, "ts": 1.0, "future_field": True, "events": events}
-    runner = web.AppRunner(newer_engine([batch]))
+    runner = web.AppRunner(newer_engine([batch]), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
