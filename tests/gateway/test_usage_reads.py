@@ -63,6 +63,7 @@ async def test_usage_reads_have_an_allowance_of_their_own(make_cluster: ClusterF
         status, body, headers = await get_usage(cluster, path, keys["acme"])
         assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", (path, body)
         assert "usage reads" in body["error"]["message"] and 1 <= int(headers["Retry-After"]) <= 60
+        assert 0 < int(headers["retry-after-ms"]) <= int(headers["Retry-After"]) * 1000
     assert (await get_usage(cluster, "/v1/usage", keys["globex"]))[0] == 200  # other keys are not affected
     status, _, _ = await cluster.post(
         "/v1/chat/completions", chat("still fine"), headers=bearer(keys["acme"])
