@@ -151,7 +151,8 @@ class Billing:
 
     async def admit_usage_read(self, caller: Caller) -> None:
         """Charge one read of the usage endpoints, or raise 429. Each read flushes the ledger writer and
-        reads up to a year of the ledger, so it has its own allowance apart from the completions'."""
+        reads up to a year of the ledger, so it has its own allowance apart from the completions' (the read
+        pays one request of the caller's request limit as well: ``admit_request``, by UsageApi)."""
         per_minute = self.auth.usage_reads_per_minute
         await self._spend(caller, "usage", per_minute, 1, "usage reads per min", None)
 
