@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +31,7 @@ from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import MAX_ERROR_BODY, error_fields, relay_stream, relay_whole, upstream_error_kind
-from gateway.http.retry_after import retry_after_seconds
+from gateway.http.retry_after import retry_after_headers, retry_after_seconds
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
@@ -50,6 +49,9 @@ from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
 
 log = logging.getLogger("kvgate.gateway")
+
+# An engine too busy for a request named no wait (a 429 without Retry-After): another may have room by then.
+BUSY_RETRY_AFTER_S = 1
 
 
 class _Retryable(Exception):
@@ -431,9 +433,11 @@ class Gateway:
             engine.breaker.on_failure()
         else:
             engine.breaker.hold(retry_after_s)
-        retry = str(max(1, math.ceil(retry_after_s or 0)))
+        # The engine's wait passed on exactly (6.5 s: Retry-After 7, retry-after-ms 6500); when it named
+        # none, the gateway's default.
+        headers = retry_after_headers(BUSY_RETRY_AFTER_S if retry_after_s is None else retry_after_s)
         error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly",
-                           headers={"Retry-After": retry})  # fmt: skip
+                           headers=headers)  # fmt: skip
         raise _Retryable(error, engine.id)
 
     async def _refusal_message(self, upstream: Response, engine: EngineState) -> str:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gateway.http.errors import Unavailable
 from gateway.http.http_wire import whole_response
+from gateway.http.retry_after import retry_after_headers
 
 if TYPE_CHECKING:
     from gateway.config import EdgeSettings
@@ -172,7 +173,7 @@ class ConnectionLimits:
                     "reuse them, or retry shortly"
                 )
             error = Unavailable(
-                message, code="too_many_connections", headers={"Retry-After": str(REFUSAL_RETRY_AFTER_S)}
+                message, code="too_many_connections", headers=retry_after_headers(REFUSAL_RETRY_AFTER_S)
             )
             status, end, rest = whole_response(error.response(), keep_alive=False).partition(b"\r\n")
             answer = self._answers[reason] = (now, status + end, rest)

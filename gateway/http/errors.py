@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gateway import json_text
+
+E = TypeVar("E", bound="GatewayError")
 
 
 class GatewayError(Exception):
@@ -30,6 +34,14 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
+
+    def with_headers(self: E, headers: Mapping[str, str]) -> E:
+        """A copy of this error that also carries ``headers`` (its own kept where both name one: it knows
+        its own wait); this one is left as it is. An error may be shared, as one failed read is by every
+        read that joined it: headers set on it in place would reach callers they do not belong to."""
+        twin = copy.copy(self)  # (its class, message, code, and a ``type`` set on the instance)
+        twin.headers = {**headers, **self.headers}
+        return twin
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -52,6 +52,7 @@ from gateway.http.lean_http_head import bad_http, head_refusal
 from gateway.http.lean_http_state import BODY, CONTINUE, HEAD, IDLE, StopParsing
 from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import UNMATCHED
+from gateway.http.retry_after import retry_after_headers
 
 if TYPE_CHECKING:
     from gateway.tenancy.billing import Caller
@@ -66,6 +67,7 @@ MAX_HEADERS = 128  # as aiohttp
 LINGER_MAX_BYTES = 64 << 20  # how much of a refused body is read and dropped, at most
 PARSE_SLICE_BYTES = 16 << 10  # a large read is parsed this much at a time
 SMALL_PIECE_BYTES = 4096  # a body piece smaller than this is copied onto the one before it
+BODY_BUDGET_RETRY_AFTER_S = 1  # bodies being read past the budget: others will have been read by then
 
 
 class LeanConnection(LeanAnswering):
@@ -274,7 +276,7 @@ class LeanConnection(LeanAnswering):
                 Unavailable(
                     "the gateway is reading too many request bodies at once; retry shortly",
                     code="server_busy",
-                    headers={"Retry-After": "1"},
+                    headers=retry_after_headers(BODY_BUDGET_RETRY_AFTER_S),
                 )
             )
             return

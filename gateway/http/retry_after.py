@@ -1,4 +1,5 @@
-"""An engine's ``Retry-After`` header (RFC 9110 10.2.3): delta-seconds or an HTTP date."""
+"""``Retry-After`` (RFC 9110 10.2.3): an engine's read (delta-seconds or an HTTP date), and the gateway's own
+written with OpenAI's ``retry-after-ms`` beside it."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def retry_after_seconds(value: bytes | None) -> float | None:
     if when.tzinfo is None:
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """The headers of a refusal that owes the client a wait of ``seconds``: ``Retry-After`` in whole seconds
+    rounded up, at least 1, and ``retry-after-ms`` in exact milliseconds (rounded up to a whole one).
+
+    The OpenAI Python SDK reads ``retry-after-ms`` first, then ``Retry-After``: with the milliseconds it
+    waits 200 ms when 200 ms are owed, not the second that whole seconds round it up to. Long waits are
+    written as they are; the SDK backs off on its own schedule past its cap (60 s; 120 s in recent releases).
+    A wait that says nothing (zero, negative, not finite) is the one-second floor in both: a
+    ``retry-after-ms: 0`` would be dropped by the SDK, which would then disagree with ``Retry-After: 1``."""
+    owed = math.isfinite(seconds) and seconds > 0
+    # (1e-6: float noise such as 0.1 * 1000 == 100.00000000000001 is not a millisecond more)
+    ms = max(1, math.ceil(seconds * 1000 - 1e-6)) if owed else 1000
+    return {"Retry-After": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}

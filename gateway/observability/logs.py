@@ -21,8 +21,13 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Characters that would let text a client or an engine controls (a path, a model name, an x-request-id, an
 # engine's error message) end the line and forge records of its own (CWE-117), move the cursor of a terminal
 # (C0/C1 controls, DEL), or make the stream's encoder refuse the record (lone surrogates: non-UTF-8 bytes).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# And the backslash itself: unescaped, a client's literal backslash-n would log as a newline it sent does,
+# and a reader could not tell which it was.
+_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_SHORT = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_UNSHORT = {escape[1]: char for char, escape in _SHORT.items()}
+# An escape escape_controls writes: a backslash and a letter of _SHORT, \xHH or \uHHHH.
+_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|([\\nrt]))")
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -34,8 +39,22 @@ def _escape(match: re.Match[str]) -> str:
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``), so it stays one line."""
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``), so it stays one line,
+    and its backslashes doubled, so the escapes are the only ones: ``unescape_controls`` gives it back."""
     return _UNSAFE.sub(_escape, text)
+
+
+def _unescape(match: re.Match[str]) -> str:
+    hex2, hex4, short = match.groups()
+    if short is not None:
+        return _UNSHORT[short]
+    return chr(int(hex2 or hex4, 16))
+
+
+def unescape_controls(line: str) -> str:
+    """The text ``escape_controls`` was given: ``unescape_controls(escape_controls(s)) == s`` for every
+    string (lone surrogates included). A backslash that starts no escape it writes is kept as it is."""
+    return _ESCAPE.sub(_unescape, line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -59,7 +78,8 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """Plain text, with the structured fields appended as key=value; one record is always one line.
 
-    The message, the fields and a traceback have their control characters escaped (``\\n``, ``\\x1b``).
+    The message, the fields and a traceback have their control characters escaped (``\\n``, ``\\x1b``) and
+    their backslashes doubled (``\\\\``): ``unescape_controls`` reads a line back exactly.
     """
 
     def __init__(self) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from cache.sessions import SessionBinding
 from gateway.config import GatewaySettings
 from gateway.http.errors import GatewayError, NoCapacity, Overloaded
+from gateway.http.retry_after import retry_after_headers
 from gateway.routing.base import Candidate, RouteDecision, RouteRequest, RoutingPolicy, with_peers
 from gateway.routing.disaggregation import choose_prefill, prefills_elsewhere_only
 from gateway.routing.regional import RemoteShareLimiter
@@ -36,6 +37,8 @@ from region_map.fleet import EngineState, Fleet
 # counts them as cached (64k tokens of 16-token blocks: a set update, ~15 us a thousand; longer prompts note
 # their start).
 PENDING_MAX_BLOCKS = 4096
+# No engine can take a request now (none healthy, all at their limits): one may have room or be back by then.
+NO_ENGINE_RETRY_AFTER_S = 1
 
 
 class Router:
@@ -144,7 +147,7 @@ class Router:
                 self.metrics.refused_admission(model)
             raise Overloaded(
                 "every engine serving this model is at its queue limit; retry shortly",
-                headers={"Retry-After": "1"},
+                headers=retry_after_headers(NO_ENGINE_RETRY_AFTER_S),
             )
         return open_
 
@@ -198,7 +201,8 @@ class Router:
             decision = self.policy.pick(request, eligible)
             if decision is None:
                 return error or NoCapacity(
-                    f"no healthy engine serves model '{ask.model}' right now", headers={"Retry-After": "1"}
+                    f"no healthy engine serves model '{ask.model}' right now",
+                    headers=retry_after_headers(NO_ENGINE_RETRY_AFTER_S),
                 )
             if plan.attempts and decision.reason != "failover":
                 decision = RouteDecision(
@@ -216,7 +220,7 @@ class Router:
                     plan.excluded.add(engine.id)
                     error = NoCapacity(
                         f"decode engine {engine.id} needs a prefill engine and none of its kind is available",
-                        headers={"Retry-After": "1"},
+                        headers=retry_after_headers(NO_ENGINE_RETRY_AFTER_S),
                     )
                     continue
             plan.attempts += 1

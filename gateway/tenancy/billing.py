@@ -17,6 +17,7 @@ from cache.journal import UsageJournal
 from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
 from gateway.http.errors import AuthenticationFailed, RateLimited, Unavailable
+from gateway.http.retry_after import retry_after_headers
 from gateway.tenancy.ledger_writer import LedgerWriter
 from gateway.tenancy.ratelimit import Allowance, LimitExceeded, RateLimiter
 from gateway.tenancy.tenants import (
@@ -105,7 +106,7 @@ class Billing:
         try:
             record = await self.authenticator.check(key)
         except KeyStoreUnavailable:
-            headers = {"Retry-After": str(KEY_STORE_RETRY_AFTER_S)}
+            headers = retry_after_headers(KEY_STORE_RETRY_AFTER_S)
             raise Unavailable(KEY_STORE_AWAY, code="auth_unavailable", headers=headers) from None
         if record is None:
             shown = f"{key[:6]}***{key[-4:]}" if len(key) > 12 else "***"
@@ -160,7 +161,8 @@ class Billing:
 
     async def admit_usage_read(self, caller: Caller) -> None:
         """Charge one read of the usage endpoints, or raise 429. Each read flushes the ledger writer and
-        reads up to a year of the ledger, so it has its own allowance apart from the completions'."""
+        reads up to a year of the ledger, so it has its own allowance apart from the completions' (the read
+        pays one request of the caller's request limit as well: ``admit_request``, by UsageApi)."""
         per_minute = self.auth.usage_reads_per_minute
         await self._spend(caller, "usage", per_minute, 1, "usage reads per min", None)
 
@@ -168,13 +170,13 @@ class Billing:
         self, caller: Caller, kind: str, per_minute: int, amount: int, what: str, unit: str | None
     ) -> Allowance:
         """Spend from the caller's ``kind`` bucket, or raise 429: OpenAI's body (``type``: "requests" or
-        "tokens"), ``Retry-After`` in whole seconds rounded up, and with a ``unit`` the bucket's
-        ``x-ratelimit-*-UNIT`` headers."""
+        "tokens"), ``Retry-After`` in whole seconds rounded up and ``retry-after-ms`` exact, and with a
+        ``unit`` the bucket's ``x-ratelimit-*-UNIT`` headers."""
         try:
             return await self.limiter.spend(_bucket(caller, kind), per_minute, amount, what)
         except LimitExceeded as exc:
-            retry = max(1, math.ceil(exc.retry_after_s))
-            headers = {"Retry-After": str(retry)}
+            headers = retry_after_headers(exc.retry_after_s)
+            retry = headers["Retry-After"]
             if unit is not None:
                 headers.update(ratelimit_headers(unit, exc.allowance))
             error = RateLimited(

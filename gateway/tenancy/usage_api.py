@@ -4,6 +4,11 @@
 today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars. Reads have their
 own per-key allowance (``gateway.auth.usage_reads_per_minute``; 429 past it), and identical reads at the same
 time share one.
+
+A read is also a request: a key whose tenant has a request limit pays one for it, as for a completion, and
+every answer after that (the read, a 400 for its query, a 503, a 429) carries OpenAI's
+``x-ratelimit-*-requests`` headers. It pays before its query is validated, as a completion pays before its
+body is: a key cannot send invalid reads for free.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -19,10 +24,10 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
-from gateway.http.errors import InvalidRequest, PermissionDenied, Unavailable
+from gateway.http.errors import GatewayError, InvalidRequest, PermissionDenied, Unavailable
 from gateway.http.lean_request import LeanRequest
 from gateway.state.single_flight import SingleFlight
-from gateway.tenancy.billing import Billing
+from gateway.tenancy.billing import Billing, Caller
 
 MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a date can name
 
@@ -34,8 +39,10 @@ class UsageApi:
 
     async def tenant_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
+        return await self._admitted(caller, functools.partial(self._tenant_usage, caller, request))
+
+    async def _tenant_usage(self, caller: Caller, request: LeanRequest) -> web.Response:
         start, end = day_range(request.query)
-        await self.billing.admit_usage_read(caller)
         tenant = caller.tenant.name
         days = await self._read(
             ("tenant", tenant, start, end), lambda: self.billing.ledger.daily(tenant, start, end)
@@ -46,9 +53,12 @@ class UsageApi:
     async def admin_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
         if not caller.admin:
+            # (Before admission, as a 401 is: refused for who it is, whatever it asks, and reads nothing.)
             raise PermissionDenied("this key may only read its own tenant's usage (GET /v1/usage)")
+        return await self._admitted(caller, functools.partial(self._admin_usage, request))
+
+    async def _admin_usage(self, request: LeanRequest) -> web.Response:
         start, end = day_range(request.query)
-        await self.billing.admit_usage_read(caller)
         only = request.query.get("tenant")
         by_tenant = await self._read(
             ("admin", "", start, end), lambda: self.billing.ledger.tenants(start, end)
@@ -62,6 +72,24 @@ class UsageApi:
             "total": _sum(day for days in chosen.values() for day in days),
         }
         return _json(body)
+
+    async def _admitted(self, caller: Caller, answer: Callable[[], Awaitable[web.Response]]) -> web.Response:
+        """``answer()`` once the read is admitted: one request of the caller's request limit (a 429 with its
+        headers past it), then one of its usage reads. With a request limit, whatever is answered after
+        that says what is left of it, as a completion's answers do (``Billing.admit_request``)."""
+        limits = await self.billing.admit_request(caller)
+        try:
+            await self.billing.admit_usage_read(caller)
+            response = await answer()
+        except GatewayError as exc:
+            if limits is None:
+                raise
+            # A copy: a failed read's error is shared by every read that joined it (``_read``), each of
+            # whose callers has its own allowance.
+            raise exc.with_headers(limits) from None
+        if limits is not None:
+            response.headers.update(limits)
+        return response
 
     async def _read(self, what: tuple[str, str, str, str], read: Any) -> Any:
         # Identical reads at the same time share one flush and one read of the ledger, as long as no record

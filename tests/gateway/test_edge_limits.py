@@ -286,6 +286,7 @@ async def assert_refused(cluster: Cluster) -> None:
     assert len(replies) == 1 and replies[0].status == 503
     assert replies[0].headers.get("connection") == "close"
     assert replies[0].headers.get("retry-after") == "1"
+    assert replies[0].headers.get("retry-after-ms") == "1000"
     assert replies[0].json()["error"]["code"] == "too_many_connections"
 
 
@@ -483,7 +484,7 @@ async def test_bodies_being_read_share_one_budget_even_with_good_keys(make_clust
         await client.send(post("/v1/chat/completions", b"", auth, length=512 << 10) + b"x" * (400 << 10))
     reply = (await holders[2].replies_until(1))[0]
     assert reply.status == 503 and reply.json()["error"]["code"] == "server_busy"
-    assert reply.headers["retry-after"] == "1"
+    assert reply.headers["retry-after"] == "1" and reply.headers["retry-after-ms"] == "1000"
     await cluster.wait_for(lambda: edge.buffered == 800 << 10)
     assert cluster.gateway.metrics.connections_refused.labels("body_budget").value == 1
     for client in holders:

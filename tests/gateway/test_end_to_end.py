@@ -312,7 +312,7 @@ async def test_unknown_model_and_no_healthy_engine(make_cluster: ClusterFactory)
         "/v1/chat/completions", chat([{"role": "user", "content": "x"}])
     )
     assert status == 503 and body["error"]["code"] == "no_engine_available"
-    assert headers["Retry-After"] == "1"
+    assert headers["Retry-After"] == "1" and headers["retry-after-ms"] == "1000"
 
 
 async def test_a_dead_engine_is_failed_over_before_its_health_check_notices(

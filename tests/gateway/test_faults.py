@@ -176,18 +176,28 @@ async def test_an_engine_that_says_it_is_busy_is_failed_over_and_left_alone_for_
     assert binding is not None and binding.engine == "eu-west/e0"
 
 
-@pytest.mark.parametrize("status", [429, 503])
+@pytest.mark.parametrize(
+    ("status", "retry_after", "whole", "ms"),
+    [
+        (429, "7", "7", "7000"),
+        (503, "7", "7", "7000"),
+        (429, "6.5", "7", "6500"),  # the engine's wait passed through: rounded up, and exact in ms
+        (503, "6.5", "7", "6500"),
+        (429, None, "1", "1000"),  # the engine named no wait: the gateway's default
+    ],
+)
 async def test_a_request_every_engine_is_too_busy_for_gets_503_with_their_retry_after(
-    make_cluster: ClusterFactory, status: int
+    make_cluster: ClusterFactory, status: int, retry_after: str | None, whole: str, ms: str
 ) -> None:
-    busy = Busy(status, retry_after="7")
+    busy = Busy(status, retry_after=retry_after)
     cluster = await make_cluster(
         {"eu-west": 0},
         extra_engines={"eu-west/busy": busy.app},
         engine_options={"eu-west/busy": {"kv_events": False}},
     )
     status_out, body, headers = await cluster.post("/v1/chat/completions", chat())
-    assert (status_out, body["error"]["code"], headers.get("Retry-After")) == (503, "engines_overloaded", "7")
+    assert (status_out, body["error"]["code"]) == (503, "engines_overloaded")
+    assert (headers.get("Retry-After"), headers.get("retry-after-ms")) == (whole, ms)
     assert busy.requests == 1
     assert await cluster.gateway.billing.ledger.records() == []  # the engine took nothing: nothing billed
 
@@ -225,15 +235,16 @@ async def test_admission_refuses_at_once_when_every_engine_is_full(make_cluster:
     )
     assert cluster.session is not None
 
-    async def one() -> tuple[int, float, str | None]:
+    async def one() -> tuple[int, float, str | None, str | None]:
         start = time.monotonic()
         status, _, headers = await cluster.post("/v1/chat/completions", chat(max_tokens=20))
-        return status, time.monotonic() - start, headers.get("Retry-After")
+        return status, time.monotonic() - start, headers.get("Retry-After"), headers.get("retry-after-ms")
 
     results = await asyncio.gather(*(one() for _ in range(5)))
-    assert sorted(s for s, _, _ in results) == [200, 200, 503, 503, 503]
+    assert sorted(s for s, _, _, _ in results) == [200, 200, 503, 503, 503]
     refused = [r for r in results if r[0] == 503]
-    assert all(elapsed < 0.5 and retry == "1" for _, elapsed, retry in refused)  # the others take ~1 s
+    # (the others take ~1 s)
+    assert all(elapsed < 0.5 and (retry, ms) == ("1", "1000") for _, elapsed, retry, ms in refused)
 
 
 # -- engines whose HTTP is fine and whose stream is not ---------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import sys
 
 import aiohttp
 import pytest
 from yarl import URL
 
-from gateway.observability.logs import JsonFormatter, TextFormatter
+from gateway.observability.logs import JsonFormatter, TextFormatter, escape_controls, unescape_controls
 from tests.faulty_engines import Recorder
 from tests.harness import MODEL, ClusterFactory
 
@@ -124,3 +125,56 @@ def test_text_lines_escape_the_control_characters_a_client_sends() -> None:
     assert "kvgate-tiny\\n2026-12-05" in line and "\\r\\x1b[2Jbye\\x85" in line
     assert "request_id=r\\n1 tenant=t\\x00\\u2028x path=/v1/\\udcff" in line
     line.encode()  # a lone surrogate from a client's non-UTF-8 bytes no longer makes the stream refuse it
+
+
+def text_line(message: str) -> str:
+    record = logging.LogRecord("kvgate", logging.INFO, __file__, 1, "%s", (message,), None)
+    return TextFormatter().format(record)
+
+
+def test_a_literal_backslash_n_and_a_newline_log_differently() -> None:
+    """A client that sends a backslash and an ``n`` must not write what reads as an escaped newline: the
+    backslash itself is escaped, so the line says which one the client sent."""
+    literal, newline = text_line("model a\\nb"), text_line("model a\nb")
+    assert literal != newline
+    assert literal.endswith("model a\\\\nb") and newline.endswith("model a\\nb")
+    assert unescape_controls(literal).endswith("model a\\nb")
+    assert unescape_controls(newline).endswith("model a\nb")
+
+
+REVERSIBLE = [
+    "",
+    "plain",
+    "a\\nb",  # a backslash, then n
+    "a\nb",  # a newline
+    "\\",
+    "\\x1b",  # a backslash, then the text of an escape
+    "\\\\x1b",  # two of them
+    "\\u2028 \\x00 \\t",
+    "ends with a backslash \\",
+    "\r\n\t\x1b[2J\x00\x7f\x85\x9f",
+    "\u2028\u2029 para",
+    "/v1/\udcff\ud800",  # lone surrogates (a client's bytes that are not UTF-8)
+    "\\\n\\\\\n",  # backslashes and newlines interleaved
+    "caf\u00e9 \u4e2d\U0001f600",  # printable non-ASCII passes as it is
+]
+
+
+@pytest.mark.parametrize("text", REVERSIBLE)
+def test_text_lines_are_reversible(text: str) -> None:
+    escaped = escape_controls(text)
+    assert escaped.splitlines() == ([escaped] if escaped else [])
+    assert "\x1b" not in escaped and "\x00" not in escaped
+    assert unescape_controls(escaped) == text
+    assert unescape_controls(text_line(text)).endswith(text)
+
+
+def test_random_text_survives_escaping() -> None:
+    # Strings made of what escaping touches (backslashes, the letters and digits of its escapes, controls,
+    # separators, surrogates) next to what it leaves alone.
+    alphabet = "\\nrtxu0123456789abcdefABCDEF \n\r\t\x00\x1b\x7f\x85\u2028\u2029\ud800\udcffé中"
+    rng = random.Random(117)
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+        escaped = escape_controls(text)
+        assert len(escaped.splitlines()) <= 1 and unescape_controls(escaped) == text, repr(text)

@@ -227,6 +227,10 @@ async def test_rate_limit_answers_429_with_retry_after(make_cluster: ClusterFact
     _, body, headers = answers[2]
     assert body["error"]["code"] == "rate_limit_exceeded" and "RPM" in body["error"]["message"]
     assert 1 <= int(headers["Retry-After"]) <= 60
+    # The exact wait beside it (the OpenAI SDK reads it first), within the whole seconds rounded up.
+    assert (
+        int(headers["Retry-After"]) - 1 < int(headers["retry-after-ms"]) / 1000 <= int(headers["Retry-After"])
+    )
     status, _, _ = await cluster.post("/v1/chat/completions", chat("q"), headers=bearer(keys["globex"]))
     assert status == 200  # other tenants are not affected
 
@@ -270,6 +274,7 @@ async def test_token_limit_counts_prompt_and_max_tokens(make_cluster: ClusterFac
         "/v1/chat/completions", chat("hi", max_tokens=900), headers=bearer(key)
     )
     assert status == 429 and "TPM" in body["error"]["message"] and "Retry-After" in headers
+    assert 0 < int(headers["retry-after-ms"]) <= int(headers["Retry-After"]) * 1000
 
 
 # OpenAI's rate-limit headers, and its duration format for the resets ("20ms", "8.64s", "6m0s").
@@ -322,12 +327,15 @@ async def test_answers_carry_openai_rate_limit_headers(
     assert all(h["x-ratelimit-limit-tokens"] == "3000" for h in heads)
     assert 3000 > tokens[0] > tokens[1] > tokens[2] > 0, tokens  # each took its prompt + max_tokens
     assert 0 < seconds(heads[2]["x-ratelimit-reset-tokens"]) <= 60
-    assert "retry-after" not in heads[0]
+    assert "retry-after" not in heads[0] and "retry-after-ms" not in heads[0]
 
     with pytest.raises(openai.RateLimitError) as refused:
         await client.chat.completions.create(model=MODEL, messages=chat("q3")["messages"], max_tokens=4)
     headers = refused.value.response.headers
     assert 1 <= int(headers["retry-after"]) <= 20
+    assert (
+        int(headers["retry-after"]) - 1 < int(headers["retry-after-ms"]) / 1000 <= int(headers["retry-after"])
+    )
     assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-limit-requests"] == "3"
     assert headers["x-ratelimit-limit-tokens"] == "3000"
     assert refused.value.code == "rate_limit_exceeded" and refused.value.type == "requests"
@@ -354,6 +362,7 @@ async def test_a_token_limit_429_says_tokens(make_cluster: ClusterFactory) -> No
         "/v1/chat/completions", chat("hi", max_tokens=900), headers=bearer(key)
     )
     assert status == 429 and body["error"]["type"] == "tokens" and int(headers["Retry-After"]) >= 1
+    assert 0 < int(headers["retry-after-ms"]) <= int(headers["Retry-After"]) * 1000
     assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) <= before + 10
     assert seconds(headers["x-ratelimit-reset-tokens"]) > 0
 

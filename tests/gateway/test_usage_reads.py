@@ -7,9 +7,20 @@ import asyncio
 import time
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from cache.ledger import day_of
 from gateway.tenancy.tenants import create_key
-from tests.gateway.test_tenants_billing import PRICE, TENANTS, bearer, billed_cluster, chat, cost_of
+from tests.gateway.test_tenants_billing import (
+    PRICE,
+    RATE_HEADERS,
+    TENANTS,
+    bearer,
+    billed_cluster,
+    chat,
+    cost_of,
+    seconds,
+)
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 
@@ -63,6 +74,7 @@ async def test_usage_reads_have_an_allowance_of_their_own(make_cluster: ClusterF
         status, body, headers = await get_usage(cluster, path, keys["acme"])
         assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", (path, body)
         assert "usage reads" in body["error"]["message"] and 1 <= int(headers["Retry-After"]) <= 60
+        assert 0 < int(headers["retry-after-ms"]) <= int(headers["Retry-After"]) * 1000
     assert (await get_usage(cluster, "/v1/usage", keys["globex"]))[0] == 200  # other keys are not affected
     status, _, _ = await cluster.post(
         "/v1/chat/completions", chat("still fine"), headers=bearer(keys["acme"])
@@ -124,3 +136,103 @@ async def test_identical_usage_reads_at_once_share_one_read_of_the_ledger(
     assert status == 200 and mine["total"]["requests"] == done[0][1]["total"]["requests"] + 1
     # A read that overlaps none reads the ledger again: nothing is kept past the read.
     assert (await get_usage(cluster, "/v1/usage", key))[0] == 200 and len(ledger_reads) == 3
+
+
+# -- OpenAI's x-ratelimit-*-requests on the usage reads -----------------------------------------------------
+
+LIMITED = {"boss": {"admin": True, "requests_per_minute": 5}, "open": {"admin": True}}
+
+
+def allowance(headers: dict[str, str]) -> tuple[str, str]:
+    return headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]
+
+
+async def test_usage_reads_count_against_the_request_limit_and_say_what_is_left(
+    make_cluster: ClusterFactory,
+) -> None:
+    """A read is a request: a key whose tenant has a request limit pays one for it, before its query is
+    validated (as a completion pays before its body is), and every answer after that says what is left,
+    as a completion's does: the 200s, a 400, and the 429 once it is spent."""
+    auth = {"enabled": True, "usage_reads_per_minute": 100}
+    cluster = await make_cluster({"eu-west": 1}, auth=auth, tenants=LIMITED, prices={MODEL: PRICE})
+    keys = {t: (await create_key(cluster.gateway.billing.keys, t))[0] for t in LIMITED}
+    status, _, headers = await get_usage(cluster, "/v1/usage", keys["boss"])
+    assert status == 200 and allowance(headers) == ("5", "4")
+    assert (
+        0 < seconds(headers["x-ratelimit-reset-requests"]) <= 12
+    )  # one request refills in 12 s at 5 a minute
+    status, _, headers = await get_usage(cluster, "/v1/admin/usage", keys["boss"])
+    assert status == 200 and allowance(headers) == ("5", "3")
+    status, body, headers = await get_usage(cluster, "/v1/usage?start=yesterday", keys["boss"])
+    assert status == 400 and body["error"]["param"] == "start" and allowance(headers) == ("5", "2")
+    status, _, headers = await get_usage(cluster, "/v1/admin/usage?end=nope", keys["boss"])
+    assert status == 400 and allowance(headers) == ("5", "1")
+    status, _, headers = await get_usage(cluster, "/v1/usage", keys["boss"])
+    assert status == 200 and allowance(headers) == ("5", "0")
+    for path in ("/v1/usage", "/v1/admin/usage"):
+        status, body, headers = await get_usage(cluster, path, keys["boss"])
+        assert status == 429 and body["error"]["type"] == "requests", body
+        assert allowance(headers) == ("5", "0") and int(headers["Retry-After"]) >= 1
+        assert 0 < seconds(headers["x-ratelimit-reset-requests"]) <= 60
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("hi"), headers=bearer(keys["boss"]))
+    assert status == 429  # the same limit as the key's completions
+    status, _, headers = await get_usage(cluster, "/v1/usage", keys["open"])
+    assert status == 200 and [name for name in RATE_HEADERS if name in headers] == []  # no limit, no headers
+
+
+async def test_a_read_past_the_usage_allowance_says_the_request_limit_too(
+    make_cluster: ClusterFactory,
+) -> None:
+    auth = {"enabled": True, "usage_reads_per_minute": 1}
+    cluster = await make_cluster({"eu-west": 1}, auth=auth, tenants=LIMITED, prices={MODEL: PRICE})
+    key = (await create_key(cluster.gateway.billing.keys, "boss"))[0]
+    status, _, headers = await get_usage(cluster, "/v1/usage", key)
+    assert status == 200 and allowance(headers) == ("5", "4")
+    status, body, headers = await get_usage(cluster, "/v1/usage", key)
+    assert status == 429 and "usage reads" in body["error"]["message"]
+    assert allowance(headers) == ("5", "3") and int(headers["Retry-After"]) >= 1
+
+
+async def test_two_keys_sharing_one_failed_read_each_get_their_own_allowance(
+    make_cluster: ClusterFactory, redis_url: str
+) -> None:
+    """Two keys of one tenant reading the same days at once share one read of the ledger, and its failure:
+    the one error reaches both, each with its own key's allowance (a copy each, the shared one untouched)."""
+    auth = {"enabled": True, "usage_reads_per_minute": 100}
+    # (With Redis: its ledger is plain Python in the compiled build too, so its read can be made to fail.)
+    cluster = await make_cluster(
+        {"eu-west": 1}, auth=auth, tenants=LIMITED, prices={MODEL: PRICE}, redis_url=redis_url
+    )
+    billing = cluster.gateway.billing
+    first, second = [(await create_key(billing.keys, "boss"))[0] for _ in range(2)]
+    assert allowance((await get_usage(cluster, "/v1/usage", first))[2]) == ("5", "4")  # first has spent one
+    # (The limiter and the ledger are wrapped where they are plain Python in the compiled build too.)
+    spend = billing.limiter.spend
+    spent: list[str] = []
+    ledger_reads: list[Any] = []
+    release = asyncio.Event()
+
+    async def counted_spend(bucket: str, *args: Any) -> Any:
+        allowance = await spend(bucket, *args)
+        spent.append(bucket)  # (the read goes on to join the ledger read with no await in between)
+        return allowance
+
+    async def failing_daily(*args: Any) -> Any:
+        ledger_reads.append(args)
+        await release.wait()
+        raise RedisError("the ledger is away")
+
+    billing.limiter.spend = counted_spend  # type: ignore[method-assign]
+    billing.ledger.daily = failing_daily  # type: ignore[method-assign]
+    answers = asyncio.gather(*(get_usage(cluster, "/v1/usage", key) for key in (first, second)))
+    for _ in range(500):  # both past admission, and so both waiting on the one read
+        if sum(bucket.endswith(":usage") for bucket in spent) == 2 and ledger_reads:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
+    release.set()
+    (status_1, body_1, headers_1), (status_2, body_2, headers_2) = await answers
+    assert len(ledger_reads) == 1  # one read, one failure, shared
+    assert (status_1, status_2) == (503, 503) and body_1 == body_2
+    assert "cannot be read" in body_1["error"]["message"]
+    assert allowance(headers_1) == ("5", "3") and allowance(headers_2) == ("5", "4")
