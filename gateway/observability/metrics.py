@@ -262,6 +262,8 @@ class OwnEventFollower(Protocol):
     """What the metrics read of a follower of a kvgate engine's KV events (gateway.state.kv_events)."""
 
     engine: EngineState
+    batches: int
+    resyncs: int
     unknown_events: int
 
 
@@ -292,7 +294,7 @@ class _EventFollowerCollector(Collector):
 
     # Counters that both kinds of follower keep: labelled with their source, "zmq" (vLLM, SGLang) or
     # "kvgate" (kvgate's own engines, over HTTP), since the two followers skip events for different reasons.
-    BY_SOURCE = frozenset({"unknown_events"})
+    BY_SOURCE = frozenset({"batches", "resyncs", "unknown_events"})
 
     def __init__(self, followers: list[EventFollower], own: list[OwnEventFollower]) -> None:
         self._followers = followers

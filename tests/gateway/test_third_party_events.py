@@ -140,6 +140,6 @@ async def test_every_follower_counter_is_on_the_metrics_page_per_engine(
         region = engine_id.split("/")[0]
         for name in names:
             labels = f'engine="{engine_id}",region="{region}"'
-            if name == "unknown_events":
+            if name in ("batches", "resyncs", "unknown_events"):
                 labels += ',source="zmq"'  # (kvgate's own engines: "kvgate")
             assert f"kvgate_kv_event_{name}_total{{{labels}}}" in page, name
