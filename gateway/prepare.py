@@ -311,11 +311,15 @@ class RequestPreparer:
         requested = body.get(param)
         if isinstance(requested, int):  # (the schema checked its type when present)
             return requested, param, True
-        if chat and self.settings.default_chat_max_tokens is None:
-            return self.settings.default_max_tokens, param, False
-        default = self.settings.default_chat_max_tokens if chat else None
-        requested = body[param] = default or self.settings.default_max_tokens
-        return requested, param, True
+        s = self.settings
+        if not chat:
+            default = s.default_max_tokens
+        elif s.default_chat_max_tokens is not None:
+            default = s.default_chat_max_tokens
+        else:
+            return s.default_max_tokens, param, False  # sent without one; admission's charge
+        body[param] = default
+        return default, param, True
 
     def _shared_tokens(self, token_ids: np.ndarray) -> int:
         """Length of the longest declared shared prefix this prompt starts with."""
