@@ -145,14 +145,10 @@ class LLMEngine(KvTransferMixin):
                 self.device,
                 config.max_num_seqs,
                 scratch_block=num_blocks,
-                max_model_len=config.max_model_len or mc.max_position_embeddings,
+                max_model_len=self._context_length(mc, num_blocks),
                 cuda_graphs=config.cuda_graphs and not config.compressed_weights,
             )
-        # Unset, the context is what the model allows and the KV cache can hold (a chat without max_tokens
-        # may fill it, so it must fit); a configured one larger than the cache is the operator's to keep.
-        self.max_model_len = config.max_model_len or min(
-            mc.max_position_embeddings, num_blocks * config.block_size
-        )
+        self.max_model_len = self._context_length(mc, num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks,
@@ -188,6 +184,15 @@ class LLMEngine(KvTransferMixin):
             max_num_seqs=config.max_num_seqs,
         )
         return num_blocks
+
+    def _context_length(self, mc: ModelConfig, num_blocks: int) -> int:
+        """The longest sequence this engine serves. Unset, it is what the model allows and the KV cache can
+        hold (a chat without max_tokens may fill it, so it must fit); a configured one larger than the cache
+        is the operator's to keep. The decode graphs are sized by it too: sized for the model's whole
+        context instead, their attention would run splits for blocks no sequence can have."""
+        return self.config.max_model_len or min(
+            mc.max_position_embeddings, num_blocks * self.config.block_size
+        )
 
     def _num_kv_blocks(self, mc: ModelConfig) -> int:
         """KV blocks per rank: as configured; else, on CUDA with the model in this process, what

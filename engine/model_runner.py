@@ -44,6 +44,7 @@ class ModelRunner:
         self.device = device
         self.metadata = StepMetadata(kv_cache.block_size, device, max_num_seqs, max_blocks_per_seq)
         self.scratch_block = scratch_block
+        self.max_model_len = max_model_len
         self.decode_graphs: DecodeGraphs | None = None
         probe = torch.empty(0, device=device)
         if cuda_graphs and device.type == "cuda" and ops.use_triton(probe) and scratch_block is not None:

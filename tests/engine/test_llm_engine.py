@@ -13,6 +13,7 @@ from cache.events import BlockStored
 from cache.hashing import namespace_seed, namespaced_block_hashes
 from engine.engine_types import RequestRejected
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_runner import ModelRunner
 from engine.sequence import CacheNamespace, SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -180,6 +181,9 @@ def test_an_unset_context_is_what_the_kv_cache_holds_when_the_model_allows_more(
     small = engine(tiny_model_dir, num_kv_blocks=4)
     assert small.model_config.max_position_embeddings > 16 and small.max_model_len == 16
     small.check_request(list(range(1, 6)), SamplingParams(max_tokens=small.max_model_len - 5))
+    # The decode graphs are sized by the runner's context: the model's whole one would make the graphed
+    # attention run splits for blocks no sequence can have.
+    assert isinstance(small.runner, ModelRunner) and small.runner.max_model_len == 16
     roomy = engine(tiny_model_dir, num_kv_blocks=4096)
     assert roomy.max_model_len == roomy.model_config.max_position_embeddings
     assert engine(tiny_model_dir, num_kv_blocks=4, max_model_len=64).max_model_len == 64  # configured: kept
