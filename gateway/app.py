@@ -14,10 +14,6 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
@@ -37,6 +33,7 @@ from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
 from gateway.observability.worker_metrics import WorkerMetrics
+from gateway.redis_connection import check_redis, redis_client, redis_db
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.state.kv_events import KvEventConsumer
@@ -47,7 +44,6 @@ from gateway.tenancy.ledger_writer import LedgerWriter
 from gateway.tenancy.ratelimit import MemoryBuckets, RateLimiter, RedisBuckets
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, MemoryKeyStore, RedisKeyStore
 from gateway.tenancy.usage_api import UsageApi
-from gateway.user_errors import without_credentials
 from region_map.config import ConfigError, EngineKind
 from region_map.fleet import Fleet
 from region_map.health import HealthPoller
@@ -61,8 +57,6 @@ DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 ROUTES = web.AppKey("routes", Routes)  # the public port's
 OPERATOR_ROUTES = web.AppKey("operator_routes", Routes)  # served on gateway.operator_port, when set
 WORKER_METRICS = web.AppKey("worker_metrics", WorkerMetrics)  # kvgate serve --workers N, no operator port
-REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
-REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
 
 async def _answer(
@@ -206,23 +200,6 @@ def build_app(config: KvgateConfig) -> web.Application:
     return app
 
 
-def redis_client(url: str, max_connections: int) -> aioredis.Redis:
-    """The gateway's one Redis client: keys, ledger, rate-limit buckets and shared state (pub/sub too) all
-    use it. Its pool is sized for the gateway's concurrency, and a burst beyond that waits for a free
-    connection (up to the socket timeout) rather than failing with "Too many connections", which redis-py's
-    default pool (100) does. A command that finds its pooled connection dead (Redis restarted) is sent once
-    more on a fresh one, instead of failing the request that happened to draw it."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=REDIS_TIMEOUT_S,
-        socket_timeout=REDIS_TIMEOUT_S,
-        socket_connect_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-    )
-    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
-
-
 def gateway_tokenizer(config: KvgateConfig) -> Tokenizer:
     """The tokenizer of gateway.tokenizer; one it cannot load is the operator's mistake, said as such (it was
     an "unexpected error ... please report it")."""
@@ -230,13 +207,6 @@ def gateway_tokenizer(config: KvgateConfig) -> Tokenizer:
         return load_tokenizer(config.gateway.tokenizer)
     except TokenizerError as exc:
         raise ConfigError(f"gateway.tokenizer: {exc}") from None
-
-
-def redis_db(redis: aioredis.Redis | None) -> int:
-    """The database number ``redis`` selects (0 without Redis)."""
-    if redis is None:
-        return 0
-    return int(redis.connection_pool.connection_kwargs.get("db") or 0)
 
 
 def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
@@ -264,33 +234,6 @@ def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing
     return Billing(config, keys=keys, ledger=writer.ledger, writer=writer, limiter=limiter)
 
 
-async def _check_redis(state: SharedState, url: str) -> str:
-    """One PING at start, so that the start is told the truth: "on (URL)", or "unreachable at URL". An
-    unreachable Redis marks the shared-state writer failing: it then PINGs every second, and ``/health``
-    says "unreachable" until Redis answers. A Redis that answers and refuses the URL stops the start."""
-    assert state.redis is not None
-    try:
-        async with asyncio.timeout(REDIS_START_PING_S):
-            await state.redis.ping()
-    except (RedisError, OSError, TimeoutError) as exc:
-        if _refuses_url(exc):
-            raise ConfigError(
-                f"gateway.redis_url / --redis: Redis at {without_credentials(url)} refuses it: "
-                f"{str(exc).rstrip('.')}"
-            ) from None
-        state.writer.failing = True
-        reason = str(exc).rstrip(".") or f"no answer within {REDIS_START_PING_S:g} s"
-        log.warning(
-            "redis unreachable at %s: %s; serving from this gateway's own view (sessions, residency; usage "
-            "goes to the spool) until it answers. Start Redis there, or fix gateway.redis_url / --redis",
-            without_credentials(url),
-            reason,
-        )
-        return f"unreachable at {without_credentials(url)}"
-    await _check_eviction(state.redis, url)
-    return f"on ({without_credentials(url)})"
-
-
 def _warn_of_shared_caches(fleet: Fleet, tenants: bool) -> None:
     """Tenants' prefix caches are kept apart by ``cache_salt``, which only kvgate and vLLM engines take.
     Behind an SGLang or other OpenAI engine, a tenant that sends another's prompt finds its KV there:
@@ -302,48 +245,6 @@ def _warn_of_shared_caches(fleet: Fleet, tenants: bool) -> None:
             "cached_tokens and time to first token whether another sent the same prompt",
             ", ".join(shared),
         )
-
-
-# What each family of eviction policies may take from the ledger (``maxmemory-policy``, when Redis is full).
-EVICTION_RISKS = {
-    "allkeys": "any key: the usage ledger's daily sums and its stream, and the ids of records it already "
-    "counted",
-    "volatile": "keys with a TTL: the ids of records the usage ledger already counted",
-}
-
-
-async def _check_eviction(redis: aioredis.Redis, url: str) -> None:
-    """Warn once, at start, when Redis may evict keys once it is full: the ledger's sums can then vanish,
-    and a record whose id was evicted counts twice when a spool or a journal replays it. A Redis that
-    refuses CONFIG (managed ones often do) or does not answer in time is not asked again."""
-    try:
-        async with asyncio.timeout(REDIS_START_PING_S):
-            config = await redis.config_get("maxmemory*")
-        policy, maxmemory = str(config["maxmemory-policy"]), int(str(config["maxmemory"]))
-    except (RedisError, OSError, TimeoutError, KeyError, ValueError) as exc:
-        log.debug("could not read Redis's eviction policy: %s", exc)
-        return
-    if policy == "noeviction" or maxmemory == 0:  # (no maxmemory: Redis never evicts)
-        return
-    risk = EVICTION_RISKS.get(policy.split("-")[0], "keys the gateways rely on")
-    log.warning(
-        "redis at %s runs with maxmemory-policy %s (maxmemory %d bytes): once full it evicts %s, so usage "
-        "can vanish from the ledger or a replayed record count twice. Run the ledger's Redis with "
-        "maxmemory-policy noeviction (a full Redis then refuses writes, and usage goes to the spool)",
-        without_credentials(url),
-        policy,
-        maxmemory,
-        risk,
-    )
-
-
-def _refuses_url(exc: BaseException) -> bool:
-    """Whether Redis answered and refused the URL itself (a wrong password or user, a database it does not
-    have): no waiting fixes that, and a gateway serving meanwhile would only spool its usage. A busy or full
-    Redis, or one that does not answer, is waited for."""
-    if isinstance(exc, AuthenticationError | NoPermissionError):
-        return True
-    return isinstance(exc, ResponseError) and "DB index" in str(exc)  # (SELECT's "DB index is out of range")
 
 
 def _metrics_handler(scraped: Collector) -> LeanHandler:
@@ -387,7 +288,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         # Replays first what an earlier run left: its spool, and the requests its journal still owed.
         redis_said = "off"
         if state.redis is not None:
-            redis_said = await _check_redis(state, settings.redis_url or "")
+            redis_said = await check_redis(state, settings.redis_url or "")
         await billing.writer.start(billing.cost_picodollars)
         app[DASHBOARD].start()
         if WORKER_METRICS in app:

@@ -14,7 +14,7 @@ import redis
 from cache.ledger import UsageRecord
 from cache.ledger_redis import RedisLedger
 from cache.spool import Spool
-from gateway.app import redis_client
+from gateway.redis_connection import redis_client
 from gateway.tenancy.ledger_writer import LedgerWriter
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_process import RedisProcess

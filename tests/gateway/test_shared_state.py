@@ -25,7 +25,7 @@ from cache.redis_keys import RedisKeys
 from cache.residency_redis import RedisResidencyIndex
 from cache.sessions import SessionBinding
 from cache.sessions_redis import RedisSessionStore
-from gateway.app import redis_client
+from gateway.redis_connection import redis_client
 from gateway.state.shared_state import SharedState
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_process import RedisProcess

@@ -1,0 +1,115 @@
+"""The gateway's Redis connection: its one client, and the check at start that says whether Redis is there,
+whether it refuses the URL, and whether it may evict what the usage ledger keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.state.shared_state import SharedState
+from gateway.user_errors import without_credentials
+from region_map.config import ConfigError
+
+log = logging.getLogger("kvgate.app")
+
+REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled connection
+REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
+
+
+def redis_client(url: str, max_connections: int) -> aioredis.Redis:
+    """The gateway's one Redis client: keys, ledger, rate-limit buckets and shared state (pub/sub too) all
+    use it. Its pool is sized for the gateway's concurrency, and a burst beyond that waits for a free
+    connection (up to the socket timeout) rather than failing with "Too many connections", which redis-py's
+    default pool (100) does. A command that finds its pooled connection dead (Redis restarted) is sent once
+    more on a fresh one, instead of failing the request that happened to draw it."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=REDIS_TIMEOUT_S,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+
+
+def redis_db(redis: aioredis.Redis | None) -> int:
+    """The database number ``redis`` selects (0 without Redis)."""
+    if redis is None:
+        return 0
+    return int(redis.connection_pool.connection_kwargs.get("db") or 0)
+
+
+async def check_redis(state: SharedState, url: str) -> str:
+    """One PING at start, so that the start is told the truth: "on (URL)", or "unreachable at URL". An
+    unreachable Redis marks the shared-state writer failing: it then PINGs every second, and ``/health``
+    says "unreachable" until Redis answers. A Redis that answers and refuses the URL stops the start."""
+    assert state.redis is not None
+    try:
+        async with asyncio.timeout(REDIS_START_PING_S):
+            await state.redis.ping()
+    except (RedisError, OSError, TimeoutError) as exc:
+        if _refuses_url(exc):
+            raise ConfigError(
+                f"gateway.redis_url / --redis: Redis at {without_credentials(url)} refuses it: "
+                f"{str(exc).rstrip('.')}"
+            ) from None
+        state.writer.failing = True
+        reason = str(exc).rstrip(".") or f"no answer within {REDIS_START_PING_S:g} s"
+        log.warning(
+            "redis unreachable at %s: %s; serving from this gateway's own view (sessions, residency; usage "
+            "goes to the spool) until it answers. Start Redis there, or fix gateway.redis_url / --redis",
+            without_credentials(url),
+            reason,
+        )
+        return f"unreachable at {without_credentials(url)}"
+    await _check_eviction(state.redis, url)
+    return f"on ({without_credentials(url)})"
+
+
+# What each family of eviction policies may take from the ledger (``maxmemory-policy``, when Redis is full).
+EVICTION_RISKS = {
+    "allkeys": "any key: the usage ledger's daily sums and its stream, and the ids of records it already "
+    "counted",
+    "volatile": "keys with a TTL: the ids of records the usage ledger already counted",
+}
+
+
+async def _check_eviction(redis: aioredis.Redis, url: str) -> None:
+    """Warn once, at start, when Redis may evict keys once it is full: the ledger's sums can then vanish,
+    and a record whose id was evicted counts twice when a spool or a journal replays it. A Redis that
+    refuses CONFIG (managed ones often do) or does not answer in time is not asked again."""
+    try:
+        async with asyncio.timeout(REDIS_START_PING_S):
+            config = await redis.config_get("maxmemory*")
+        policy, maxmemory = str(config["maxmemory-policy"]), int(str(config["maxmemory"]))
+    except (RedisError, OSError, TimeoutError, KeyError, ValueError) as exc:
+        log.debug("could not read Redis's eviction policy: %s", exc)
+        return
+    if policy == "noeviction" or maxmemory == 0:  # (no maxmemory: Redis never evicts)
+        return
+    risk = EVICTION_RISKS.get(policy.split("-")[0], "keys the gateways rely on")
+    log.warning(
+        "redis at %s runs with maxmemory-policy %s (maxmemory %d bytes): once full it evicts %s, so usage "
+        "can vanish from the ledger or a replayed record count twice. Run the ledger's Redis with "
+        "maxmemory-policy noeviction (a full Redis then refuses writes, and usage goes to the spool)",
+        without_credentials(url),
+        policy,
+        maxmemory,
+        risk,
+    )
+
+
+def _refuses_url(exc: BaseException) -> bool:
+    """Whether Redis answered and refused the URL itself (a wrong password or user, a database it does not
+    have): no waiting fixes that, and a gateway serving meanwhile would only spool its usage. A busy or full
+    Redis, or one that does not answer, is waited for."""
+    if isinstance(exc, AuthenticationError | NoPermissionError):
+        return True
+    return isinstance(exc, ResponseError) and "DB index" in str(exc)  # (SELECT's "DB index is out of range")
