@@ -50,6 +50,16 @@ class _Common(_Open):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     cache_salt: Annotated[str, StringConstraints(max_length=256)] | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI and vLLM refuse stream_options without stream: true; kvgate's engines would drop them and
+        # answer 200. An empty object passes, as vLLM lets it (it refuses only a non-empty one).
+        given = options is not None and bool(options.model_fields_set or options.model_extra)
+        if given and info.data.get("stream") is not True:
+            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+        return options
+
 
 class TextPart(_Open):
     type: str

@@ -198,3 +198,35 @@ async def test_a_connection_refused_on_accept_carries_a_request_id_of_its_own(
     assert [r.status for r in refused] == [503, 503]
     ids = [r.headers.get("x-request-id", "") for r in refused]
     assert all(rid.startswith("req-") for rid in ids) and ids[0] != ids[1]
+
+
+async def test_stream_options_without_a_stream_are_refused_as_openai_and_vllm_refuse_them(
+    make_cluster: ClusterFactory,
+) -> None:
+    # OpenAI answers 400 "The 'stream_options' parameter is only allowed when 'stream' is enabled." (param
+    # stream_options), vLLM "Stream options can only be defined when `stream=True`."; through the gateway
+    # to kvgate's engines the request was answered 200, its stream_options silently dropped.
+    cluster = await make_cluster({"eu-west": 1})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "hello"}]
+    usage = {"include_usage": True}
+    for stream in (None, False):
+        chat = {} if stream is None else {"stream": stream}
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(
+                model=MODEL, messages=hello, max_tokens=2, stream_options=usage, **chat
+            )
+        assert raised.value.body["param"] == "stream_options"
+        assert raised.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as completion:
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream_options=usage)
+    assert completion.value.body["param"] == "stream_options"
+    # What both take: none, null, an empty object (vLLM refuses only a non-empty one), or with a stream.
+    for options in ({}, {"stream_options": None}, {"stream_options": {}}):
+        answer = await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=2, **options)
+        assert answer.usage is not None
+    chunks = await client.chat.completions.create(
+        model=MODEL, messages=hello, max_tokens=2, stream=True, stream_options=usage
+    )
+    assert [c.usage for c in [c async for c in chunks] if c.usage is not None]
+    await client.close()
