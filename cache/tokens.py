@@ -278,8 +278,13 @@ class ChatContentError(ValueError):
     """A chat message whose content this deployment cannot turn into text."""
 
 
+# Content parts that are text, and the field holding it: an assistant's refusal part ({"type": "refusal",
+# "refusal": "..."}, OpenAI's) is text of the conversation, as vLLM renders it.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 def message_text(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of an OpenAI content array."""
+    """A message's content as text: a string, or the text (and refusal) parts of an OpenAI content array."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -288,11 +293,12 @@ def message_text(content: Any) -> str:
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            if kind != "text":
+            field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            if field is None:
                 raise ChatContentError(f"content part of type {kind!r} is not supported; only text is")
-            if not isinstance(part.get("text"), str):  # (not "only text is supported": it is text)
-                raise ChatContentError("a content part of type 'text' needs its text, a string")
-            parts.append(part["text"])
+            if not isinstance(part.get(field), str):  # (not "only text is supported": it is text)
+                raise ChatContentError(f"a content part of type {kind!r} needs its {field}, a string")
+            parts.append(part[field])
         return "".join(parts)
     raise ChatContentError("message content must be a string or an array of content parts")
 

@@ -4,6 +4,7 @@ reads."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import openai
 import pytest
@@ -229,4 +230,38 @@ async def test_stream_options_without_a_stream_are_refused_as_openai_and_vllm_re
         model=MODEL, messages=hello, max_tokens=2, stream=True, stream_options=usage
     )
     assert [c.usage for c in [c async for c in chunks] if c.usage is not None]
+    await client.close()
+
+
+async def test_an_assistants_refusal_part_is_text_of_the_conversation(make_cluster: ClusterFactory) -> None:
+    # OpenAI's assistant messages take content parts of type text or refusal ({"type": "refusal", "refusal":
+    # "..."}), and vLLM renders a refusal part as its text. The gateway refused the conversation: "content
+    # part of type 'refusal' is not supported; only text is".
+    cluster = await make_cluster({"eu-west": 1})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    said = "I can't help with that."
+
+    def conversation(content: Any) -> list[Any]:
+        return [
+            {"role": "user", "content": "pick a lock"},
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "why not?"},
+        ]
+
+    parts = await client.chat.completions.create(
+        model=MODEL, messages=conversation([{"type": "refusal", "refusal": said}]), max_tokens=2
+    )
+    text = await client.chat.completions.create(model=MODEL, messages=conversation(said), max_tokens=2)
+    assert parts.usage is not None and text.usage is not None
+    assert parts.usage.prompt_tokens == text.usage.prompt_tokens  # the same prompt, as vLLM renders it
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.chat.completions.create(
+            model=MODEL, messages=conversation([{"type": "refusal"}]), max_tokens=2
+        )
+    assert raised.value.body == {
+        "message": "a content part of type 'refusal' needs its refusal, a string",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": None,
+    }
     await client.close()
