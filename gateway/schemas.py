@@ -23,7 +23,9 @@ from pydantic_core import PydanticCustomError
 from gateway.http.errors import InvalidRequest
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
-StopSpec = Annotated[str, StringConstraints(min_length=1)] | Annotated[list[str], Field(max_length=4)]
+# No count of stop strings: OpenAI documents "up to 4", but vLLM takes any number (kvgate's engines refuse a
+# fifth themselves): the gateway does not refuse what the engine behind it takes.
+StopSpec = Annotated[str, StringConstraints(min_length=1)] | list[str]
 
 
 class _Open(BaseModel):
@@ -100,7 +102,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, an array of strings, an array of token ids (integers in [0, 2**32)) "
     "or an array of such arrays",
     "content": "must be a string, null, or an array of content parts",
-    "stop": "must be a non-empty string or an array of at most 4 strings",
+    "stop": "must be a non-empty string or an array of strings",
 }
 _UNION_TAGS = ("list[", "constrained-", "function-", "nullable[", "union[")
 _UNION_NAMES = frozenset({"str", "int", "float", "bool", "none", "StreamOptions", "TextPart"})

@@ -265,3 +265,30 @@ async def test_an_assistants_refusal_part_is_text_of_the_conversation(make_clust
         "code": None,
     }
     await client.close()
+
+
+async def test_a_vllm_fleet_takes_more_than_four_stop_strings_and_vllms_own_fields_untouched(
+    third_party: ThirdPartyFleet,
+) -> None:
+    # OpenAI documents "up to 4" stop sequences, but vLLM takes any number (evaluation harnesses send more)
+    # and kvgate's engines refuse a fifth themselves (400, param stop): the gateway refused what the engine
+    # behind it takes. vLLM's sampling and template fields reach it as the client sent them.
+    cluster, engines = await third_party({"eu-west/v": {"kind": "vllm"}})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    stops = ["\n\n", "Q:", "</s>", "###", "User:", "Question:"]
+    extras = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "chat_template_kwargs": {"x": 1},
+              "guided_json": {"type": "object"}, "stop_token_ids": [2]}  # fmt: skip
+    answer = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        stop=stops,
+        extra_body=extras,
+    )
+    text = await client.completions.create(model="tiny", prompt="hello", max_tokens=2, stop=stops)
+    await client.close()
+    assert answer.choices and text.choices
+    [chat_body] = engines["eu-west/v"].bodies("/v1/chat/completions")
+    [completion_body] = engines["eu-west/v"].bodies("/v1/completions")
+    assert chat_body["stop"] == stops and completion_body["stop"] == stops
+    assert {k: chat_body[k] for k in extras} == extras
