@@ -15,6 +15,7 @@ import orjson
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
+from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
 from gateway.http.content_coding import decode_body
 from gateway.http.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
@@ -365,14 +366,8 @@ class RequestPreparer:
 
 def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest) -> str:
     """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
-    in the tokenizer's cache. The tenant's salt keeps both apart from every other tenant's; a client may
-    split further."""
-    if not parsed.cache_salt:
-        return tenant.cache_salt
-    # Length-prefixed: a client's salt never spells another tenant's (a tenant configured with the empty
-    # salt sending "tenant:acme" would otherwise be in acme's namespace), nor another split's ("a/b" + "c"
-    # against "a" + "b/c").
-    return f"{len(tenant.cache_salt)}:{tenant.cache_salt}/{parsed.cache_salt}"
+    in the tokenizer's cache."""
+    return request_cache_salt(tenant.cache_salt, parsed.cache_salt)
 
 
 def _writable(body: Any) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import openai
 import pytest
 
+from gateway.tenancy.tenants import create_key
 from tests.conftest import ThirdPartyFleet
 
 URL_ONLY = {"model": None, "block_size": None}  # what the operator wrote: a URL and a kind
@@ -100,3 +102,39 @@ async def test_tenants_in_front_of_engines_without_cache_salt_are_warned_of_at_s
         assert len(said) == 1 and "eu-west/s take no cache_salt" in said[0] and "eu-west/v" not in said[0]
     else:
         assert said == []
+
+
+@pytest.mark.parametrize(
+    ("tenant_salt", "client_salt"),
+    [
+        (None, "alice"),  # a client's own salt: joined to its tenant's, with a separator vLLM refused
+        ("acme/prod", None),  # an operator's salt vLLM refuses ('/')
+        (None, "end-user-" + "x" * 200),  # within the gateway's 256 characters, over vLLM's 128
+        (None, "bob@example.com"),  # '@': refused by vLLM
+    ],
+)
+async def test_every_salt_the_gateway_sends_vllm_is_one_it_takes_and_keeps_its_cache(
+    third_party: ThirdPartyFleet, tenant_salt: str | None, client_salt: str | None
+) -> None:
+    """vLLM refuses a cache_salt over 128 characters or holding '@', '/', '\\' or NUL (400). The gateway
+    sent "<n>:<tenant salt>/<client salt>" whenever a client sent a salt of its own: every such request to
+    vLLM got a 400. Now such a namespace reaches vLLM as its digest, and the gateway hashes blocks with it."""
+    cluster, engines = await third_party(
+        {"eu-west/v0": {}}, auth={"enabled": True}, tenants={"acme": {"cache_salt": tenant_salt}}
+    )
+    key, _ = await create_key(cluster.gateway.billing.keys, "acme")
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    extra = {"cache_salt": client_salt} if client_salt is not None else {}
+    messages: Any = [{"role": "system", "content": "a long shared system prompt " * 30},
+                     {"role": "user", "content": "hello"}]  # fmt: skip
+    for _ in range(2):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body=extra
+        )
+        answer = raw.parse()
+    await client.close()
+    sent = engines["eu-west/v0"].bodies("/v1/chat/completions")[-1]["cache_salt"]
+    assert len(sent) <= 128 and not set(sent) & set("@/\\\0")
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached and int(raw.headers["x-kvgate-predicted-cached-tokens"]) == cached
