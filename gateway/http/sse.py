@@ -164,10 +164,19 @@ def _count_events(data: bytes) -> int:
 
 
 def _split_events(data: bytes) -> list[bytes]:
-    """Events with their terminating blank line, for any of SSE's line endings."""
-    sep = b"\r\n\r\n" if b"\r\n\r\n" in data else b"\n\n" if b"\n\n" in data else b"\r\r"
-    parts = data.split(sep)
-    return [p + sep for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    """Events with their terminating blank line, for any of SSE's line endings, mixed within ``data`` too (a
+    proxy's comments may end otherwise than the engine's events)."""
+    if b"\r" not in data:  # \n only, the usual: a blank line is "\n\n"
+        parts = data.split(b"\n\n")
+        return [p + b"\n\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    events: list[bytes] = []
+    start = 0
+    for blank in _BLANK_LINE.finditer(data):
+        events.append(data[start : blank.end()])
+        start = blank.end()
+    if start < len(data):
+        events.append(data[start:])
+    return events
 
 
 def _data_of(event: bytes) -> bytes | None:

@@ -158,3 +158,20 @@ def test_a_large_event_in_many_reads_is_searched_once_not_once_per_read() -> Non
     out = b"".join(tap.feed(event[i : i + 4096]) for i in range(0, len(event), 4096))
     assert out == event and tap.events == 1 and tap.token_events == 1
     assert tap.scanned < 2 * len(event)
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_a_read_whose_events_end_in_different_line_ends_is_split_event_by_event(forward: bool) -> None:
+    # A read may hold events of different line endings (an engine's, a proxy's comment): it was split on the
+    # first blank line style found in it, so a \n\n-ended token and the \r\n\r\n-ended usage after it were
+    # parsed as one event: the usage was not found (nor dropped), and the stream billed by estimate.
+    crlf_usage = USAGE_EVENT.replace(b"\n\n", b"\r\n\r\n")
+    tap = SseUsageTap(forward_usage_event=forward)
+    out = tap.feed(CHUNK + crlf_usage + b": keep-alive\r\r" + DONE)
+    assert tap.usage == tap.final_usage == USAGE and tap.saw_done
+    assert out == CHUNK + (crlf_usage if forward else b"") + b": keep-alive\r\r" + DONE
+    assert tap.events == (3 if forward else 2)
+    annotated = SseUsageTap(forward_usage_event=True, annotate=lambda usage: {"cost": 1})
+    out = annotated.feed(CHUNK + crlf_usage + DONE)
+    cost = b"data: " + orjson.dumps({"choices": [], "usage": {**USAGE, "cost": 1}}) + b"\r\n\r\n"
+    assert out == CHUNK + cost + DONE and annotated.usage == USAGE
