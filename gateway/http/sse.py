@@ -21,12 +21,16 @@ Annotate = Callable[[dict[str, Any]], dict[str, Any]]
 # The stream's end: a data line of its own ("[DONE]" inside a token's text is not one; a raw newline cannot
 # be inside an event's JSON). Lines may end in \n, \r\n or a lone \r: SSE allows all three.
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\]")
-# An event end ("\n\n", "\r\n\r\n" or "\r\r") may be split between two reads: the last bytes of a buffered
-# partial event, as many as the longest end less one, are searched again with the next read.
-_OVERLAP = len(b"\r\n\r\n") - 1
 # A blank line, which ends an event: two line ends, each \n, \r\n or a lone \r (a \r\n is one line end, not a
 # \r and then an empty line).
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+# The same, searched for with bytes.find: two line ends in a row always hold one of these pairs ("\n\r\n" and
+# "\r\n\r\n" hold "\n\r", "\r\n\n" holds "\n\n", "\r\r\n" holds "\r\r"); a "\n" right after a pair's \r is the
+# rest of its \r\n, and of the blank line.
+_PAIRS = (b"\n\n", b"\n\r", b"\r\r")
+# A pair may be split between two reads, and a "\n\r" that ends a read waits for the next (_last_event_end):
+# the last two bytes of a buffered partial event are searched again with the next read.
+_OVERLAP = 2
 # A data field's line, at the start of a line ("data" alone is an empty data field). A "data:" inside a
 # token's text is not one: it follows a quote or other JSON, never a line end (JSON has no raw newlines).
 _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?:[:\r\n]|$)")
@@ -85,10 +89,7 @@ class SseUsageTap:
     def _event_end(self, buf: bytes | bytearray, start: int) -> int:
         """Where the last whole event of ``buf`` ends (-1: none), searching from ``start`` on."""
         self.scanned += len(buf) - start
-        lf, crlf, cr = buf.rfind(b"\n\n", start), buf.rfind(b"\r\n\r\n", start), buf.rfind(b"\r\r", start)
-        if lf < 0 and crlf < 0 and cr < 0:
-            return -1
-        return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
+        return _last_event_end(buf, start)
 
     @property
     def token_events(self) -> int:
@@ -142,11 +143,53 @@ class SseUsageTap:
         return b"data: " + orjson.dumps(chunk) + (b"\r\n\r\n" if event.endswith(b"\r\n\r\n") else b"\n\n")
 
 
+def _last_event_end(buf: bytes | bytearray, start: int) -> int:
+    r"""Where the last blank line in ``buf[start:]`` ends, -1 if there is none. A "\n\r" that ends ``buf``
+    waits for the next read: its \r most likely starts the \r\n whose \n ends the blank line (a lone \r after
+    a \n would be an odd stream's; a stream of lone \r's has no \n and is not kept waiting)."""
+    hi = len(buf) - 1 if buf.endswith(b"\n\r") else len(buf)
+    i = buf.rfind(b"\n\n", start, hi)
+    end = i + 2 if i >= 0 else -1
+    if buf.find(b"\r", max(start, end - 1)) < 0:  # no \r after it (memchr): "\n\n" is the last blank line
+        return end
+    for pair in _PAIRS[1:]:
+        i = buf.rfind(pair, max(start, end - 1), hi)  # only a pair that ends later can be the last
+        if i >= 0:
+            end = max(end, _pair_end(buf, i))
+    return end
+
+
+def _first_event_end(buf: bytes, start: int) -> int:
+    """Where the first blank line in ``buf[start:]`` ends, -1 if there is none."""
+    # The first line end, found with memchr, is where the pairs' search starts: a one-line event is found at
+    # once, however large (an echoed prompt).
+    lf, cr = buf.find(b"\n", start), buf.find(b"\r", start)
+    if cr < 0:
+        i = buf.find(b"\n\n", lf) if lf >= 0 else -1
+        return i + 2 if i >= 0 else -1
+    start = min(lf, cr) if lf >= 0 else cr
+    end = -1
+    for pair in _PAIRS:
+        i = buf.find(pair, start, end if end >= 0 else len(buf))  # only a pair that ends earlier is first
+        if i >= 0:
+            end = _pair_end(buf, i)
+    return end
+
+
+def _pair_end(buf: bytes | bytearray, i: int) -> int:
+    r"""The end of the blank line that holds the pair at ``i``: after the \n of a \r\n it ends in."""
+    return i + 3 if buf[i + 1] == 0x0D and buf[i + 2 : i + 3] == b"\n" else i + 2
+
+
 def _announces_role_only(data: bytes) -> bool:
     """Whether the first event of ``data`` is a chat stream's opening chunk: the role, empty content."""
-    ends = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n"), data.find(b"\r\r")) if i >= 0]
-    first = data[: min(ends)] if ends else data
-    return b'"role"' in first and (b'"content":""' in first or b'"content"' not in first)
+    end = _first_event_end(data, 0)
+    if end < 0:
+        end = len(data)
+    # Searched in place (a first event may be megabytes: an echoed prompt), not in a copy.
+    if data.find(b'"role"', 0, end) < 0:
+        return False
+    return data.find(b'"content":""', 0, end) >= 0 or data.find(b'"content"', 0, end) < 0
 
 
 def _count_events(data: bytes) -> int:

@@ -160,6 +160,22 @@ def test_a_large_event_in_many_reads_is_searched_once_not_once_per_read() -> Non
     assert tap.scanned < 2 * len(event)
 
 
+@pytest.mark.parametrize("blank", [b"\n\r\n", b"\r\n\n"])
+@pytest.mark.parametrize("read", [1, 0], ids=["byte_by_byte", "one_read"])
+def test_an_event_ended_by_mixed_line_ends_is_an_event(blank: bytes, read: int) -> None:
+    # A line ends in \n, \r\n or a lone \r, and a blank line (two line ends in a row) ends an event, whichever
+    # two: "\n" then "\r\n" is one. Such events were held back until the stream ended, then dropped.
+    error = b'data: {"error":{"message":"oom"}}'
+    usage = b"data: " + orjson.dumps({"choices": [], "usage": USAGE})
+    stream = blank.join([ROLE.strip(), CHUNK.strip(), usage, error, b"data: [DONE]"]) + blank
+    tap = SseUsageTap(forward_usage_event=True)
+    reads = [stream[i : i + 1] for i in range(len(stream))] if read else [stream]
+    out = b"".join(tap.feed(data) for data in reads) + tap.flush()
+    assert out == stream and tap.saw_done
+    assert tap.usage == USAGE and tap.error == {"message": "oom"}
+    assert tap.events == 5 and tap.token_events == 2  # the role, error and [DONE] carry none
+
+
 @pytest.mark.parametrize("forward", [True, False])
 def test_a_read_whose_events_end_in_different_line_ends_is_split_event_by_event(forward: bool) -> None:
     # A read may hold events of different line endings (an engine's, a proxy's comment): it was split on the
