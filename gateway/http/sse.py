@@ -54,7 +54,10 @@ class SseUsageTap:
         self._wordless = 0  # of those, the chat role announcement, [DONE] and an error: no completion token
 
     def feed(self, data: bytes) -> bytes:
-        """The bytes to forward now: whole events only (a partial event waits for its end)."""
+        """The bytes to forward now: whole events only (a partial event waits for its end), none after
+        ``[DONE]``."""
+        if self.saw_done:
+            return b""
         tail = self._tail
         if tail:
             # The buffered bytes were searched already (they hold no event end): only the new ones are, and
@@ -74,11 +77,16 @@ class SseUsageTap:
                 return b""
             complete = data if end == len(data) else data[:end]
             tail += memoryview(data)[end:]
-        if not self.events:
-            self._wordless += _announces_role_only(complete)
-        if b"[DONE]" in complete and _DONE.search(complete):
+        if b"[DONE]" in complete and (done := _DONE.search(complete)) is not None:
             self.saw_done = True
             self._wordless += 1
+            # [DONE] ends the stream: the SDK reads no further, its answer is whole. What an engine sends
+            # after it is not forwarded, nor taken for a usage or an error that would bill the answer
+            # otherwise than the client got it (in [DONE]'s read or later ones, which the relay never reads).
+            complete = complete[: _first_event_end(complete, done.end())]
+            tail.clear()
+        if not self.events:
+            self._wordless += _announces_role_only(complete)
         if b'"usage"' not in complete and b'"error"' not in complete:
             self.events += _count_events(complete)
             return complete

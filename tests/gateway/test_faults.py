@@ -346,6 +346,36 @@ async def test_a_stream_whose_engine_keeps_its_response_open_after_done_ends_for
     engine.resume.set()
 
 
+async def test_what_an_engine_sends_after_done_is_not_relayed_and_the_answer_is_billed_as_completed(
+    make_cluster: ClusterFactory,
+) -> None:
+    # An engine that writes more after its [DONE] (an error event, then 2 MB of tokens: more than the
+    # gateway buffers, so its connection is dropped after the grace). The client's answer was whole at
+    # [DONE]: what came with it in the same read was relayed after it, and the late error made the ledger
+    # say failed while the SDK had the whole answer.
+    usage = usage_of(5, 2)
+    events = [chat_chunk(role=True), chat_chunk("x"), chat_chunk("x", finish="stop"), chat_chunk(usage=usage)]
+    late = b'data: {"error":{"message":"late","type":"InternalServerError"}}\n\n'
+    late += chat_chunk("y") * (2 * 1024 * 1024 // len(chat_chunk("y")))
+    engine = Scripted([*events, b"data: [DONE]\n\n" + late])
+    cluster, client = await _scripted_cluster(make_cluster, engine)
+    texts = [
+        chunk.choices[0].delta.content or ""
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        if chunk.choices
+    ]
+    await client.close()
+    assert "".join(texts) == "xx"
+    record = await _one_record(cluster)
+    assert (record.status, record.estimated, record.completion_tokens) == ("completed", False, 2)
+    # A client that reads the response to its end gets nothing after [DONE] either.
+    assert cluster.session is not None
+    status, text, _ = await stream_text(cluster.session, cluster.url, chat())
+    assert status == 200 and text.endswith("data: [DONE]\n\n") and '"y"' not in text and "late" not in text
+
+
 async def test_an_engine_that_ends_its_response_just_after_done_keeps_its_pooled_connection(
     make_cluster: ClusterFactory,
 ) -> None:

@@ -191,3 +191,16 @@ def test_a_read_whose_events_end_in_different_line_ends_is_split_event_by_event(
     out = annotated.feed(CHUNK + crlf_usage + DONE)
     cost = b"data: " + orjson.dumps({"choices": [], "usage": {**USAGE, "cost": 1}}) + b"\r\n\r\n"
     assert out == CHUNK + cost + DONE and annotated.usage == USAGE
+
+
+def test_nothing_after_done_is_forwarded_or_read() -> None:
+    # [DONE] ends the stream (the SDK stops reading there): what an engine sends after it, in the same read or
+    # later, is no part of the answer: neither forwarded nor taken for its usage or its error.
+    late = b'data: {"error":{"message":"late"}}\n\n' + USAGE_EVENT.replace(b"40", b"99") + CHUNK
+    tap = SseUsageTap(forward_usage_event=True)
+    assert tap.feed(CHUNK + USAGE_EVENT + DONE + late + b"data: partial") == CHUNK + USAGE_EVENT + DONE
+    assert tap.feed(late) == b"" and tap.flush() == b""
+    assert tap.saw_done and tap.error is None and tap.usage == tap.final_usage == USAGE
+    assert tap.events == 3
+    crlf = SseUsageTap(forward_usage_event=False)
+    assert crlf.feed(b"data: [DONE]\r\n\r\n" + late) == b"data: [DONE]\r\n\r\n" and crlf.events == 1
