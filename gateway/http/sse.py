@@ -31,6 +31,7 @@ _PAIRS = (b"\n\n", b"\n\r", b"\r\r")
 # A pair may be split between two reads, and a "\n\r" that ends a read waits for the next (_last_event_end):
 # the last two bytes of a buffered partial event are searched again with the next read.
 _OVERLAP = 2
+_USUAL_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 # A data field's line, at the start of a line ("data" alone is an empty data field). A "data:" inside a
 # token's text is not one: it follows a quote or other JSON, never a line end (JSON has no raw newlines).
 _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?:[:\r\n]|$)")
@@ -155,6 +156,8 @@ def _last_event_end(buf: bytes | bytearray, start: int) -> int:
     r"""Where the last blank line in ``buf[start:]`` ends, -1 if there is none. A "\n\r" that ends ``buf``
     waits for the next read: its \r most likely starts the \r\n whose \n ends the blank line (a lone \r after
     a \n would be an odd stream's; a stream of lone \r's has no \n and is not kept waiting)."""
+    if buf.endswith(_USUAL_ENDS):  # the usual read: whole events, the last ended by a blank line of one style
+        return len(buf)
     hi = len(buf) - 1 if buf.endswith(b"\n\r") else len(buf)
     i = buf.rfind(b"\n\n", start, hi)
     end = i + 2 if i >= 0 else -1
