@@ -170,17 +170,18 @@ class Billing:
         self, caller: Caller, kind: str, per_minute: int, amount: int, what: str, unit: str | None
     ) -> Allowance:
         """Spend from the caller's ``kind`` bucket, or raise 429: OpenAI's body (``type``: "requests" or
-        "tokens"), ``Retry-After`` in whole seconds rounded up and ``retry-after-ms`` exact, and with a
-        ``unit`` the bucket's ``x-ratelimit-*-UNIT`` headers."""
+        "tokens"; the message's wait exact, as OpenAI writes it: "try again in 120ms"), ``Retry-After`` in
+        whole seconds rounded up and ``retry-after-ms`` exact, and with a ``unit`` the bucket's
+        ``x-ratelimit-*-UNIT`` headers."""
         try:
             return await self.limiter.spend(_bucket(caller, kind), per_minute, amount, what)
         except LimitExceeded as exc:
             headers = retry_after_headers(exc.retry_after_s)
-            retry = headers["Retry-After"]
             if unit is not None:
                 headers.update(ratelimit_headers(unit, exc.allowance))
+            retry = reset_duration(int(headers["retry-after-ms"]) / 1000)  # (the wait the headers say)
             error = RateLimited(
-                f"Rate limit reached for tenant {caller.tenant.name} on {exc}. Please try again in {retry}s.",
+                f"Rate limit reached for tenant {caller.tenant.name} on {exc}. Please try again in {retry}.",
                 headers=headers,
             )
             error.type = unit or "requests"  # (OpenAI's 429s say which limit in ``type``)

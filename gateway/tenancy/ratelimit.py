@@ -5,7 +5,8 @@ it, so every gateway draws from the same allowance. To keep the request path off
 allowance in leases of about 1/20 of a minute's worth and spends them locally; it goes back to Redis only
 when a lease runs out, with one refill per bucket at a time however many requests wait on it. Without Redis
 (or while it is away or slow) the buckets are in process. An exhausted bucket answers 429 with the
-seconds until enough has refilled.
+seconds until enough has refilled for the refused spend (not for a whole lease; under a second when that is
+all it takes).
 
 Each spend also says where the bucket stands (``Allowance``: remaining and time until full again, what the
 OpenAI ``x-ratelimit-*`` headers carry), from what the last take from the store said and this gateway's
@@ -125,11 +126,15 @@ class RateLimiter:
                 return self.allowance(bucket, per_minute)
             want = max(amount - have, math.ceil(per_minute * self._lease_fraction))  # (if it starts one)
             refill = functools.partial(self._refill, bucket, per_minute, want)
-            granted, wanted, wait = await self._refills.run(bucket, refill)
-            if granted < wanted and self._leases.get(bucket, 0) < amount:
-                # The shared bucket is empty: another refill now would get nothing either.
+            granted, wanted, left = await self._refills.run(bucket, refill)
+            held = self._leases.get(bucket, 0)
+            if granted < wanted and held < amount:
+                # The shared bucket is empty: another refill now would get nothing either. The wait is for
+                # what this spend lacks, exactly (120 ms may be all it takes): not for the lease the refill
+                # asked for, nor rounded up to a second (Retry-After rounds; retry-after-ms is exact).
                 allowance = self.allowance(bucket, per_minute)
-                raise LimitExceeded(f"{what}: Limit {per_minute}", max(wait, 1.0), allowance)
+                wait = (amount - held - left) / (per_minute / 60.0)
+                raise LimitExceeded(f"{what}: Limit {per_minute}", wait, allowance)
             # Else the refill got all it asked for, but spends ahead of this one (or a refill sized for a
             # smaller amount) left too little: look again, and refill again if need be.
 
@@ -157,12 +162,12 @@ class RateLimiter:
         return Allowance(per_minute, max(0, int(exact)), (per_minute - exact) / per_s)
 
     async def _refill(self, bucket: str, per_minute: int, want: int) -> tuple[int, int, float]:
-        """Take ``want`` from the store into the lease: (granted, wanted, seconds until the rest refills)."""
+        """Take ``want`` from the store into the lease: (granted, wanted, tokens left in the store)."""
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                granted, wait, left = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
+                granted, _, left = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
         except (RedisError, OSError, TimeoutError):
-            granted, wait, left = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
+            granted, _, left = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
         self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
         self._seen[bucket] = (left, time.monotonic())
-        return granted, want, wait
+        return granted, want, left

@@ -367,6 +367,33 @@ async def test_a_token_limit_429_says_tokens(make_cluster: ClusterFactory) -> No
     assert seconds(headers["x-ratelimit-reset-tokens"]) > 0
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "per-gateway"])
+async def test_a_429_says_the_exact_wait_when_it_is_under_a_second(
+    make_cluster: ClusterFactory, redis_url: str, shared: bool
+) -> None:
+    """At 120 requests a minute one request refills in half a second: the 429 says so in ``retry-after-ms``
+    (the OpenAI SDK sleeps that, not the whole second of ``Retry-After``), and its message says it too; a
+    client back after that wait is admitted. (It said 1 s at the least, and the time of a whole lease,
+    about 3 s.)"""
+    tenants = {"busy": {"requests_per_minute": 120}}
+    redis = {"redis_url": redis_url} if shared else {}
+    cluster = await make_cluster({"eu-west": 1}, auth={"enabled": True}, tenants=tenants, **redis)
+    key = (await create_key(cluster.gateway.billing.keys, "busy"))[0]
+    for _ in range(200):  # (it refills meanwhile: until refused, not exactly 120)
+        status, body, headers = await cluster.post(
+            "/v1/chat/completions", chat("q", max_tokens=1), headers=bearer(key)
+        )
+        if status != 200:
+            break
+    assert status == 429 and body["error"]["type"] == "requests", body
+    ms = int(headers["retry-after-ms"])
+    assert 0 < ms <= 500 and headers["Retry-After"] == "1"
+    assert body["error"]["message"].endswith(f"Please try again in {ms}ms."), body
+    await asyncio.sleep(ms / 1000 + 0.01)
+    status, body, _ = await cluster.post("/v1/chat/completions", chat("q", max_tokens=1), headers=bearer(key))
+    assert status == 200, body
+
+
 def test_resets_are_written_as_openai_writes_them() -> None:
     cases = {
         0.0: "0s",
