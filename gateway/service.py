@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -57,11 +58,26 @@ BUSY_RETRY_AFTER_S = 1
 class _Retryable(Exception):
     """The engine failed before answering anything: another engine may take the request."""
 
-    def __init__(self, error: GatewayError, who: str, *, prefill_failed: bool = False) -> None:
+    def __init__(
+        self,
+        error: GatewayError,
+        who: str,
+        *,
+        prefill_failed: bool = False,
+        busy_s: float | None = None,
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.who = who
         self.prefill_failed = prefill_failed  # the decode engine is fine; its K/V transfer broke
+        self.busy_s = busy_s  # too busy: the wait before the gateway tries the engine again
+
+    def answer(self, soonest_busy_s: float) -> GatewayError:
+        """The error the client gets when this was the request's last attempt; a busy engine's says when
+        the soonest of the busy engines the request met takes requests again (``Retry-After``)."""
+        if self.busy_s is None:
+            return self.error
+        return self.error.with_headers(retry_after_headers(soonest_busy_s))
 
 
 class Gateway:
@@ -199,24 +215,27 @@ class Gateway:
         """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
         self.router.find_session(p)
         plan = self.router.plan(p)
-        last_error: GatewayError | None = None
+        last: _Retryable | None = None  # the last attempt's failure
+        soonest_busy_s = math.inf  # the shortest wait of the engines that said they were too busy
         attempts = self.resilience.max_attempts + len(plan.prefilling)
         for attempt in range(attempts):
             route = self.router.decide(plan)
             if not isinstance(route, GatewayError) and (claim := self.router.pending_claim(plan)):
                 route = await self.router.follow_claim(plan, route, claim)  # (a session new to this view)
             if isinstance(route, GatewayError):  # no engine left: say why the last one failed, if one did
-                raise last_error if last_error is not None else route
+                raise last.answer(soonest_busy_s) if last is not None else route
             try:
                 return await self._dispatch(request, received, p, route)
             except _Retryable as exc:
                 self.router.failed(plan, route, prefill_only=exc.prefill_failed)
                 log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
-                last_error = exc.error
+                last = exc
+                if exc.busy_s is not None:
+                    soonest_busy_s = min(soonest_busy_s, exc.busy_s)
                 if attempt + 1 < attempts:  # (after the last attempt the client gets the error at once)
                     await asyncio.sleep(self._backoff_s(attempt))
-        assert last_error is not None  # (max_attempts is at least 1)
-        raise last_error
+        assert last is not None  # (max_attempts is at least 1)
+        raise last.answer(soonest_busy_s)
 
     def _backoff_s(self, attempt: int) -> float:
         """Exponential, with jitter so that requests failed together do not retry together."""
@@ -433,12 +452,16 @@ class Gateway:
             engine.breaker.on_failure()
         else:
             engine.breaker.hold(retry_after_s)
-        # The engine's wait passed on exactly (6.5 s: Retry-After 7, retry-after-ms 6500); when it named
-        # none, the gateway's default.
-        headers = retry_after_headers(BUSY_RETRY_AFTER_S if retry_after_s is None else retry_after_s)
-        error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly",
-                           headers=headers)  # fmt: skip
-        raise _Retryable(error, engine.id)
+        # The client is told the wait the gateway itself holds the engine out for: the engine's exactly (6.5
+        # s: Retry-After 7, retry-after-ms 6500) up to the breaker's longest hold (a day asked for is 60 s:
+        # the gateway routes there again by then); when it named none, the gateway's default. With several
+        # engines busy, the soonest of them (``_Retryable.answer``).
+        if retry_after_s is None:
+            busy_s = float(BUSY_RETRY_AFTER_S)
+        else:
+            busy_s = min(retry_after_s, engine.breaker.max_cooldown_s)
+        error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly")
+        raise _Retryable(error, engine.id, busy_s=busy_s)
 
     async def _refusal_message(self, upstream: Response, engine: EngineState) -> str:
         """What an engine that refused the request (a 5xx, a 429) said, its body read for at most 5 s;

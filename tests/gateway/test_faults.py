@@ -202,6 +202,51 @@ async def test_a_request_every_engine_is_too_busy_for_gets_503_with_their_retry_
     assert await cluster.gateway.billing.ledger.records() == []  # the engine took nothing: nothing billed
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "resilience", "whole", "ms"),
+    [
+        ("86400", {}, "60", "60000"),  # a day: the gateway holds the engine out for its 60 s at most
+        ("120", {}, "60", "60000"),
+        ("86400", {"breaker_max_cooldown_s": 20.0}, "20", "20000"),
+        ("Fri, 31 Dec 9999 23:59:59 GMT", {}, "60", "60000"),
+    ],
+)
+async def test_an_engine_wait_past_the_gateways_hold_is_told_as_the_hold(
+    make_cluster: ClusterFactory, retry_after: str, resilience: dict[str, Any], whole: str, ms: str
+) -> None:
+    # The gateway routes to the engine again after breaker_max_cooldown_s whatever it asked: a client told a
+    # day would stay away a day (and the OpenAI SDK ignores a retry-after-ms over 60 s for its own backoff).
+    busy = Busy(429, retry_after=retry_after)
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/busy": busy.app},
+        engine_options={"eu-west/busy": {"kv_events": False}},
+        resilience=resilience,
+    )
+    status_out, body, headers = await cluster.post("/v1/chat/completions", chat())
+    assert (status_out, body["error"]["code"]) == (503, "engines_overloaded")
+    assert (headers.get("Retry-After"), headers.get("retry-after-ms")) == (whole, ms)
+
+
+@pytest.mark.parametrize("soon_first", [True, False])
+async def test_a_request_every_engine_is_too_busy_for_is_told_the_soonest_wait(
+    make_cluster: ClusterFactory, soon_first: bool
+) -> None:
+    # Two engines refuse, one for 5 s and one for 30 s: the gateway has room again in 5 s, whichever refused
+    # last (the client was told the last one's wait).
+    waits = ["5", "30"] if soon_first else ["30", "5"]
+    engines = {f"eu-west/busy{i}": Busy(503, retry_after=wait) for i, wait in enumerate(waits)}
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={name: engine.app for name, engine in engines.items()},
+        engine_options={name: {"kv_events": False} for name in engines},
+    )
+    status_out, body, headers = await cluster.post("/v1/chat/completions", chat())
+    assert (status_out, body["error"]["code"]) == (503, "engines_overloaded")
+    assert [engine.requests for engine in engines.values()] == [1, 1]
+    assert (headers.get("Retry-After"), headers.get("retry-after-ms")) == ("5", "5000")
+
+
 async def test_a_request_an_engine_refuses_leaves_no_session_binding_or_residency_there(
     make_cluster: ClusterFactory, redis_url: str, redis_keys: Any
 ) -> None:
