@@ -20,19 +20,18 @@ from aiohttp import web
 
 from cache.tokens import Tokenizer
 from gateway.config import KvgateConfig
+from gateway.engine_refusals import Retryable, raise_refusal
 from gateway.http.engine_body import engine_body
 from gateway.http.errors import (
     GatewayError,
     ModelNotFound,
-    Overloaded,
     UpstreamFailed,
     UpstreamTimedOut,
 )
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
-from gateway.http.relay import MAX_ERROR_BODY, error_fields, relay_stream, relay_whole, upstream_error_kind
-from gateway.http.retry_after import retry_after_headers, retry_after_seconds
+from gateway.http.relay import relay_stream, relay_whole
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
@@ -50,34 +49,6 @@ from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
 
 log = logging.getLogger("kvgate.gateway")
-
-# An engine too busy for a request named no wait (a 429 without Retry-After): another may have room by then.
-BUSY_RETRY_AFTER_S = 1
-
-
-class _Retryable(Exception):
-    """The engine failed before answering anything: another engine may take the request."""
-
-    def __init__(
-        self,
-        error: GatewayError,
-        who: str,
-        *,
-        prefill_failed: bool = False,
-        busy_s: float | None = None,
-    ) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.who = who
-        self.prefill_failed = prefill_failed  # the decode engine is fine; its K/V transfer broke
-        self.busy_s = busy_s  # too busy: the wait before the gateway tries the engine again
-
-    def answer(self, soonest_busy_s: float) -> GatewayError:
-        """The error the client gets when this was the request's last attempt; a busy engine's says when
-        the soonest of the busy engines the request met takes requests again (``Retry-After``)."""
-        if self.busy_s is None:
-            return self.error
-        return self.error.with_headers(retry_after_headers(soonest_busy_s))
 
 
 class Gateway:
@@ -215,7 +186,7 @@ class Gateway:
         """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
         self.router.find_session(p)
         plan = self.router.plan(p)
-        last: _Retryable | None = None  # the last attempt's failure
+        last: Retryable | None = None  # the last attempt's failure
         soonest_busy_s = math.inf  # the shortest wait of the engines that said they were too busy
         attempts = self.resilience.max_attempts + len(plan.prefilling)
         for attempt in range(attempts):
@@ -226,7 +197,7 @@ class Gateway:
                 raise last.answer(soonest_busy_s) if last is not None else route
             try:
                 return await self._dispatch(request, received, p, route)
-            except _Retryable as exc:
+            except Retryable as exc:
                 self.router.failed(plan, route, prefill_only=exc.prefill_failed)
                 log.warning("request %s: %s failed before answering: %s", p.request_id, exc.who, exc)
                 last = exc
@@ -272,7 +243,7 @@ class Gateway:
         queue_wait_s: float,
     ) -> tuple[dict[str, Any] | None, SglangPrefill | None]:
         """What the answering engine's body gains from P/D or a pull, per kind; a vLLM prefill runs here,
-        an SGLang one starts here (raises _Retryable when the prefill fails). ``queue_wait_s``: the prompt's
+        an SGLang one starts here (raises Retryable when the prefill fails). ``queue_wait_s``: the prompt's
         estimated wait in the prefill engine's queue, which its answer may take on top of its limit."""
         if pull is not None:
             return {"kv_transfer_params": {"pull_url": pull.source.url, "pull_engine": pull.source.id,
@@ -301,10 +272,10 @@ class Gateway:
         except PrefillFailed as exc:
             raise self._prefill_failed(prefill, exc) from None
 
-    def _prefill_failed(self, prefill: EngineState, exc: PrefillFailed) -> _Retryable:
+    def _prefill_failed(self, prefill: EngineState, exc: PrefillFailed) -> Retryable:
         prefill.breaker.on_failure()
         self.metrics.upstream_error(prefill.id, "prefill_failed")
-        return _Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
+        return Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
                           prefill_failed=True)  # fmt: skip
 
     async def _dispatch(self, request: LeanRequest, received: float, p: Prepared, route: Route) -> Answer:
@@ -357,16 +328,12 @@ class Gateway:
                 if isinstance(exc, UpstreamConnectError):
                     # Refused or unreachable: stop routing there until its health check answers again.
                     engine.mark_failure(str(exc), unhealthy_after=1)
-                raise _Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}"), engine.id) from None
+                raise Retryable(UpstreamFailed(f"engine {engine.id} failed: {exc}"), engine.id) from None
             except asyncio.CancelledError:
                 account.done(None, None, "aborted", 0)  # the client left; the engine had taken the prompt
                 raise
-            if prefill is not None and upstream.status == 502:
-                await self._raise_if_transfer_failed(upstream, engine, prefill)
-            if upstream.status == 429 or (upstream.status == 503 and upstream.header(b"retry-after")):
-                await self._raise_busy(upstream, engine)
-            if upstream.status >= 500:
-                await self._raise_server_error(upstream, engine)
+            if upstream.status >= 500 or upstream.status == 429:
+                await raise_refusal(upstream, engine, prefill, self.metrics, self.settings.read_timeout_s)
             engine.breaker.on_success()
             self.router.confirm(route, p, computed=upstream.status == 200)
             sglang_prefill = None  # (it finishes by itself now: the decode engine has answered)
@@ -415,7 +382,7 @@ class Gateway:
             except (UpstreamFailed, UpstreamTimedOut) as exc:
                 # It broke off before anything reached the client: another engine may answer.
                 engine.breaker.on_failure()
-                raise _Retryable(exc, engine.id) from None
+                raise Retryable(exc, engine.id) from None
         finally:
             if sglang_prefill is not None:
                 sglang_prefill.cancel()
@@ -424,62 +391,6 @@ class Gateway:
             route.settle()
             engine.exchanges.difference_update(exchanges)
             account.void()  # (nothing, when the answer was accounted for)
-
-    async def _raise_if_transfer_failed(
-        self, upstream: Response, engine: EngineState, prefill: EngineState
-    ) -> None:
-        """A decode engine whose K/V transfer broke answers 502 before any token: retry elsewhere."""
-        data = await upstream.read_at_most(MAX_ERROR_BODY, self.settings.read_timeout_s)
-        _, code, message = error_fields(data, upstream.status)
-        self.metrics.upstream_error(
-            prefill.id if code == "kv_transfer_failed" else engine.id, upstream_error_kind(502, code)
-        )
-        error_out = UpstreamFailed(f"engine {engine.id} answered 502: {message}")
-        raise _Retryable(error_out, prefill.id if code == "kv_transfer_failed" else engine.id,
-                         prefill_failed=code == "kv_transfer_failed")  # fmt: skip
-
-    async def _raise_busy(self, upstream: Response, engine: EngineState) -> None:
-        """An engine too busy for the request (a 429, or a 503 with ``Retry-After``; a 503 without one is
-        any 5xx) before any byte reached the client: another engine may take it. A 429 was relayed to the
-        client before, although other engines had room (and the session was bound there, the prompt recorded
-        as cached there), and a ``Retry-After`` was ignored: the engine kept getting requests it refused.
-        Now it gets none for as long as it asked; a 429 without ``Retry-After`` counts as a failure, as a
-        5xx does. Should no engine take the request, the client gets 503 with a ``Retry-After`` rather than
-        a 502 or the engine's 429 (the limit is not the client's)."""
-        retry_after_s = retry_after_seconds(upstream.header(b"retry-after"))
-        message = await self._refusal_message(upstream, engine)
-        if retry_after_s is None:
-            engine.breaker.on_failure()
-        else:
-            engine.breaker.hold(retry_after_s)
-        # The client is told the wait the gateway itself holds the engine out for: the engine's exactly (6.5
-        # s: Retry-After 7, retry-after-ms 6500) up to the breaker's longest hold (a day asked for is 60 s:
-        # the gateway routes there again by then); when it named none, the gateway's default. With several
-        # engines busy, the soonest of them (``_Retryable.answer``).
-        if retry_after_s is None:
-            busy_s = float(BUSY_RETRY_AFTER_S)
-        else:
-            busy_s = min(retry_after_s, engine.breaker.max_cooldown_s)
-        error = Overloaded(f"engine {engine.id} is too busy ({upstream.status}: {message}); retry shortly")
-        raise _Retryable(error, engine.id, busy_s=busy_s)
-
-    async def _refusal_message(self, upstream: Response, engine: EngineState) -> str:
-        """What an engine that refused the request (a 5xx, a 429) said, its body read for at most 5 s;
-        counted as an upstream error of its status."""
-        try:
-            data = await upstream.read_at_most(MAX_ERROR_BODY, min(self.settings.read_timeout_s, 5.0))
-        except UpstreamError:
-            data = b""
-        self.metrics.upstream_error(engine.id, upstream_error_kind(upstream.status))
-        return error_fields(data, upstream.status)[2]
-
-    async def _raise_server_error(self, upstream: Response, engine: EngineState) -> None:
-        """An engine's 5xx before any byte reached the client: count it against the engine, try another."""
-        message = await self._refusal_message(upstream, engine)
-        engine.breaker.on_failure()
-        raise _Retryable(
-            UpstreamFailed(f"engine {engine.id} answered {upstream.status}: {message}"), engine.id
-        )
 
 
 def _track(engine: EngineState, response: Response, exchanges: list[Response]) -> None:
