@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.config import GatewaySettings, ResilienceSettings
+from gateway.config import GatewaySettings
+from gateway.config_tables import ResilienceSettings
 from gateway.http.errors import GatewayError
 from gateway.routing import POLICIES, RoutingPolicy
 from gateway.routing.base import RoutingSettings, route_key

@@ -16,7 +16,7 @@ from gateway.http.http_wire import whole_response
 from gateway.http.retry_after import retry_after_headers
 
 if TYPE_CHECKING:
-    from gateway.config import EdgeSettings
+    from gateway.config_tables import EdgeSettings
     from gateway.tenancy.billing import Caller
 
 REFUSAL_RETRY_AFTER_S = 1  # a connection refused at a cap: one of the client's own may be free by then
