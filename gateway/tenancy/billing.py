@@ -176,6 +176,8 @@ class Billing:
         try:
             return await self.limiter.spend(_bucket(caller, kind), per_minute, amount, what)
         except LimitExceeded as exc:
+            if exc.too_large:
+                raise _too_large(caller, exc, unit) from None
             headers = retry_after_headers(exc.retry_after_s)
             if unit is not None:
                 headers.update(ratelimit_headers(unit, exc.allowance))
@@ -215,6 +217,22 @@ class Billing:
     def record(self, rec: UsageRecord) -> None:
         """Hand a finished request's record to the ledger writer (never blocks, never drops)."""
         self.writer.submit(rec)
+
+
+def _too_large(caller: Caller, exc: LimitExceeded, unit: str | None) -> RateLimited:
+    """The 429 of a request larger than the caller's whole per-minute limit, as OpenAI words it. It names no
+    wait, and ``x-should-retry: false`` tells the OpenAI SDKs not to retry: a ``Retry-After: 60`` had the
+    Python SDK sleep a minute and try again, twice, for a request that can never pass."""
+    headers = {"x-should-retry": "false"}
+    if unit is not None:
+        headers.update(ratelimit_headers(unit, exc.allowance))
+    error = RateLimited(
+        f"Request too large for tenant {caller.tenant.name} on {exc}. The input or output tokens must be "
+        "reduced in order to run successfully.",
+        headers=headers,
+    )
+    error.type = unit or "requests"
+    return error
 
 
 def _bucket(caller: Caller, kind: str) -> str:

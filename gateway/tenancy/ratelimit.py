@@ -89,11 +89,14 @@ class RedisBuckets:
 
 
 class LimitExceeded(Exception):
-    def __init__(self, what: str, retry_after_s: float, allowance: Allowance) -> None:
+    def __init__(
+        self, what: str, retry_after_s: float, allowance: Allowance, *, too_large: bool = False
+    ) -> None:
         super().__init__(what)
         self.what = what
         self.retry_after_s = retry_after_s
         self.allowance = allowance
+        self.too_large = too_large  # more than the whole limit: no wait makes it fit
 
 
 class RateLimiter:
@@ -118,7 +121,9 @@ class RateLimiter:
         """Spend ``amount`` of a per-minute allowance (and say what is left) or raise LimitExceeded."""
         if amount > per_minute:
             allowance = self.allowance(bucket, per_minute)
-            raise LimitExceeded(f"{what}: Limit {per_minute}, Requested {amount}", 60.0, allowance)
+            raise LimitExceeded(
+                f"{what}: Limit {per_minute}, Requested {amount}", 60.0, allowance, too_large=True
+            )
         while True:
             have = self._leases.get(bucket, 0)
             if have >= amount:  # the common case: no await, so nothing can change the lease in between

@@ -3,8 +3,12 @@ endpoint (chat reads ``max_completion_tokens`` first, legacy completions only ``
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
+
+import openai
+import pytest
 
 from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, ClusterFactory
@@ -138,3 +142,27 @@ async def test_a_long_whole_answer_is_not_cut_at_the_engine_silence_limit(
     status, answer, headers = await cluster.post("/v1/completions", body)
     assert status == 200 and answer["usage"]["completion_tokens"] == 100, answer
     assert headers["x-kvgate-route"] != "failover"
+
+
+async def test_a_request_larger_than_the_whole_limit_says_so_and_the_sdk_does_not_retry(
+    make_cluster: ClusterFactory,
+) -> None:
+    """No wait lets a request of more tokens than the tenant's whole minute pass. It said "Please try again
+    in 60s" with Retry-After 60, and the OpenAI SDK slept a minute and sent it again, twice."""
+    cluster = await make_cluster(
+        {"eu-west": 1}, auth={"enabled": True}, tenants={"small": {"tokens_per_minute": 300}}
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+    status, answer, headers = await cluster.post("/v1/completions", body, headers=bearer(key))
+    assert status == 429 and answer["error"]["type"] == "tokens", answer
+    message = answer["error"]["message"]
+    assert "Request too large" in message and "Requested 4" in message and "must be reduced" in message
+    assert "Retry-After" not in headers and "retry-after-ms" not in headers
+    assert headers["x-should-retry"] == "false" and headers["x-ratelimit-limit-tokens"] == "300"
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key)  # (its default: 2 retries)
+    with pytest.raises(openai.RateLimitError):
+        await asyncio.wait_for(
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400), timeout=30
+        )
+    await client.close()
