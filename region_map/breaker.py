@@ -49,6 +49,13 @@ class CircuitBreaker:
             return self._clock() >= self._open_until
         return not self._trial_in_flight
 
+    def reopens_in(self) -> float:
+        """Seconds until it lets a request through again: 0 when it does now; for one half-open with its
+        trial under way, unknown (the trial's outcome decides): 0 too."""
+        if self.state is BreakerState.OPEN:
+            return max(0.0, self._open_until - self._clock())
+        return 0.0
+
     def on_dispatch(self) -> None:
         """A request is going there: after the cool-down it is the half-open trial."""
         if self.state is BreakerState.OPEN and self._clock() >= self._open_until:

@@ -202,7 +202,7 @@ class Router:
             if decision is None:
                 return error or NoCapacity(
                     f"no healthy engine serves model '{ask.model}' right now",
-                    headers=retry_after_headers(NO_ENGINE_RETRY_AFTER_S),
+                    headers=retry_after_headers(_back_in_s(engines)),
                 )
             if plan.attempts and decision.reason != "failover":
                 decision = RouteDecision(
@@ -353,3 +353,14 @@ class Router:
         if self.metrics is not None:
             d = route.decision
             self.metrics.routed(engine.region, engine.id, d.reason, route.predicted, ask.home_region)
+
+
+def _back_in_s(engines: Sequence[EngineState]) -> float:
+    """When to come back for a request no engine took: when the first of them is let through again, if
+    every one is healthy and held out by its breaker (engines that said they are busy for 30 s, say: a
+    client told 1 s retried into the same refusal, and the SDK gave up before any engine was back);
+    else ``NO_ENGINE_RETRY_AFTER_S`` (an unhealthy engine may be back any time)."""
+    waits = [e.breaker.reopens_in() for e in engines]
+    if engines and all(e.healthy for e in engines) and all(w > 0 for w in waits):
+        return min(waits)
+    return NO_ENGINE_RETRY_AFTER_S

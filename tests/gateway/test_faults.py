@@ -245,6 +245,12 @@ async def test_a_request_every_engine_is_too_busy_for_is_told_the_soonest_wait(
     assert (status_out, body["error"]["code"]) == (503, "engines_overloaded")
     assert [engine.requests for engine in engines.values()] == [1, 1]
     assert (headers.get("Retry-After"), headers.get("retry-after-ms")) == ("5", "5000")
+    # The next request finds both held out (no engine tried): it is told when the first is back, not 1 s,
+    # which had a client (the SDK: 2 retries) retry into the same refusal and give up meanwhile.
+    status_out, body, headers = await cluster.post("/v1/chat/completions", chat())
+    assert (status_out, body["error"]["code"]) == (503, "no_engine_available")
+    assert [engine.requests for engine in engines.values()] == [1, 1]
+    assert 4000 < int(headers["retry-after-ms"]) <= 5000 and headers["Retry-After"] == "5"
 
 
 async def test_a_request_an_engine_refuses_leaves_no_session_binding_or_residency_there(
