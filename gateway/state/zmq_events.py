@@ -267,9 +267,9 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
             await self._catch_up(state)
             state.suspect = False
         except ReplayDropped:
-            # A message over the size limit in its buffer (counted and said once when the socket closes):
-            # the replay cannot be read past it until it leaves the buffer, and asking again at every live
-            # batch would only drop again. The socket answers, so it is not said to be silent.
+            # The connection dropped mid-answer (a batch over the size limit first in the answer, or the
+            # engine going away): asking again at every live batch would only drop again; the idle probe
+            # and the next gap ask again. The socket answers, so it is not said to be silent.
             state.suspect = False
             return
         except ReplayUnavailable as exc:

@@ -9,7 +9,9 @@ It never guesses:
 - seq going back, a replayed batch that differs, an SGLang epoch that changed: the rank restarted;
   forget what it held and replay its new history from 0;
 - a gap that replay cannot fill (no replay socket, or the engine's buffer has moved on), an unreadable
-  batch: forget what the rank held (the index under-predicts until the engine announces blocks again).
+  batch: forget what the rank held (the index under-predicts until the engine announces blocks again);
+- a batch over the size limit in the replay (libzmq drops the connection on it): skip it, and replay what
+  follows it, a gap the replay cannot fill.
 
 Index seq: the residency index applies a batch only if its seq is newer than the last one for the engine,
 and other engines' seqs restart at 0 and are per rank. So the sequencer numbers index batches itself: each
@@ -27,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import xxhash
 import zmq
@@ -53,6 +56,15 @@ class ReplayUnavailable(Exception):
 
 class ReplayDropped(ReplayUnavailable):
     """The replay socket's connection dropped while an answer was awaited (the rest of it is lost)."""
+
+
+class ReplayOversized(ReplayDropped):
+    """libzmq dropped the replay socket's connection for a batch over the size limit: the one after
+    ``after``, the last batch of the answer that came (None: the answer's first, whose seq is unknown)."""
+
+    def __init__(self, endpoint: str, after: int | None) -> None:
+        super().__init__(f"{endpoint} sent a batch over the size limit")
+        self.after = after
 
 
 def _epoch(topic: bytes) -> bytes | None:
@@ -83,6 +95,9 @@ class RankState:
     suspect: bool = False  # the connection dropped since the last check of our history against the engine's
     replay_silent: bool = False  # its replay socket stopped answering (said once, as a warning)
     heard: bool = False  # the engine answered (a live batch, a whole replay) since its socket was opened
+    # The replay from seq 0 dropped on its first batch, one over the size limit (its seq unknown, so it
+    # cannot be skipped): until the rank has a history to replay from, it is not asked for again.
+    head_oversized: bool = False
 
     def remember(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
@@ -93,6 +108,7 @@ class RankState:
     def forget(self) -> None:
         self.last_seq = None
         self.digests.clear()
+        self.head_oversized = False  # (asked again once: a restarted engine's buffer is a new one)
 
 
 class ZmqEventSequencer:
@@ -194,23 +210,50 @@ class ZmqEventSequencer:
         if state.replay_endpoint is None:
             return
         verify = state.last_seq is not None
+        if not verify and state.head_oversized:
+            return
         start = state.last_seq if state.last_seq is not None else 0
         checked = diverged = False
-        async with aclosing(self._replay(state, start)) as answers:
-            async for seq, payload in answers:
-                if verify and not checked:
-                    checked = True
-                    diverged = seq != start or state.digests.get(seq) != _digest(payload)
-                elif not diverged:  # once diverged, the answer is only drained: history is read again
-                    await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
-        if verify and (diverged or not checked):
-            # The batch we applied last is not buffered under its seq: the rank restarted, or we fell
-            # further behind than its buffer reaches. What we hold for it is no longer known to be true.
-            self.restarts += 1
-            await self._lose(state, "its history differs from ours")
-            async with aclosing(self._replay(state, 0)) as answers:
+        with suppress(ReplayOversized):  # (on our last batch's place: it is not buffered, as below)
+            async with aclosing(self._replay_past_oversized(state, start)) as answers:
                 async for seq, payload in answers:
-                    await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
+                    if verify and not checked:
+                        checked = True
+                        diverged = seq != start or state.digests.get(seq) != _digest(payload)
+                    elif not diverged:  # once diverged, the answer is only drained: history is read again
+                        await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
+        if not verify or (checked and not diverged):
+            return
+        # The batch we applied last is not buffered under its seq: the rank restarted, or we fell further
+        # behind than its buffer reaches. What we hold for it is no longer known to be true.
+        self.restarts += 1
+        await self._lose(state, "its history differs from ours")
+        async with aclosing(self._replay_past_oversized(state, 0)) as answers:
+            async for seq, payload in answers:
+                await self._continue_with(state, seq, payload, "the replay buffer skipped batches")
+
+    async def _replay_past_oversized(
+        self, state: RankState, start: int
+    ) -> AsyncGenerator[tuple[int, bytes], None]:
+        """``_replay``, skipping the batches over the size limit: libzmq drops the connection on one, and
+        every later request would drop on it again for as long as the engine buffers it. The replay is
+        asked for again from the batch after it; the caller sees the gap in seq, and forgets the rank as
+        for any gap the replay cannot fill. Raises ``ReplayOversized`` if the answer's first batch is over
+        the limit (no seq to skip to: from seq 0, the rank is not replayed until it has a history)."""
+        after: int | None = None  # the last batch the answers gave, or skipped
+        while True:
+            try:
+                async with aclosing(self._replay(state, start)) as answers:
+                    async for seq, payload in answers:
+                        after = seq
+                        yield seq, payload
+                return
+            except ReplayOversized:
+                if after is None:
+                    state.head_oversized = state.last_seq is None
+                    raise
+                after += 1  # the batch over the limit (each try starts further on: the end is reached)
+                start = after + 1
 
     async def _replay(self, state: RankState, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
         """Yield ``(seq, payload)`` for every buffered batch with seq >= start, as the engine answers."""
@@ -226,18 +269,20 @@ class ZmqEventSequencer:
         loop = asyncio.get_running_loop()
         self.replays += 1
         complete = False
+        last: int | None = None  # the seq of the answer's last batch
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 deadline = loop.time() + self._replay_timeout_s  # for each message of the answer
                 while True:
                     ready = dict(await poller.poll(max(0, int((deadline - loop.time()) * 1000))))
+                    if dealer in ready:
+                        break  # (what came before a drop is read first: the drop is on the batch after)
                     if watch.monitor in ready and await watch.read():
                         # The ROUTER forgets a peer that disconnects: the rest of the answer will never
-                        # come, so the request fails now rather than at its timeout.
-                        raise ReplayDropped(f"{state.replay_endpoint} dropped the connection")
-                    if dealer in ready:
-                        break
+                        # come, so the request fails now rather than at its timeout. Whether the next
+                        # batch was over the size limit shows within the grace period.
+                        await self._dropped(state, last)
                     if loop.time() >= deadline:
                         raise ReplayUnavailable(f"no answer from {state.replay_endpoint}")
                 frames = await dealer.recv_multipart()
@@ -247,7 +292,8 @@ class ZmqEventSequencer:
                 if frames[-2] == END_SEQ:
                     complete = state.heard = True
                     return
-                yield int.from_bytes(frames[-2], "big"), frames[-1]
+                last = int.from_bytes(frames[-2], "big")
+                yield last, frames[-1]
         finally:
             if not complete:
                 # The rest of an unfinished answer would be read as the answer to the next request.
@@ -264,6 +310,23 @@ class ZmqEventSequencer:
         state.dealer_watch = DropWatch(dealer, connects=True)  # (the ROUTER is always the engine's)
         dealer.connect(endpoint)
         state.dealer = dealer
+
+    async def _dropped(self, state: RankState, last: int | None) -> NoReturn:
+        """The replay socket's connection dropped during an answer whose last batch was ``last``: close
+        the socket once it shows why, and raise ``ReplayOversized`` (counted) or ``ReplayDropped``."""
+        dealer, watch = state.dealer, state.dealer_watch
+        assert dealer is not None and watch is not None
+        state.dealer = state.dealer_watch = None
+        try:
+            oversized = await watch.settle()
+        finally:
+            watch.close()
+            dealer.close(linger=0)
+        endpoint = str(state.replay_endpoint)
+        if oversized:
+            self._count_oversized(state, "replay")
+            raise ReplayOversized(endpoint, last)
+        raise ReplayDropped(f"{endpoint} dropped the connection")
 
     def _close_dealer(self, state: RankState) -> None:
         dealer, watch = state.dealer, state.dealer_watch

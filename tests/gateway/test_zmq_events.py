@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from cache.hashing import block_hashes, namespace_seed
 from gateway.state.shared_state import SharedState
+from gateway.state.zmq_drops import GRACE_S
 from gateway.state.zmq_endpoints import gateway_binds, rank_endpoint, replay_address
 from gateway.state.zmq_events import ZmqKvEventConsumer
 from region_map.config import EngineConfig, EngineKind
@@ -831,3 +832,61 @@ async def test_the_idle_probe_waits_for_a_pause_in_the_batches(ports: int, state
                 await asyncio.sleep(0.1)
             assert c.replays == replays
             await until(lambda: c.replays > replays, 1, "the probe after the pause")
+
+
+async def test_a_message_over_the_size_limit_in_the_replay_buffer_is_skipped_not_asked_for_again(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two large batches are lost live, and so is the one after them (the socket reopens meanwhile): only
+    # the replay holds b, behind the large batches. Every replay asked for the large batch first and
+    # dropped on it, so b never came, and each idle probe dropped the replay socket again.
+    a, b = prompt(2, 0), prompt(2, 500)
+    with (
+        vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub,
+        caplog.at_level(logging.WARNING, "kvgate.zmq_events"),
+    ):
+        engine = FakeVllm(pub)
+        engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
+        async with following(engine_, state, max_message_bytes=1 << 20, probe_interval_s=0.2) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=b"\x00" * OVER)
+            pub.publish([], payload=b"\x01" * OVER, drop=True)
+            engine.prefill(b, drop=True)
+            await until(holds(state, kv(b), 2), 5, "the batch behind the large ones, from the replay")
+            dropped, replays = c.oversized_messages, c.replays
+            await until(lambda: c.replays >= replays + 3, 5, "three idle probes")
+            assert c.oversized_messages == dropped  # the probes replay from b on: nothing drops
+            assert c.decode_errors == 0
+        said = [r for r in caplog.records if "kv_event_max_message_bytes" in r.getMessage()]
+        assert len(said) == 1
+
+
+async def test_a_message_over_the_size_limit_sent_to_the_gateways_bound_socket_is_counted_once(
+    ports: int, state: SharedState, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The engine connects to the gateway: libzmq drops the accepted connection, the engine reconnects by
+    # itself, and the batches after the large one arrive with a gap. The replay of the gap drops on the
+    # large batch too: that drop is the one counted. The probe after the disconnect and the gap each asked
+    # for the same replay, and each drop on it was counted.
+    a, b = prompt(2, 0), prompt(2, 500)
+    engine_ = engine_state(f"tcp://*:{ports}", f"tcp://*:{ports + 1}")
+    with (
+        caplog.at_level(logging.WARNING, "kvgate.zmq_events"),
+        vp.VllmPublisher(f"tcp://127.0.0.1:{ports}", f"tcp://*:{ports + 1}") as pub,
+    ):
+        engine = FakeVllm(pub)
+        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
+            await subscribed(pub, c)
+            engine.prefill(a)
+            await until(holds(state, kv(a), 2))
+            pub.publish([], payload=b"\x00" * OVER)
+            engine.prefill(b)
+            await subscribed(pub, c)  # (live or replayed, b comes before the batch that ends this)
+            assert holds(state, kv(b), 2)()
+            await until(lambda: c.oversized_messages >= 1, 3, "the large message counted")
+            await asyncio.sleep(GRACE_S * 2)  # (a second drop would be counted by now)
+            assert c.oversized_messages == 1 and c.decode_errors == 0
+    said = [r for r in caplog.records if "kv_event_max_message_bytes" in r.getMessage()]
+    assert len(said) == 1
