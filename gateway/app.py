@@ -298,7 +298,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         poller.start()
         for engine in fleet:
             if engine.kind is EngineKind.KVGATE and engine.config.kv_events is not False:
-                consumer = KvEventConsumer(engine, session, state)
+                consumer = KvEventConsumer(
+                    engine, session, state, max_message_bytes=settings.kv_event_max_message_bytes
+                )
                 gateway.metrics.own_event_followers.append(consumer)
                 consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
             elif engine.kv_events and engine.config.kv_events_endpoint is not None:

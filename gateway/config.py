@@ -112,8 +112,9 @@ class GatewaySettings(BaseModel):
     kv_event_max_message_bytes: int = Field(
         default=64 << 20,
         ge=1 << 20,
-        description="vLLM/SGLang KV event messages (live and replayed) larger than this are refused (ZMQ "
-        "MAXMSGSIZE): the message is lost as a missed batch is, and the follower reconnects",
+        description="KV event messages larger than this are refused: vLLM/SGLang batches, live and replayed "
+        "(ZMQ MAXMSGSIZE), and kvgate engines' snapshots and batches; the message is lost as a missed batch "
+        "is, and the follower reconnects",
     )
     tokenizer: str | None = Field(
         default=None, description="model directory with tokenizer.json; None: bytes"

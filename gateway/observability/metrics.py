@@ -265,6 +265,7 @@ class OwnEventFollower(Protocol):
     batches: int
     resyncs: int
     unknown_events: int
+    oversized_messages: int
 
 
 class _EventFollowerCollector(Collector):
@@ -287,7 +288,7 @@ class _EventFollowerCollector(Collector):
          "Blocks of another medium (CPU, disk offload) or KV cache group, not routed on."),
         ("disconnects", "kvgate_kv_event_disconnects", "Event publisher connections that dropped."),
         ("oversized_messages", "kvgate_kv_event_oversized_messages",
-         "Event connections dropped for a message over gateway.kv_event_max_message_bytes (it is lost)."),
+         "Event messages over gateway.kv_event_max_message_bytes, refused (their connection dropped; lost)."),
         ("errors", "kvgate_kv_event_errors",
          "Unexpected failures while following an engine's events (logged with a traceback: a bug)."),
     )  # fmt: skip
@@ -295,6 +296,8 @@ class _EventFollowerCollector(Collector):
     # Counters that both kinds of follower keep: labelled with their source, "zmq" (vLLM, SGLang) or
     # "kvgate" (kvgate's own engines, over HTTP), since the two followers skip events for different reasons.
     BY_SOURCE = frozenset({"batches", "resyncs", "unknown_events"})
+    # Counters that both keep under the one meaning, unlabelled by source (an engine is followed by one).
+    SHARED = frozenset({"oversized_messages"})
 
     def __init__(self, followers: list[EventFollower], own: list[OwnEventFollower]) -> None:
         self._followers = followers
@@ -306,6 +309,9 @@ class _EventFollowerCollector(Collector):
                 family = CounterMetricFamily(name, documentation, labels=["region", "engine"])
                 for f in self._followers:
                     family.add_metric([f.engine.region, f.engine.id], float(getattr(f, attr)))
+                if attr in self.SHARED:
+                    for o in self._own:
+                        family.add_metric([o.engine.region, o.engine.id], float(getattr(o, attr)))
                 yield family
                 continue
             family = CounterMetricFamily(name, documentation, labels=["region", "engine", "source"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import aiohttp
 import msgpack
+import pytest
 from aiohttp import web
 
 from cache.events import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
@@ -97,6 +99,8 @@ async def test_its_skipped_events_are_on_the_gateways_metrics_page(make_cluster:
     # (Its batches applied and its snapshots taken too: they were not exported either.)
     series = [f"kvgate_kv_event_{name}_total{labels} {n}" for name, n in
               (("unknown_events", "2.0"), ("batches", "1.0"), ("resyncs", "1.0"))]  # fmt: skip
+    # (Messages refused for their size: the same counter as the ZMQ followers', one follower per engine.)
+    series.append('kvgate_kv_event_oversized_messages_total{engine="eu-west/e0",region="eu-west"} 0.0')
     deadline = asyncio.get_running_loop().time() + 5
     while True:
         async with cluster.session.get(cluster.url + "/metrics") as r:
@@ -105,3 +109,59 @@ async def test_its_skipped_events_are_on_the_gateways_metrics_page(make_cluster:
             break
         assert asyncio.get_running_loop().time() < deadline, page
         await asyncio.sleep(0.05)
+
+
+async def test_a_message_that_never_ends_is_refused_at_the_size_limit_and_following_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A broken engine announces a 4 GiB string and streams it for ever. The follower buffered up to
+    # msgpack's own default (100 MiB), whatever kv_event_max_message_bytes said, then died of BufferFull:
+    # the engine was never followed again.
+    streamed = 0
+    streams = 0
+
+    async def snapshot(request: web.Request) -> web.Response:
+        return web.Response(body=KvSnapshot("e", 0, 16, (1,)).encode())
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal streamed, streams
+        streams += 1
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"\xdb\xff\xff\xff\xff")  # str 32, 4 GiB long
+        chunk = b"x" * (64 << 10)
+        while True:  # until the client leaves
+            await response.write(chunk)
+            streamed += len(chunk)
+
+    app = web.Application()
+    app.router.add_get("/v1/kv_snapshot", snapshot)
+    app.router.add_get("/v1/kv_events", endless)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    config = EngineConfig.model_validate({"name": "e", "url": f"http://127.0.0.1:{port}", "model": "m"})
+    engine = EngineState(id="r/e", region="r", config=config)
+    sink = RecordingSink()
+    limit = 1 << 20
+    try:
+        async with aiohttp.ClientSession() as session:
+            consumer = KvEventConsumer(engine, session, sink, max_message_bytes=limit)
+            task = asyncio.create_task(consumer.run())
+            try:
+                deadline = asyncio.get_running_loop().time() + 10
+                while streams < 2 or consumer.oversized_messages < 2:  # refused, and asked again
+                    assert not task.done(), task.exception()
+                    assert asyncio.get_running_loop().time() < deadline, (streams, streamed)
+                    await asyncio.sleep(0.01)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    finally:
+        await runner.cleanup()
+    assert consumer.resyncs >= 2  # back to a snapshot each time
+    said = [r for r in caplog.records if "kv_event_max_message_bytes" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
