@@ -237,11 +237,7 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                 ready = dict(await poller.poll(max(0, int((wake - loop.time()) * 1000) + 1)))
                 self._check_identity()
                 if watch.monitor in ready:
-                    disconnects = await watch.read()
-                    if disconnects:
-                        self.disconnects += disconnects
-                        state.suspect = True
-                        log.debug("engine %s rank %d: publisher disconnected", self.engine.id, state.rank)
+                    self._disconnected(state, await watch.read())
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     state.heard = True
@@ -255,12 +251,18 @@ class ZmqKvEventConsumer(ZmqEventSequencer):
                     await self._probe(state)
                     self._check_heard()
                     next_probe = loop.time() + self._probe_interval_s
-                watch.check()
+                self._disconnected(state, await watch.check())
         finally:
             if watch is not None:
                 watch.close()
             sub.close(linger=0)
             self._close_dealer(state)
+
+    def _disconnected(self, state: RankState, disconnects: int) -> None:
+        if disconnects:
+            self.disconnects += disconnects
+            state.suspect = True
+            log.debug("engine %s rank %d: publisher disconnected", self.engine.id, state.rank)
 
     async def _probe(self, state: RankState) -> None:
         try:
