@@ -179,7 +179,7 @@ async def test_request_preparation_encodes_in_the_tenants_namespace(tok: HFToken
     assert {namespace for namespace, _ in tok._cache} == {
         "tenant:acme",
         "tenant:globex",
-        "11:tenant:acme/alice",
+        "11:tenant:acme:alice",
     }
 
 
@@ -192,7 +192,7 @@ def test_a_cache_salt_per_request_leaves_no_memory_behind(tok: HFTokenizer) -> N
     ids = np.arange(64, dtype=np.uint32)
 
     def one_request(i: int) -> None:
-        prepare.block_hashes(ids, "m", f"11:tenant:acme/user-{i:08d}-of-a-large-consumer-app")
+        prepare.block_hashes(ids, "m", f"11:tenant:acme:user-{i:08d}-of-a-large-consumer-app")
 
     grown = bytes_kept(one_request)
     assert grown < 500_000, f"{grown} bytes kept after 20,000 salts"

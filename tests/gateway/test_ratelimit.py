@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,11 +20,13 @@ def buckets(
 
 
 async def test_a_bucket_grants_its_capacity_then_refills_with_time(buckets: BucketStore) -> None:
+    started = time.monotonic()
     granted, wait, left = await buckets.take("k", 5, 10.0, 3)
     assert (granted, wait) == (3, 0.0) and left == pytest.approx(2, abs=0.05)  # (and what is left)
     granted, wait, left = await buckets.take("k", 5, 10.0, 4)
     assert granted == 2 and wait == pytest.approx(2 / 10.0, abs=0.05)  # two more refill in 0.2 s
-    assert left < 0.05
+    # What is left is what refilled between the takes (10 a second): a busy machine takes more than 5 ms.
+    assert left <= 10.0 * (time.monotonic() - started) + 0.01
     await asyncio.sleep(0.55)  # 5 tokens at 10/s
     assert (await buckets.take("k", 5, 10.0, 5))[0] == 5
 
