@@ -12,12 +12,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from cache.chat_dialect import VLLM, ChatDialect, ContentFormat, names_developer, part_texts
+from cache.chat_dialect import ChatContentError as ChatContentError  # (callers import it from here)
 from cache.token_chunks import CHUNK_CHARS, chunker_for
 
 
@@ -274,55 +276,54 @@ def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
         raise TokenizerError(f"{path}: {exc}") from None
 
 
-class ChatContentError(ValueError):
-    """A chat message whose content this deployment cannot turn into text."""
-
-
-# Content parts that are text, and the field holding it: an assistant's refusal part ({"type": "refusal",
-# "refusal": "..."}, OpenAI's) is text of the conversation, as vLLM renders it.
-_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
-
-
-def message_text(content: Any) -> str:
-    """A message's content as text: a string, or the text (and refusal) parts of an OpenAI content array."""
+def message_text(content: Any, separator: str = VLLM.part_separator) -> str:
+    """A message's content as text: a string, or the text (and refusal) parts of an OpenAI content array
+    joined with ``separator`` (vLLM's "\\n" unless told)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
-            if field is None:
-                raise ChatContentError(f"content part of type {kind!r} is not supported; only text is")
-            if not isinstance(part.get(field), str):  # (not "only text is supported": it is text)
-                raise ChatContentError(f"a content part of type {kind!r} needs its {field}, a string")
-            parts.append(part[field])
-        return "".join(parts)
+        return separator.join(part_texts(content))
     raise ChatContentError("message content must be a string or an array of content parts")
 
 
-def render_chat(messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], *, dialect: ChatDialect = VLLM, add_generation_prompt: bool = True
+) -> str:
     """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant's opening.
 
+    The messages are prepared as ``dialect``'s engine prepares them for a ChatML template (one that loops
+    over no content and does not name the developer role), so this is what that engine renders.
     Rendering a conversation and then its continuation yields a text that starts with the first one, so a
     second turn's tokens extend the first turn's prompt plus its answer: that is what makes chats cacheable.
     """
-    out = [f"<|im_start|>{m['role']}\n{message_text(m.get('content'))}<|im_end|>\n" for m in messages]
+    if dialect.developer_as_system and any(m.get("role") == "developer" for m in messages):
+        prepared: Iterable[Mapping[str, Any]] = dialect.messages(messages, "string", names_developer=False)
+    else:  # (what dialect.messages would do, without copying every message: the common case, kept fast)
+        prepared = messages
+    sep = dialect.part_separator
+    out = [f"<|im_start|>{m['role']}\n{message_text(m.get('content'), sep)}<|im_end|>\n" for m in prepared]
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 
 def render_messages(
-    tokenizer: Tokenizer, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    dialect: ChatDialect = VLLM,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """A conversation as prompt text: the model's own chat template when it has one, ChatML otherwise.
-    Gateway and engine both call this, so they tokenize a chat identically."""
+    """A conversation as prompt text, as an engine of ``dialect`` renders it: the model's own chat template
+    when it has one, ChatML otherwise. Gateway and engines both call this, so they tokenize a chat
+    identically (kvgate's engines in vLLM's dialect; the gateway in its engines', gateway.prepare)."""
     if tokenizer.chat_template is not None:
-        return tokenizer.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-    return render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.chat_template.render(
+            messages, dialect=dialect, add_generation_prompt=add_generation_prompt
+        )
+    return render_chat(messages, dialect=dialect, add_generation_prompt=add_generation_prompt)
 
 
 class ChatTemplate:
@@ -347,12 +348,22 @@ class ChatTemplate:
         # the environment's globals, copied key by key): merged once here, render takes 0.4x the time.
         self._globals = dict(self._template.globals)
         self._bos, self._eos = bos_token, eos_token
+        self._source = source
+        self._ast = self._template.environment.parse(source)  # (it compiled: it parses)
+        self._names_developer = names_developer(source)
+        self._formats: dict[str, ContentFormat] = {}
 
-    def render(self, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        dialect: ChatDialect = VLLM,
+        add_generation_prompt: bool = True,
+    ) -> str:
         import jinja2
 
-        plain = [{**m, "content": message_text(m.get("content"))} for m in messages]
-        variables = {**self._globals, "messages": plain, "add_generation_prompt": add_generation_prompt,
+        prepared = dialect.messages(messages, self.content_format(dialect), self._names_developer)
+        variables = {**self._globals, "messages": prepared, "add_generation_prompt": add_generation_prompt,
                      "bos_token": self._bos, "eos_token": self._eos}  # fmt: skip
         template = self._template
         try:
@@ -360,6 +371,14 @@ class ChatTemplate:
             return "".join(template.root_render_func(template.new_context(variables, shared=True)))
         except jinja2.TemplateError as exc:
             raise ChatContentError(f"the model's chat template failed: {exc}") from None
+
+    def content_format(self, dialect: ChatDialect) -> ContentFormat:
+        """How ``dialect``'s engine passes message content to this template, detected once per dialect (the
+        engines detect it once per template too)."""
+        found = self._formats.get(dialect.name)
+        if found is None:
+            found = self._formats[dialect.name] = dialect.content_format(self._source, self._ast)
+        return found
 
 
 def load_chat_template(model_dir: Path) -> ChatTemplate | None:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
+from cache.chat_dialect import VLLM
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from engine.openai_errors import OpenAIError
@@ -340,6 +341,8 @@ def _render_messages(messages: Any, tokenizer: Tokenizer) -> str:
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise OpenAIError(f"messages[{i}].role must be a non-empty string", param=f"messages[{i}].role")
     try:
-        return render_messages(tokenizer, messages)
+        # vLLM's rendering (text parts joined with "\n", developer -> system for a template without that
+        # role): the most common engine's, and the gateway renders so in front of kvgate's engines too.
+        return render_messages(tokenizer, messages, dialect=VLLM)
     except ChatContentError as exc:
         raise OpenAIError(str(exc), param="messages") from None

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
+from cache.chat_dialect import SGLANG, VLLM, ChatDialect
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
@@ -23,7 +24,8 @@ from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from gateway.tenancy.tenants import Tenant
-from region_map.fleet import ChainKey, Fleet
+from region_map.config import EngineKind
+from region_map.fleet import ChainKey, EngineState, Fleet
 
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
@@ -157,8 +159,9 @@ class RequestPreparer:
 
     def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
         parsed = parse_chat(body)
+        dialect = chat_dialect(self.fleet.serving(parsed.model))
         try:
-            return parsed, render_messages(self.tokenizer, body["messages"])
+            return parsed, render_messages(self.tokenizer, body["messages"], dialect=dialect)
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param="messages") from None
 
@@ -362,6 +365,14 @@ class RequestPreparer:
                 code="invalid_header",
             )
         return raw
+
+
+def chat_dialect(engines: list[EngineState]) -> ChatDialect:
+    """How the engines serving a model render a chat (they receive the messages; the gateway's prediction of
+    their KV cache is exact only when it renders as they do): SGLang's when most of them are SGLang engines,
+    else vLLM's, which kvgate's engines follow and which stands in for unknown OpenAI servers."""
+    sglang = [e.config.kind for e in engines].count(EngineKind.SGLANG)  # (the fastest count: once per chat)
+    return SGLANG if 2 * sglang > len(engines) else VLLM
 
 
 def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest) -> str:

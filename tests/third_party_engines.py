@@ -26,6 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from cache.chat_dialect import SGLANG, VLLM
 from cache.tokens import ChatContentError, Tokenizer, load_tokenizer, render_messages
 from tests.serving import serve
 
@@ -606,10 +607,18 @@ class VllmLikeEngine:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise EngineError(400, "messages must be a list of {role, content}", param="messages")
-        try:
-            text = render_messages(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
-        except ChatContentError as exc:
-            raise EngineError(400, str(exc), param="messages") from None
+        if self.tokenizer.chat_template is None:
+            text = _chatml(messages, self.kind, add_generation_prompt)
+        else:
+            # A model's own template: kvgate's rendering in this engine's dialect (cache.chat_dialect, held
+            # to the engines' rules by tests/cache/test_chat_dialect.py).
+            try:
+                dialect = VLLM if self.kind == "vllm" else SGLANG
+                text = render_messages(
+                    self.tokenizer, messages, dialect=dialect, add_generation_prompt=add_generation_prompt
+                )
+            except ChatContentError as exc:
+                raise EngineError(400, str(exc), param="messages") from None
         return [int(t) for t in self.tokenizer.encode(text)]
 
     def _bootstrap(self, body: dict[str, Any]) -> tuple[str, int, int] | None:
@@ -914,6 +923,45 @@ class VllmLikeEngine:
         # SGLang's decode reports the cached tokens the prefill shipped with the KV (disaggregation/decode.py
         # _commit_transfer_to_req, per sgl-project/sglang#25973).
         job.cached_tokens = room.cached_tokens
+
+
+def _chatml(messages: list[dict[str, Any]], kind: Kind, add_generation_prompt: bool) -> str:
+    """``messages`` rendered with a ChatML template (it loops over no message's content and does not name the
+    developer role) as the engine renders them, written out here apart from kvgate's own rendering:
+
+    - vLLM: a message's text parts (text, refusal) joined with "\\n" (vllm/renderers/chat_utils.py
+      ``_parse_chat_message_content_parts``); then, the template lacking the developer role, developer
+      messages become system ones and, unless the system message is one leading message, all system texts
+      are joined with "\\n\\n" into one, first (vllm/renderers/hf.py ``safe_apply_chat_template``,
+      ``_convert_developer_to_system``, ``_consolidate_system_messages``).
+    - SGLang: text parts joined with " " (python/sglang/srt/parser/jinja_template_utils.py
+      ``process_content_for_template_format``, "string" format); roles as sent (its serving_chat.py
+      converts none); a refusal part is not among its content part types: 400.
+    """
+    separator = "\n" if kind == "vllm" else " "
+    text_fields = {"text": "text", "refusal": "refusal"} if kind == "vllm" else {"text": "text"}
+    turns: list[tuple[str, str]] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                field = text_fields.get(part.get("type")) if isinstance(part, dict) else None
+                if field is None or not isinstance(part.get(field), str):
+                    raise EngineError(400, f"unsupported content part: {part!r}", param="messages")
+                texts.append(part[field])
+            content = separator.join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise EngineError(400, "content must be a string or a list of parts", param="messages")
+        turns.append((message["role"], content or ""))
+    if kind == "vllm" and any(role == "developer" for role, _ in turns):
+        turns = [("system" if role == "developer" else role, text) for role, text in turns]
+        systems = [i for i, (role, _) in enumerate(turns) if role == "system"]
+        if systems and systems != [0]:
+            merged = "\n\n".join(text for role, text in turns if role == "system" and text)
+            turns = [("system", merged)] + [(role, text) for role, text in turns if role != "system"]
+    rendered = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns)
+    return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def _host(host: str) -> str:

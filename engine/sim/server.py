@@ -27,6 +27,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
+from cache.chat_dialect import VLLM
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer, render_messages
 from engine.kv_publisher import KvEventPublisher
@@ -170,7 +171,10 @@ class SimEngine:
         try:
             body = orjson.loads(await read_body(request))
             messages = body.get("messages")
-            text = render_messages(self.tokenizer, messages) if messages is not None else body["prompt"]
+            if messages is not None:
+                text = render_messages(self.tokenizer, messages, dialect=VLLM)
+            else:
+                text = body["prompt"]
             tokens = self.tokenizer.encode(text).tolist()
         except OpenAIError as exc:
             return exc.to_response({})

@@ -90,6 +90,24 @@ def test_chat_renders_messages() -> None:
     assert req.max_tokens == 9  # the newer name wins
 
 
+CHAT_WITH_PARTS_AND_A_DEVELOPER = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    {"role": "developer", "content": "in French"},
+]
+# vLLM: text parts joined with "\n"; a developer message (the template names no such role) becomes system,
+# merged into the first (vllm/renderers/chat_utils.py, vllm/renderers/hf.py).
+AS_VLLM_RENDERS_IT = (
+    "<|im_start|>system\nbe brief\n\nin French<|im_end|>\n"
+    "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def test_a_chat_is_rendered_as_vllm_renders_it() -> None:
+    req = parse({"messages": CHAT_WITH_PARTS_AND_A_DEVELOPER}, "chat")
+    assert req.prompt_token_ids.tolist() == list(AS_VLLM_RENDERS_IT.encode())
+
+
 def test_packed_token_ids_win_over_every_other_prompt() -> None:
     ids = np.array([0, 7, 2**32 - 1, 151_643], dtype=np.uint32)
     packed = pack_token_ids(ids)

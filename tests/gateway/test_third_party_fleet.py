@@ -57,6 +57,30 @@ async def test_chat_to_vllm_carries_no_token_ids_and_predicts_its_cached_tokens(
     assert cached > 0 and int(headers["x-kvgate-predicted-cached-tokens"]) == cached
 
 
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_text_parts_and_developer_messages_are_rendered_as_the_engine_renders_them(
+    third_party: ThirdPartyFleet, kind: str
+) -> None:
+    """vLLM joins a message's text parts with "\\n" and, for a template without the developer role, makes
+    developer messages system ones merged into the first; SGLang joins the parts with " " and keeps the role.
+    The gateway renders as the engines serving the model do, so it predicts their cache exactly."""
+    cluster, _ = await third_party({"eu-west/e0": {"kind": kind}})
+    # (Far more than a block apart either way: the "\\n"s add 99 bytes, the developer's merge saves 31.)
+    messages = [
+        {"role": "system", "content": "a long shared system prompt " * 10},
+        {"role": "user", "content": [{"type": "text", "text": f"part {i}"} for i in range(100)]},
+        {"role": "developer", "content": "answer in the user's language"},
+        {"role": "user", "content": "and then?"},
+    ]
+    for _ in range(2):
+        status, answer, headers = await cluster.post(
+            "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 2}
+        )
+        assert status == 200, answer
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(headers["x-kvgate-predicted-cached-tokens"]) == cached
+
+
 async def test_a_configured_model_the_engine_does_not_serve_is_an_unhealthy_engine_not_a_404(
     third_party: ThirdPartyFleet,
 ) -> None:

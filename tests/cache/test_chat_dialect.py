@@ -1,0 +1,213 @@
+"""A chat rendered as vLLM and SGLang render it (cache.chat_dialect): the messages each engine hands its
+template, written out here from the engines' sources, rendered by transformers, against kvgate's rendering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache.chat_dialect import SGLANG, VLLM, ChatDialect
+from cache.tokens import ChatTemplate, load_tokenizer, render_chat, render_messages
+from tests.models import make_tokenizer_dir
+
+# Llama 3: one string per message (messages[1:] aliased, content trimmed).
+LLAMA3 = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system_message + '<|eot_id|>' }}"
+    "{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# Llama 4: loops over message['content'] when it is a list of parts.
+LLAMA4 = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- if messages[0]['content'] is string %}"
+    "{%- set system_message = messages[0]['content'] | trim %}{%- else %}"
+    "{%- set system_message = messages[0]['content'][0]['text'] | trim %}{%- endif %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{%- if system_message %}{{- '<|header_start|>system<|header_end|>\\n\\n' + system_message + '<|eot|>' }}"
+    "{%- endif %}{%- for message in messages %}"
+    "{{- '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for content in message['content'] %}{%- if content['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif content['type'] == 'text' %}{{- content['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|eot|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\\n\\n' }}{%- endif %}"
+)
+# Qwen2-VL: parts rendered back to back, a string as is.
+QWEN2VL = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}|{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+# A template that names the developer role: vLLM leaves it alone.
+WITH_DEVELOPER = (
+    "{%- for message in messages %}{%- if message.role == 'developer' %}<|dev|>{{ message.content }}"
+    "{%- else %}<|{{ message.role }}|>{{ message.content }}{%- endif %}<|end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
+)
+# vLLM follows `set` aliases of the messages; SGLang looks for loops over message/msg/m's content only.
+ALIASED = (
+    "{%- set turns = messages | selectattr('role', 'ne', 'tool') | list %}{%- for turn in turns %}"
+    "<|{{ turn.role }}|>{%- for part in turn.content %}[{{ part.text }}]{%- endfor %}\n{%- endfor %}"
+)
+# The content handed to a macro whose parameter has another name (Mistral / Qwen3-VL style).
+MACRO = (
+    "{%- macro show(c) %}{%- if c is string %}{{ c }}{%- else %}{%- for item in c %}{{ item.text }}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}<|{{ message.role }}|>{{ show(message.content) }}{%- endfor %}"
+)
+# A template-level variable named "content" looped over.
+CONTENT_VARIABLE = (
+    "{%- for message in messages %}{%- set content = message['content'] %}<|{{ message['role'] }}|>"
+    "{%- if content is string %}{{ content }}{%- else %}{%- for p in content %}{{ p['text'] }}{%- endfor %}"
+    "{%- endif %}{%- endfor %}"
+)
+# No loop over content, but a medium named in a comment: SGLang takes it for a multimodal template.
+NAMES_IMAGE = "{%- for message in messages %}{{ message['content'] }}{# no image input #}{%- endfor %}"
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "vllm", "sglang"),
+    [
+        (LLAMA3, "string", "string"),
+        (LLAMA4, "openai", "openai"),
+        (QWEN2VL, "openai", "openai"),
+        (WITH_DEVELOPER, "string", "string"),
+        (ALIASED, "openai", "string"),
+        (MACRO, "openai", "string"),
+        (CONTENT_VARIABLE, "openai", "string"),
+        (NAMES_IMAGE, "string", "openai"),
+        (CHATML, "string", "string"),
+    ],
+)
+def test_each_engine_detects_the_content_format_of_a_template_as_it_does(
+    template: str, vllm: str, sglang: str
+) -> None:
+    # (As vLLM 0.32's own _detect_content_format and SGLang's detect_jinja_template_content_format answer.)
+    chat_template = ChatTemplate(template)
+    assert (chat_template.content_format(VLLM), chat_template.content_format(SGLANG)) == (vllm, sglang)
+
+
+PARTS = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": PARTS},
+    {"role": "developer", "content": "answer in French", "tools": [{"type": "function"}]},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+    {"role": "tool", "content": PARTS, "tool_call_id": "c1"},
+    {"role": "user", "content": "again"},
+]
+TEXT = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+
+# What each engine hands the template for CHAT (vllm/renderers/chat_utils.py and hf.py; sglang's
+# jinja_template_utils.py and serving_chat.py).
+VLLM_STRING = [
+    {"role": "system", "content": "be brief\n\nanswer in French"},
+    {"role": "user", "content": "first\nsecond"},
+    {"role": "assistant", "content": "no"},
+    {"role": "tool", "content": "first\nsecond", "tool_call_id": "c1"},
+    {"role": "user", "content": "again"},
+]
+VLLM_PARTS = [
+    {"role": "system", "content": "be brief\n\nanswer in French"},
+    {"role": "user", "content": TEXT},
+    {"role": "assistant", "content": [{"type": "text", "text": "no"}]},
+    {"role": "tool", "content": "first\nsecond", "tool_call_id": "c1"},
+    {"role": "user", "content": [{"type": "text", "text": "again"}]},
+]
+VLLM_WITH_DEVELOPER = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first\nsecond"},
+    {"role": "developer", "content": "answer in French", "tools": [{"type": "function"}]},
+    *VLLM_STRING[2:],
+]
+SGLANG_STRING = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first second"},
+    {"role": "developer", "content": "answer in French", "tools": [{"type": "function"}]},
+    {"role": "assistant", "content": "no"},
+    {"role": "tool", "content": "first second", "tool_call_id": "c1"},
+    {"role": "user", "content": "again"},
+]
+SGLANG_PARTS = [
+    SGLANG_STRING[0],
+    {"role": "user", "content": TEXT},
+    SGLANG_STRING[2],
+    {"role": "assistant", "content": [{"type": "text", "text": "no"}]},
+    SGLANG_STRING[4],
+    SGLANG_STRING[5],
+]
+
+
+def _hf_render(tmp_path: Path, template: str, messages: list[dict[str, Any]]) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    directory = make_tokenizer_dir(tmp_path / "m")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>"
+    )
+    rendered = hf.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(rendered, str)
+    return rendered
+
+
+def _ours(tmp_path: Path, template: str, dialect: ChatDialect | None) -> str:
+    directory = make_tokenizer_dir(tmp_path / "ours")
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(directory)
+    if dialect is None:  # kvgate's default: vLLM's
+        return render_messages(tokenizer, CHAT)
+    return render_messages(tokenizer, CHAT, dialect=dialect)
+
+
+@pytest.mark.parametrize(
+    ("template", "dialect", "expected"),
+    [
+        (LLAMA3, None, VLLM_STRING),
+        (LLAMA4, None, VLLM_PARTS),
+        (QWEN2VL, None, VLLM_PARTS),
+        (WITH_DEVELOPER, None, VLLM_WITH_DEVELOPER),
+        (LLAMA3, SGLANG, SGLANG_STRING),
+        (QWEN2VL, SGLANG, SGLANG_PARTS),
+        (WITH_DEVELOPER, SGLANG, SGLANG_STRING),
+    ],
+)
+def test_a_chat_is_rendered_as_the_engine_renders_it(
+    tmp_path: Path, template: str, dialect: ChatDialect | None, expected: list[dict[str, Any]]
+) -> None:
+    assert _ours(tmp_path, template, dialect) == _hf_render(tmp_path, template, expected)
+
+
+@pytest.mark.parametrize("dialect", [VLLM, SGLANG])
+def test_the_builtin_chatml_renders_as_a_chatml_template_does(tmp_path: Path, dialect: ChatDialect) -> None:
+    assert render_chat(CHAT, dialect=dialect) == _ours(tmp_path, CHATML, dialect)
+
+
+def test_a_lone_leading_system_message_and_no_developer_are_left_as_they_are() -> None:
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert VLLM.messages(chat, "string", names_developer=False) == chat
+    # A developer message alone becomes the one system message, first; an empty system text is left out.
+    late = [{"role": "user", "content": "u"}, {"role": "developer", "content": "d"}]
+    assert VLLM.messages(late, "string", names_developer=False) == [
+        {"role": "system", "content": "d"},
+        {"role": "user", "content": "u"},
+    ]
+    empty = [{"role": "system", "content": ""}, {"role": "developer", "content": "d"}]
+    assert VLLM.messages(empty, "openai", names_developer=False) == [{"role": "system", "content": "d"}]
