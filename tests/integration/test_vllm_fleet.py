@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from cache.tokens import render_messages
+from gateway.prepare import chat_dialect
 from gateway.service import Gateway
 from tests.integration.conftest import VllmFleet, gateway_in_front, settled, until
 
@@ -129,6 +131,48 @@ async def test_predictions_stay_exact_through_evictions(vllm_fleet: VllmFleet) -
         assert client.hits >= 10
         held = sum(len(f.chain.held()) for f in gateway.metrics.event_followers if f.chain)
         assert held <= 2 * 160  # the index holds no more than the engines can: evictions were followed
+
+
+async def test_client_salts_are_taken_and_predicted_exactly(vllm_fleet: VllmFleet) -> None:
+    """A client's own cache_salt: joined to its tenant's, the gateway's namespace had a '/', which vLLM
+    refuses (400); one with an '@' or over 128 characters was refused as it was."""
+    async with gateway_in_front(vllm_fleet) as (url, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = Client(session, url, gateway)
+        for salt in ("alice", "bob@example.com", "x" * 200):
+            for turn in range(2):
+                _, _, cached = await client.send(
+                    "/v1/completions",
+                    {"model": "tiny", "prompt": text(7000, 120) + f" turn {turn}", "cache_salt": salt},
+                )
+                assert (cached > 0) == (turn == 1)
+
+
+async def test_the_gateway_renders_chats_as_vllm_does(vllm_fleet: VllmFleet) -> None:
+    """The prompt vLLM makes of a chat (its /tokenize) is the one the gateway hashes: text parts joined by
+    vLLM's rule, a developer message as vLLM turns it into a system one. (Two identical requests cannot
+    show this: the gateway counts what it sent as held soon, for pending_ttl_s, whatever the engine made.)"""
+    async with gateway_in_front(vllm_fleet) as (_, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        parts = [{"type": "text", "text": text(7100, 40)}, {"type": "text", "text": text(7101, 20)}]
+        chats = [
+            [{"role": "system", "content": parts}, {"role": "user", "content": text(7102, 20)}],
+            [{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+            [
+                {"role": "system", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "developer", "content": parts},
+                {"role": "user", "content": "c"},
+            ],
+        ]
+        dialect = chat_dialect(gateway.fleet.serving(vllm_fleet.model))
+        tokenizer = gateway.prepare.tokenizer
+        for messages in chats:
+            ours = [int(t) for t in tokenizer.encode(render_messages(tokenizer, messages, dialect=dialect))]
+            body = {"model": vllm_fleet.model, "messages": messages}
+            async with session.post(vllm_fleet.urls[0] + "/tokenize", json=body) as r:
+                theirs = (await r.json())["tokens"]
+            assert ours == theirs, messages
 
 
 async def test_a_restarted_engine_has_no_stale_residency(vllm_fleet: VllmFleet) -> None:
