@@ -332,14 +332,13 @@ class ChatTemplate:
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from cache.chat_template_env import template_environment
 
         def raise_exception(message: str) -> None:
             raise ChatContentError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
+        env = template_environment(raise_exception)
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:

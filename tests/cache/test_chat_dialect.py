@@ -211,3 +211,38 @@ def test_a_lone_leading_system_message_and_no_developer_are_left_as_they_are() -
     ]
     empty = [{"role": "system", "content": ""}, {"role": "developer", "content": "d"}]
     assert VLLM.messages(empty, "openai", names_developer=False) == [{"role": "system", "content": "d"}]
+
+
+# Shapes of real templates that use what transformers' environment adds to Jinja's.
+LLAMA31_DATE = (
+    "{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}"
+    "{%- endif %}{%- endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\nToday Date: {{ date_string }}<|eot_id|>"
+    "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+LOOP_CONTROLS = (
+    "{%- for m in messages %}{%- if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{%- if loop.index > 3 %}{% break %}{% endif %}{%- endfor %}"
+)
+GENERATION = (
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{%- else %}{{ m['role'] }}: {{ m['content'] }}\n{%- endif %}{%- endfor %}"
+)
+TOJSON_OPTIONS = "{{ messages | tojson(indent=2, sort_keys=True) }}{{ {'<b>': '&'} | tojson }}"
+
+
+@pytest.mark.parametrize("template", [LLAMA31_DATE, LOOP_CONTROLS, GENERATION, TOJSON_OPTIONS])
+def test_templates_using_what_transformers_adds_to_jinja_render_as_transformers_renders_them(
+    tmp_path: Path, template: str
+) -> None:
+    # strftime_now was missing: Llama 3.1's date fell back to "26 Jul 2024", unlike every engine's prompt;
+    # {% break %} and {% generation %} did not load; tojson took no indent and escaped HTML.
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u <b>"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]  # fmt: skip
+    directory = make_tokenizer_dir(tmp_path / "ours")
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert render_messages(load_tokenizer(directory), chat) == _hf_render(tmp_path, template, chat)
