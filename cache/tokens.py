@@ -18,7 +18,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cache.chat_dialect import VLLM, ChatDialect, ContentFormat, names_developer, part_texts
+from cache.chat_dialect import (
+    PLAIN,
+    VLLM,
+    ChatDialect,
+    ChatInputs,
+    ContentFormat,
+    names_developer,
+    part_texts,
+)
 from cache.chat_dialect import ChatContentError as ChatContentError  # (callers import it from here)
 from cache.token_chunks import CHUNK_CHARS, chunker_for
 
@@ -288,8 +296,21 @@ def message_text(content: Any, separator: str = VLLM.part_separator) -> str:
     raise ChatContentError("message content must be a string or an array of content parts")
 
 
+_NO_GENERATION_PROMPT = ChatInputs(add_generation_prompt=False)
+
+
+def _inputs(inputs: ChatInputs | None, add_generation_prompt: bool) -> ChatInputs:
+    if inputs is not None:
+        return inputs
+    return PLAIN if add_generation_prompt else _NO_GENERATION_PROMPT
+
+
 def render_chat(
-    messages: Sequence[Mapping[str, Any]], *, dialect: ChatDialect = VLLM, add_generation_prompt: bool = True
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    dialect: ChatDialect = VLLM,
+    inputs: ChatInputs | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant's opening.
 
@@ -297,14 +318,21 @@ def render_chat(
     over no content and does not name the developer role), so this is what that engine renders.
     Rendering a conversation and then its continuation yields a text that starts with the first one, so a
     second turn's tokens extend the first turn's prompt plus its answer: that is what makes chats cacheable.
+    ``inputs`` (else ``add_generation_prompt`` alone): ChatML reads no tools, documents nor variables; with
+    ``continue_final_message`` the text ends where the final message's content does.
     """
+    inputs = _inputs(inputs, add_generation_prompt)
     if dialect.developer_as_system and any(m.get("role") == "developer" for m in messages):
-        prepared: Iterable[Mapping[str, Any]] = dialect.messages(messages, "string", names_developer=False)
+        prepared: Sequence[Mapping[str, Any]] = dialect.messages(messages, "string", names_developer=False)
     else:  # (what dialect.messages would do, without copying every message: the common case, kept fast)
         prepared = messages
     sep = dialect.part_separator
     out = [f"<|im_start|>{m['role']}\n{message_text(m.get('content'), sep)}<|im_end|>\n" for m in prepared]
-    if add_generation_prompt:
+    if inputs.continue_final_message and out:
+        # (As a ChatML template renders it, cut after the final content as transformers cuts: the content
+        # is written as it is, so the cut falls right at its end.)
+        out[-1] = out[-1][: -len("<|im_end|>\n")]
+    elif inputs.add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
 
@@ -314,16 +342,61 @@ def render_messages(
     messages: Sequence[Mapping[str, Any]],
     *,
     dialect: ChatDialect = VLLM,
+    inputs: ChatInputs | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
     """A conversation as prompt text, as an engine of ``dialect`` renders it: the model's own chat template
     when it has one, ChatML otherwise. Gateway and engines both call this, so they tokenize a chat
-    identically (kvgate's engines in vLLM's dialect; the gateway in its engines', gateway.prepare)."""
+    identically (kvgate's engines in vLLM's dialect; the gateway in its engines', gateway.prepare).
+    ``inputs``: what else the template is given (``dialect.chat_inputs(body)`` of the request); without
+    them, nothing but ``add_generation_prompt``."""
+    inputs = _inputs(inputs, add_generation_prompt)
     if tokenizer.chat_template is not None:
-        return tokenizer.chat_template.render(
-            messages, dialect=dialect, add_generation_prompt=add_generation_prompt
+        return tokenizer.chat_template.render(messages, dialect=dialect, inputs=inputs)
+    return render_chat(messages, dialect=dialect, inputs=inputs)
+
+
+# transformers marks the end of the message to continue with this, renders, and cuts the text there.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``messages`` with the final one's content (its last text part, for a list) followed by the tag, and
+    that content: what transformers renders for ``continue_final_message``."""
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, list):
+        parts = [dict(p) for p in content]
+        for part in reversed(parts):
+            if "text" in part:
+                text = part["text"]
+                part["text"] = text + _CONTINUE_TAG
+                break
+        else:
+            raise ChatContentError(
+                "continue_final_message is set but the final message has no text to continue"
+            )
+        final["content"] = parts
+    elif isinstance(content, str):
+        text = content
+        final["content"] = content + _CONTINUE_TAG
+    else:
+        raise ChatContentError('continue_final_message is set but the final message has no "content"')
+    return [*messages[:-1], final], text
+
+
+def _cut_after_final_message(rendered: str, final: str) -> str:
+    """The rendered chat up to the end of the tagged final message, as transformers cuts it."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatContentError(
+            "continue_final_message is set but the final message does not appear in the chat after applying "
+            "the chat template"
         )
-    return render_chat(messages, dialect=dialect, add_generation_prompt=add_generation_prompt)
+    at = rendered.rindex(tag)
+    if rendered.startswith(_CONTINUE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # (the template trimmed the tag's trailing space: cut with care)
 
 
 class ChatTemplate:
@@ -346,7 +419,7 @@ class ChatTemplate:
         # What Template.render merges under the variables on every call (a ChainMap of the template's and
         # the environment's globals, copied key by key): merged once here, render takes 0.4x the time.
         self._globals = dict(self._template.globals)
-        self._bos, self._eos = bos_token, eos_token
+        self._globals.update(bos_token=bos_token, eos_token=eos_token)  # (request variables may override)
         self._source = source
         self._ast = self._template.environment.parse(source)  # (it compiled: it parses)
         self._names_developer = names_developer(source)
@@ -357,19 +430,33 @@ class ChatTemplate:
         messages: Iterable[Mapping[str, Any]],
         *,
         dialect: ChatDialect = VLLM,
+        inputs: ChatInputs | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        """The chat as transformers' apply_chat_template renders it for ``dialect``'s engine: the messages as
+        that engine prepares them, ``inputs``' tools, documents, add_generation_prompt and variables (the
+        variables over the special tokens, under the rest), and continue_final_message's cut."""
         import jinja2
 
+        inputs = _inputs(inputs, add_generation_prompt)
         prepared = dialect.messages(messages, self.content_format(dialect), self._names_developer)
-        variables = {**self._globals, "messages": prepared, "add_generation_prompt": add_generation_prompt,
-                     "bos_token": self._bos, "eos_token": self._eos}  # fmt: skip
+        final = None
+        if inputs.continue_final_message:
+            if "content" not in self._source:  # (transformers' own check)
+                raise ChatContentError("continue_final_message is set but the chat template reads no content")
+            if not prepared:
+                raise ChatContentError("continue_final_message is set but the conversation is empty")
+            prepared, final = _tag_final_message(prepared)
+        variables = {**self._globals, **inputs.variables, "messages": prepared, "tools": inputs.tools,
+                     "documents": inputs.documents,
+                     "add_generation_prompt": inputs.add_generation_prompt}  # fmt: skip
         template = self._template
         try:
             # Template.render(**variables) is exactly this, after merging the globals under the variables.
-            return "".join(template.root_render_func(template.new_context(variables, shared=True)))
+            rendered = "".join(template.root_render_func(template.new_context(variables, shared=True)))
         except jinja2.TemplateError as exc:
             raise ChatContentError(f"the model's chat template failed: {exc}") from None
+        return rendered if final is None else _cut_after_final_message(rendered, final)
 
     def content_format(self, dialect: ChatDialect) -> ContentFormat:
         """How ``dialect``'s engine passes message content to this template, detected once per dialect (the

@@ -182,7 +182,7 @@ def parse_request(
         ids = token_ids_param(data["prompt_token_ids"], prompt_param)
     elif kind == "chat":
         prompt_param = "messages"
-        ids = tokenizer.encode(_render_messages(data.get("messages"), tokenizer))
+        ids = tokenizer.encode(_render_messages(data, tokenizer))
     else:
         prompt_param = "prompt"
         ids = _completion_prompt(data.get("prompt"), tokenizer)
@@ -330,7 +330,8 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:
     )
 
 
-def _render_messages(messages: Any, tokenizer: Tokenizer) -> str:
+def _render_messages(data: dict[str, Any], tokenizer: Tokenizer) -> str:
+    messages = data.get("messages")
     if messages is None:
         raise OpenAIError("messages is required", param="messages")
     if not isinstance(messages, list) or not messages:
@@ -343,6 +344,8 @@ def _render_messages(messages: Any, tokenizer: Tokenizer) -> str:
     try:
         # vLLM's rendering (text parts joined with "\n", developer -> system for a template without that
         # role): the most common engine's, and the gateway renders so in front of kvgate's engines too.
-        return render_messages(tokenizer, messages, dialect=VLLM)
+        # With the template's other inputs as vLLM takes them (chat_template_kwargs, add_generation_prompt,
+        # continue_final_message, documents), so that the gateway's rendering of the chat is this one.
+        return render_messages(tokenizer, messages, dialect=VLLM, inputs=VLLM.chat_inputs(data))
     except ChatContentError as exc:
-        raise OpenAIError(str(exc), param="messages") from None
+        raise OpenAIError(str(exc), param=exc.param) from None

@@ -161,9 +161,12 @@ class RequestPreparer:
         parsed = parse_chat(body)
         dialect = chat_dialect(self.fleet.serving(parsed.model))
         try:
-            return parsed, render_messages(self.tokenizer, body["messages"], dialect=dialect)
+            # The template's other inputs (tools, chat_template_kwargs, ...) as the engines take them: vLLM
+            # renders agents' tools into the prompt's first blocks.
+            inputs = dialect.chat_inputs(body)
+            return parsed, render_messages(self.tokenizer, body["messages"], dialect=dialect, inputs=inputs)
         except ChatContentError as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
+            raise InvalidRequest(str(exc), param=exc.param) from None
 
     def _check_counts(self, body: Any) -> None:
         """Bounds that cost nothing to check, before validation whose cost grows with what they bound: a body
