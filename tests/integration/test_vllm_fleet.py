@@ -165,14 +165,56 @@ async def test_the_gateway_renders_chats_as_vllm_does(vllm_fleet: VllmFleet) -> 
                 {"role": "user", "content": "c"},
             ],
         ]
+        # Agents' chats (scripts/test-vllm serves tests/chat_templates.py's TOOLS_CHATML, which renders tools,
+        # tool calls' arguments with tojson, reasoning, names and template variables): /tokenize takes tools,
+        # chat_template_kwargs, add_generation_prompt and continue_final_message as a chat request does.
+        # (Not the deprecated "reasoning_content" of a message: a chat request reads it as "reasoning",
+        # /tokenize ignores it.)
+        tools = [
+            {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}},
+             "x-vendor": 1},
+        ]  # fmt: skip
+        calls = [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}},
+        ]
+        history = [
+            {"role": "system", "content": text(7103, 30)},
+            {"role": "user", "content": "weather and time in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": calls, "reasoning": "tools first"},
+            {"role": "tool", "content": [{"type": "text", "text": "18C"}, {"type": "text", "text": "sunny"}],
+             "tool_call_id": "c1"},
+            {"role": "tool", "content": "12:00", "tool_call_id": "c2", "name": "get_time"},
+            {"role": "assistant", "content": "Done.", "tool_calls": []},
+            {"role": "user", "content": "thanks"},
+        ]  # fmt: skip
+        requests: list[dict[str, Any]] = [{"messages": m} for m in chats] + [
+            {"messages": chats[0], "tools": tools},
+            {"messages": history, "tools": tools},
+            {"messages": history, "tools": tools[:1],
+             "chat_template_kwargs": {"enable_thinking": False, "style": "terse", "unused": 1}},
+            {"messages": [*chats[0], {"role": "assistant", "content": "The answer is "}],
+             "add_generation_prompt": False, "continue_final_message": True},
+            {"messages": chats[0], "chat_template_kwargs": {"documents": [{"title": "t", "text": "body"}]}},
+        ]  # fmt: skip
         dialect = chat_dialect(gateway.fleet.serving(vllm_fleet.model))
         tokenizer = gateway.prepare.tokenizer
-        for messages in chats:
-            ours = [int(t) for t in tokenizer.encode(render_messages(tokenizer, messages, dialect=dialect))]
-            body = {"model": vllm_fleet.model, "messages": messages}
+        for fields in requests:
+            body = {"model": vllm_fleet.model, **fields}
+            text_ = render_messages(
+                tokenizer, fields["messages"], dialect=dialect, inputs=dialect.chat_inputs(body)
+            )
+            ours = [int(t) for t in tokenizer.encode(text_)]
             async with session.post(vllm_fleet.urls[0] + "/tokenize", json=body) as r:
-                theirs = (await r.json())["tokens"]
-            assert ours == theirs, messages
+                answer = await r.json()
+            assert "tokens" in answer, (fields, answer)
+            assert ours == answer["tokens"], (fields, tokenizer.decode(answer["tokens"]), text_)
 
 
 async def test_a_restarted_engine_has_no_stale_residency(vllm_fleet: VllmFleet) -> None:
