@@ -172,7 +172,7 @@ class SimEngine:
             body = orjson.loads(await read_body(request))
             messages = body.get("messages")
             if messages is not None:
-                text = render_messages(self.tokenizer, messages, dialect=VLLM)
+                text = render_messages(self.tokenizer, messages, dialect=VLLM, inputs=VLLM.chat_inputs(body))
             else:
                 text = body["prompt"]
             tokens = self.tokenizer.encode(text).tolist()

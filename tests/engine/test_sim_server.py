@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -12,7 +13,9 @@ import pytest
 from cache.events import decode_snapshot
 from cache.hashing import block_hashes, namespace_seed
 from cache.tokens import ByteTokenizer, render_chat
+from tests.chat_templates import TOOLS_CHATML
 from tests.engine.sim_nodes import BS, StartSim, text_of, wait_for
+from tests.models import make_tokenizer_dir
 
 
 def assert_usage(usage: dict[str, Any], prompt: int, completion: int, cached: int) -> None:
@@ -435,3 +438,24 @@ async def test_zero_cost_answers_quickly(start_sim: StartSim) -> None:
         await sim.complete({"prompt": f"request {i} " + text_of(100), "max_tokens": 16})
     per_request = (loop.time() - t0) / n
     assert per_request < 0.01, f"{per_request * 1e3:.2f} ms per request"
+
+
+async def test_tokenize_renders_a_chat_with_its_template_inputs_as_the_chat_endpoint_does(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    # vllm-router asks /tokenize for every chat: its ids must be the prompt the chat endpoint makes, with the
+    # template's inputs (chat_template_kwargs, documents, ...) too; it rendered the messages alone.
+    directory = make_tokenizer_dir(tmp_path / "m")
+    config = {"chat_template": TOOLS_CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(orjson.dumps(config).decode())
+    sim = await start_sim(tokenizer=str(directory))
+    inputs = {"enable_thinking": False, "style": "terse"}
+    body = {"model": sim.engine.config.model, "messages": [{"role": "user", "content": "weather?"}],
+            "chat_template_kwargs": inputs, "max_tokens": 1}  # fmt: skip
+    status, tokenized, _ = await sim.post("/tokenize", body)
+    assert status == 200
+    status, answer, _ = await sim.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == tokenized["count"]
+    plain = (await sim.post("/tokenize", {**body, "chat_template_kwargs": None}))[1]
+    assert tokenized["count"] > plain["count"]  # the template's inputs are in the prompt
