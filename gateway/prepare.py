@@ -119,6 +119,7 @@ class RequestPreparer:
         # cheaper than a uuid4 per request.
         self._record_prefix = os.urandom(8).hex() + "-"
         self._record_seq = itertools.count(1)
+        self._dialects: dict[str, tuple[list[EngineState], ChatDialect]] = {}  # model: (engines, dialect)
         self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
 
     async def read_json(self, request: ClientRequest) -> Any:
@@ -159,7 +160,7 @@ class RequestPreparer:
 
     def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
         parsed = parse_chat(body)
-        dialect = chat_dialect(self.fleet.serving(parsed.model))
+        dialect = self._dialect(parsed.model)
         try:
             # The template's other inputs (tools, chat_template_kwargs, ...) as the engines take them: vLLM
             # renders agents' tools into the prompt's first blocks.
@@ -167,6 +168,19 @@ class RequestPreparer:
             return parsed, render_messages(self.tokenizer, body["messages"], dialect=dialect, inputs=inputs)
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
+
+    def _dialect(self, model: str) -> ChatDialect:
+        """``chat_dialect`` of the model's engines, counted again only when the fleet's table of them is
+        rebuilt (``Fleet.refresh_models`` makes new lists): not once per chat. Unknown models (any name a
+        client sends) are not kept."""
+        engines = self.fleet.serving(model)
+        known = self._dialects.get(model)
+        if known is not None and known[0] is engines:
+            return known[1]
+        dialect = chat_dialect(engines)
+        if engines:
+            self._dialects[model] = (engines, dialect)
+        return dialect
 
     def _check_counts(self, body: Any) -> None:
         """Bounds that cost nothing to check, before validation whose cost grows with what they bound: a body
