@@ -48,6 +48,12 @@ class Tokenizer(Protocol):
         is found from every namespace, and stays for the tokenizer's life (see ``HFTokenizer._public``)."""
         ...
 
+    def with_special_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        """``token_ids`` with the special tokens the tokenizer's post-processor adds around a text (a BOS,
+        say): what Hugging Face's ``add_special_tokens=True`` gives, as vLLM and SGLang encode a completion's
+        text prompt (vLLM's ``add_special_tokens`` defaults to true there, false for chats)."""
+        ...
+
     def decode(self, token_ids: Iterable[int]) -> str: ...
 
 
@@ -65,6 +71,9 @@ class ByteTokenizer:
 
     def encode_public(self, text: str) -> np.ndarray:
         return self.encode(text)
+
+    def with_special_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        return token_ids  # (no post-processor)
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -108,6 +117,24 @@ class HFTokenizer:
         self._lock = (
             threading.Lock()
         )  # encode may run on several threads at once (the gateway's long prompts)
+        self._special_before, self._special_after = self._added_around()
+
+    def _added_around(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids the post-processor puts before and after a text (Llama's BOS; BERT's [CLS] and [SEP]),
+        found once by encoding a sample with and without them: added_special_tokens is those around the
+        plain ids, whatever the text (TemplateProcessing, BertProcessing and RobertaProcessing alike)."""
+        plain = self._encode_batch(["kv"], add_special_tokens=False)[0].ids
+        full = self._encode_batch(["kv"], add_special_tokens=True)[0].ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return uint32_array(full[:start]), uint32_array(full[start + len(plain) :])
+        return uint32_array([]), uint32_array([])  # (a post-processor that rewrites the text's own ids)
+
+    def with_special_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        before, after = self._special_before, self._special_after
+        if not len(before) and not len(after):
+            return token_ids
+        return np.concatenate((before, token_ids, after)).astype(np.uint32, copy=False)
 
     def _guess_eos(self) -> int:
         for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>"):

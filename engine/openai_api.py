@@ -183,9 +183,15 @@ def parse_request(
     elif kind == "chat":
         prompt_param = "messages"
         ids = tokenizer.encode(_render_messages(data, tokenizer))
+        if data.get("add_special_tokens") is True:  # (as vLLM: false by default for chats)
+            ids = tokenizer.with_special_tokens(ids)
     else:
         prompt_param = "prompt"
         ids = _completion_prompt(data.get("prompt"), tokenizer)
+        # A text prompt gets the special tokens the tokenizer adds (Llama's BOS), as in vLLM, where
+        # add_special_tokens is true by default for completions; ids are taken as they are.
+        if data.get("add_special_tokens") is not False and _is_text_prompt(data.get("prompt")):
+            ids = tokenizer.with_special_tokens(ids)
     if ids.shape[0] == 0:
         raise OpenAIError("the prompt must not be empty", param=prompt_param)
     if vocab_size is not None and (largest := int(ids.max())) >= vocab_size:
@@ -301,6 +307,12 @@ def _reject_unsupported(data: dict[str, Any], kind: RequestKind, capabilities: C
     tools_field = tools_requested(data)
     if tools_field is not None:
         raise OpenAIError("tool calling is not supported by this engine", param=tools_field)
+
+
+def _is_text_prompt(prompt: Any) -> bool:
+    """A string, or a one-element list holding one (ids are not text)."""
+    one = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
+    return isinstance(prompt, str) or one
 
 
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> np.ndarray:

@@ -112,7 +112,12 @@ class RequestPreparer:
             self._shared.append(
                 tokenizer.encode_public(render_messages(tokenizer, system, add_generation_prompt=False))
             )
-            self._shared.append(tokenizer.encode_public(text))
+            public = tokenizer.encode_public(text)
+            self._shared.append(public)
+            # (A completion's text prompt starts with the special tokens the tokenizer adds: Llama's BOS.)
+            with_special = tokenizer.with_special_tokens(public)
+            if len(with_special) != len(public):
+                self._shared.append(with_special)
         regions = [r.name for r in fleet.topology.regions]
         self.home = HomeRegions(settings.home, regions, fleet.region)
         # Ledger record ids: unique across gateways and restarts (a random 64-bit prefix per process) and
@@ -156,6 +161,8 @@ class RequestPreparer:
         else:
             parsed, text = self._parse_chat(body)
         tokens = await self.encode(text, _cache_salt(tenant, parsed))
+        if body.get("add_special_tokens") is True:  # (vLLM's option; false by default for chats)
+            tokens = self.tokenizer.with_special_tokens(tokens)
         return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
 
     def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
@@ -215,6 +222,11 @@ class RequestPreparer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             tokens = await self.encode(prompt, _cache_salt(tenant, parsed))
+            # As vLLM and SGLang encode a completion's text (Hugging Face's add_special_tokens, vLLM's
+            # option, true by default): with Llama's BOS the engine's prompt was one token longer than the
+            # gateway's, and every block the gateway hashed was shifted by one against the engine's.
+            if body.get("add_special_tokens") is not False:
+                tokens = self.tokenizer.with_special_tokens(tokens)
         else:
             tokens = np.asarray(prompt, dtype=np.uint32)
         return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)

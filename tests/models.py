@@ -20,3 +20,17 @@ def make_tokenizer_dir(directory: Path) -> Path:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     return directory
+
+
+def make_bos_tokenizer_dir(directory: Path, *, single: str = "<s> $A") -> Path:
+    """``make_tokenizer_dir``'s tokenizer with a post-processor that adds special tokens around a text (by
+    default a BOS, as Llama's and Mistral's do): what ``add_special_tokens=True`` adds."""
+    from tokenizers import AddedToken, processors
+
+    make_tokenizer_dir(directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    ids = [(t, tok.token_to_id(t)) for t in ("<s>", "</s>") if t in single]
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=ids)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory

@@ -481,7 +481,7 @@ class VllmLikeEngine:
                     body, add_generation_prompt=bool(body.get("add_generation_prompt", True))
                 )
             else:
-                ids = self._text_ids(body.get("prompt"))
+                ids = self._text_ids(body.get("prompt"), body.get("add_special_tokens", True))
         except EngineError as exc:
             return self._error(exc)
         # vllm/entrypoints/serve/tokenize/protocol.py TokenizeResponse
@@ -591,8 +591,14 @@ class VllmLikeEngine:
         if name is not None and name != self.model:
             raise EngineError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
-    def _text_ids(self, prompt: Any) -> list[int]:
+    def _text_ids(self, prompt: Any, add_special_tokens: Any = True) -> list[int]:
         if isinstance(prompt, str):
+            # As vLLM and SGLang encode a completion's text: Hugging Face's encode, its add_special_tokens
+            # (vllm/entrypoints/openai/completion/protocol.py: true by default) adding what the tokenizer's
+            # post-processor adds (Llama's BOS).
+            raw = getattr(self.tokenizer, "_tok", None)
+            if raw is not None:
+                return list(raw.encode(prompt, add_special_tokens=add_special_tokens is not False).ids)
             return [int(t) for t in self.tokenizer.encode(prompt)]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
@@ -665,7 +671,7 @@ class VllmLikeEngine:
                 prompt = self._chat_ids(body)
             requested = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
-            prompt = self._text_ids(body.get("prompt"))
+            prompt = self._text_ids(body.get("prompt"), body.get("add_special_tokens", True))
             requested = body.get("max_tokens", 16)  # CompletionRequest.max_tokens defaults to 16
         if not prompt:
             raise EngineError(400, "The decoder prompt cannot be empty", param="prompt")

@@ -82,7 +82,7 @@ async def check_tokenizer(
     except ChatContentError as exc:
         engine.tokenizer_agrees = False
         return f"this gateway's chat template fails on a sample chat that engine {engine.id} renders: {exc}"
-    ours_prompt = [int(t) for t in tokenizer.encode(SAMPLE_PROMPT)]
+    ours_prompt = [int(t) for t in tokenizer.with_special_tokens(tokenizer.encode(SAMPLE_PROMPT))]
     findings = []
     chat = _first_difference(theirs_chat, ours_chat, tokenizer)
     if chat is not None:

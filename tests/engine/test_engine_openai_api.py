@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,10 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache.tokens import ByteTokenizer, pack_token_ids, render_chat
+from cache.tokens import ByteTokenizer, load_tokenizer, pack_token_ids, render_chat
 from engine.openai_api import GenerationRequest, parse_request
 from engine.openai_errors import OpenAIError
 from engine.openai_format import SseFormatter, response_body, usage
+from tests.models import make_bos_tokenizer_dir
 
 TOK = ByteTokenizer()
 
@@ -270,3 +272,22 @@ def test_sse_completion_chunks_with_usage() -> None:
     assert final["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 2
     assert done == "[DONE]"
+
+
+def test_a_completions_text_gets_the_special_tokens_its_tokenizer_adds_as_in_vllm(tmp_path: Path) -> None:
+    # vLLM's add_special_tokens: true by default for completions (Llama's BOS), false for chats; ids as sent.
+    tok = load_tokenizer(make_bos_tokenizer_dir(tmp_path / "bos"))
+    bos = tok.with_special_tokens(np.empty(0, dtype=np.uint32)).tolist()
+    text = "hello world"
+
+    def ids(body: dict[str, Any], kind: str = "completion") -> list[int]:
+        raw = orjson.dumps({"model": "m", **body})
+        return parse_request(raw, kind, served_model="m", tokenizer=tok).prompt_token_ids.tolist()  # type: ignore[arg-type]
+
+    plain = tok.encode(text).tolist()
+    assert ids({"prompt": text}) == ids({"prompt": [text]}) == bos + plain
+    assert ids({"prompt": text, "add_special_tokens": False}) == plain
+    assert ids({"prompt": plain}) == plain  # token ids are the prompt as they are
+    chat = {"messages": [{"role": "user", "content": text}]}
+    assert ids(chat, "chat")[: len(bos)] != bos
+    assert ids({**chat, "add_special_tokens": True}, "chat")[: len(bos)] == bos

@@ -7,13 +7,17 @@ The engines are tests/third_party_engines.py's stand-ins of vLLM 0.32 (its /heal
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
+from cache.tokens import load_tokenizer
 from gateway.tenancy.tenants import create_key
 from tests.conftest import ThirdPartyFleet
+from tests.models import make_bos_tokenizer_dir
 
 URL_ONLY = {"model": None, "block_size": None}  # what the operator wrote: a URL and a kind
 
@@ -162,3 +166,30 @@ async def test_every_salt_the_gateway_sends_vllm_is_one_it_takes_and_keeps_its_c
     assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
     cached = answer.usage.prompt_tokens_details.cached_tokens
     assert cached and int(raw.headers["x-kvgate-predicted-cached-tokens"]) == cached
+
+
+@pytest.mark.parametrize("add_special_tokens", [None, False])
+async def test_a_completions_text_is_encoded_with_the_special_tokens_vllm_adds(
+    third_party: ThirdPartyFleet, tmp_path: Path, add_special_tokens: bool | None
+) -> None:
+    """vLLM encodes a completion's text with add_special_tokens (true by default): with a BOS-adding
+    tokenizer (Llama's), its prompt was one token longer than the gateway's. The engine probe said the
+    tokenizers disagreed (text, not ids, was sent), and every block the gateway hashed was shifted by one."""
+    directory = make_bos_tokenizer_dir(tmp_path / "bos")
+    cluster, engines = await third_party(
+        {"eu-west/v0": {"tokenizer": load_tokenizer(directory)}}, tokenizer=str(directory)
+    )
+    engine = cluster.gateway.fleet.engines["eu-west/v0"]
+    await cluster.wait_for(lambda: engine.tokenizer_agrees is not None)
+    assert engine.tokenizer_agrees is True
+    prompt = "the quick brown fox jumps over the lazy dog " * 12
+    extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    for turn in range(2):
+        body = {"model": "tiny", "prompt": prompt + f"turn {turn}", "max_tokens": 2, **extra}
+        status, answer, headers = await cluster.post("/v1/completions", body)
+        assert status == 200, answer
+    sent = engines["eu-west/v0"].bodies("/v1/completions")[-1]["prompt"]
+    bos = load_tokenizer(directory).with_special_tokens(np.empty(0, dtype=np.uint32)).tolist()
+    assert (sent[: len(bos)] == bos) == (add_special_tokens is None)
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(headers["x-kvgate-predicted-cached-tokens"]) == cached
