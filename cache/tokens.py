@@ -393,16 +393,15 @@ def _tag_final_message(messages: list[dict[str, Any]]) -> tuple[list[dict[str, A
     final = dict(messages[-1])
     content = final.get("content")
     if isinstance(content, list):
-        parts = [dict(p) for p in content]
-        for part in reversed(parts):
-            if "text" in part:
-                text = part["text"]
-                part["text"] = text + _CONTINUE_TAG
-                break
-        else:
+        parts: list[dict[str, Any]] = [dict(p) for p in content]
+        # (The last part with text, found by index: mypyc cannot compile reversed() over these.)
+        last = next((i for i in range(len(parts) - 1, -1, -1) if "text" in parts[i]), None)
+        if last is None:
             raise ChatContentError(
                 "continue_final_message is set but the final message has no text to continue"
             )
+        text = parts[last]["text"]
+        parts[last]["text"] = text + _CONTINUE_TAG
         final["content"] = parts
     elif isinstance(content, str):
         text = content
