@@ -25,7 +25,6 @@ from cache.chat_dialect import (
     ChatInputs,
     ContentFormat,
     names_developer,
-    part_texts,
 )
 from cache.chat_dialect import ChatContentError as ChatContentError  # (callers import it from here)
 from cache.token_chunks import CHUNK_CHARS, chunker_for
@@ -311,18 +310,6 @@ def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
         raise TokenizerError(f"{path}: {exc}") from None
 
 
-def message_text(content: Any, separator: str = VLLM.part_separator) -> str:
-    """A message's content as text: a string, or the text (and refusal) parts of an OpenAI content array
-    joined with ``separator`` (vLLM's "\\n" unless told)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return separator.join(part_texts(content))
-    raise ChatContentError("message content must be a string or an array of content parts")
-
-
 _NO_GENERATION_PROMPT = ChatInputs(add_generation_prompt=False)
 
 
@@ -349,12 +336,9 @@ def render_chat(
     ``continue_final_message`` the text ends where the final message's content does.
     """
     inputs = _inputs(inputs, add_generation_prompt)
-    if dialect.developer_as_system and any(m.get("role") == "developer" for m in messages):
-        prepared: Sequence[Mapping[str, Any]] = dialect.messages(messages, "string", names_developer=False)
-    else:  # (what dialect.messages would do, without copying every message: the common case, kept fast)
-        prepared = messages
-    sep = dialect.part_separator
-    out = [f"<|im_start|>{m['role']}\n{message_text(m.get('content'), sep)}<|im_end|>\n" for m in prepared]
+    # (Each content a string, as a "string" template is given it.)
+    prepared = dialect.messages(messages, "string", names_developer=False)
+    out = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prepared]
     if inputs.continue_final_message and out:
         # (As a ChatML template renders it, cut after the final content as transformers cuts: the content
         # is written as it is, so the cut falls right at its end.)

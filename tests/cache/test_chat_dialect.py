@@ -246,3 +246,22 @@ def test_templates_using_what_transformers_adds_to_jinja_render_as_transformers_
     config = {"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     assert render_messages(load_tokenizer(directory), chat) == _hf_render(tmp_path, template, chat)
+
+
+@pytest.mark.parametrize("dialect", [VLLM, SGLANG])
+def test_the_builtin_chatml_prepares_messages_as_a_chatml_template_is_given_them(
+    tmp_path: Path, dialect: ChatDialect
+) -> None:
+    # A system prompt opening with Claude Code's billing header (vLLM drops that line): the built-in ChatML
+    # prepared the messages its own way unless a developer message was there, and kept the header that a
+    # template is never given.
+    chat = [
+        {"role": "system", "content": "x-anthropic-billing-header: cch=1;\nYou are brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    directory = make_tokenizer_dir(tmp_path / "chatml")
+    config = {"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert render_chat(chat, dialect=dialect) == render_messages(
+        load_tokenizer(directory), chat, dialect=dialect
+    )
