@@ -18,15 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cache.chat_dialect import (
-    PLAIN,
-    VLLM,
-    ChatDialect,
-    ChatInputs,
-    ContentFormat,
-    names_developer,
-)
+from cache.chat_dialect import PLAIN, VLLM, ChatDialect, ChatInputs
 from cache.chat_dialect import ChatContentError as ChatContentError  # (callers import it from here)
+from cache.template_content import ContentFormat, names_developer
 from cache.token_chunks import CHUNK_CHARS, chunker_for
 
 
