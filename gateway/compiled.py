@@ -51,6 +51,7 @@ HOT_MODULES = (
     "gateway/observability/loop_metrics.py",
     "gateway/observability/metrics.py",
     "gateway/prepare.py",
+    "gateway/request_body.py",
     "gateway/routing/base.py",
     "gateway/routing/cache_aware.py",
     "gateway/routing/default.py",

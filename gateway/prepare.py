@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import orjson
 
 from cache.chat_dialect import SGLANG, VLLM, ChatDialect
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
@@ -18,8 +16,8 @@ from cache.openai_fields import tools_requested
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
-from gateway.http.content_coding import decode_body
-from gateway.http.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from gateway.http.errors import InvalidRequest, ModelNotFound
+from gateway.request_body import ClientRequest, read_json
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
@@ -30,24 +28,7 @@ from region_map.fleet import ChainKey, EngineState, Fleet
 SESSION_HEADER = "x-session-affinity"
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
-THREAD_DECODE_BYTES = 64 << 10  # compressed bodies this large inflate to megabytes: off the event loop
-MAX_NESTING = 254  # levels of arrays and objects orjson writes (it reads 1024); engine bodies are written
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
-
-
-class ClientRequest(Protocol):
-    """What the gateway reads of a client's request: an aiohttp request, or gateway.http.lean_http's."""
-
-    @property
-    def headers(self) -> Mapping[str, str]: ...
-
-    @property
-    def remote(self) -> str | None: ...
-
-    @property
-    def content_length(self) -> int | None: ...
-
-    async def read(self) -> bytes: ...
 
 
 @dataclass(slots=True)
@@ -128,31 +109,7 @@ class RequestPreparer:
         self._hasher = PrefixHashMemo()  # conversations resend their prefix: hash it once
 
     async def read_json(self, request: ClientRequest) -> Any:
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(
-                f"request body of {request.content_length} bytes exceeds the {limit}-byte limit"
-            )
-        raw = await request.read()  # (gateway.http.lean_http refuses a body past the limit as it comes)
-        coding = request.headers.get("Content-Encoding")
-        if coding is not None:
-            if len(raw) < THREAD_DECODE_BYTES:
-                raw = decode_body(raw, coding, limit)
-            else:  # (zlib inflates without the GIL: a large body does not hold up the other requests)
-                raw = await asyncio.get_running_loop().run_in_executor(None, decode_body, raw, coding, limit)
-        if not raw:
-            raise InvalidRequest("request body is empty; send a JSON object")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-        # A body nested deeper than orjson writes was read, and failed (a 500) only when its engine's body
-        # was written. Nesting that deep needs as many brackets: most bodies are cleared by counting them.
-        if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and not _writable(body):
-            raise InvalidRequest(
-                f"request body is nested too deeply (at most {MAX_NESTING} levels of arrays and objects)"
-            )
-        return body
+        return await read_json(request, self.settings.max_body_bytes)
 
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         self._check_counts(body)
@@ -408,15 +365,6 @@ def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionReques
     """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
     in the tokenizer's cache."""
     return request_cache_salt(tenant.cache_salt, parsed.cache_salt)
-
-
-def _writable(body: Any) -> bool:
-    """Whether orjson writes ``body`` back; what it read, it refuses only for nesting past MAX_NESTING."""
-    try:
-        orjson.dumps(body)
-    except TypeError:  # (orjson.JSONEncodeError)
-        return False
-    return True
 
 
 def _heavy(request: ClientRequest) -> bool:
