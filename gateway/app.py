@@ -33,6 +33,7 @@ from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
 from gateway.observability.worker_metrics import WorkerMetrics
+from gateway.prepare import RESPONSES_PATH
 from gateway.redis_connection import check_redis, redis_client, redis_db
 from gateway.routing import POLICIES
 from gateway.service import Gateway
@@ -52,6 +53,7 @@ log = logging.getLogger("kvgate.app")
 
 GATEWAY = web.AppKey("gateway", Gateway)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+STORED_RESPONSE_PATH = RESPONSES_PATH + "/{response:path}"  # (an id, then /cancel or /input_items)
 MODEL_PATH = "/v1/models/{model:path}"  # (model ids may hold slashes: meta-llama/Llama-3.1-8B)
 DASHBOARD = web.AppKey("dashboard", DashboardSampler)
 ROUTES = web.AppKey("routes", Routes)  # the public port's
@@ -174,7 +176,11 @@ def build_app(config: KvgateConfig) -> web.Application:
     app[GATEWAY] = gateway
     app[DASHBOARD] = dashboard
     app.cleanup_ctx.append(_lifespan)
-    completions = [(CHAT_PATH, gateway.chat_completions), (COMPLETIONS_PATH, gateway.completions)]
+    completions = [
+        (CHAT_PATH, gateway.chat_completions),
+        (COMPLETIONS_PATH, gateway.completions),
+        (RESPONSES_PATH, gateway.responses),
+    ]
     public = [
         ("/v1/models", guarded(billing, "/v1/models", gateway.models)),
         (MODEL_PATH, guarded(billing, MODEL_PATH, gateway.model)),
@@ -196,6 +202,8 @@ def build_app(config: KvgateConfig) -> web.Application:
         Route(path, {"POST": _counted(path, handler, metrics)}, key_first=True)
         for path, handler in completions
     ]
+    stored = _counted(STORED_RESPONSE_PATH, gateway.stored_response, metrics)
+    hot.append(Route(STORED_RESPONSE_PATH, {"GET": stored, "POST": stored, "DELETE": stored}, key_first=True))
     app[ROUTES] = Routes([*hot, *_routes(metrics, public)])
     return app
 

@@ -13,6 +13,7 @@ import numpy as np
 from cache.chat_dialect import SGLANG, VLLM, ChatDialect
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
+from cache.responses_input import responses_chat_body
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
@@ -20,12 +21,23 @@ from gateway.http.errors import InvalidRequest, ModelNotFound
 from gateway.request_body import ClientRequest, read_json
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    StreamOptions,
+    parse_chat,
+    parse_completion,
+    parse_responses,
+)
 from gateway.tenancy.tenants import Tenant
 from region_map.config import EngineKind
 from region_map.fleet import ChainKey, EngineState, Fleet
 
 SESSION_HEADER = "x-session-affinity"
+RESPONSES_PATH = "/v1/responses"
+# The field a prompt is refused by, per endpoint.
+_PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", RESPONSES_PATH: "input"}
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
@@ -56,7 +68,16 @@ class Prepared:
     budget_named: bool = True
     choices: int = 1  # n (or best_of): the engine generates up to choices x max_tokens
     tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
+    # A Responses API request continuing a stored response: only the engine holding it can answer it.
+    previous_response_id: str | None = None
+    pinned_engine: str | None = None  # that engine, when the gateway knows where the response went
     ratelimit_headers: dict[str, str] | None = None  # its caller's x-ratelimit-* at admission
+
+    @property
+    def disaggregable(self) -> bool:
+        """A Responses API request is not: its prefill engine would store a response of its own, and the P/D
+        protocols hand K/V over for completions only."""
+        return self.path != RESPONSES_PATH
 
     @property
     def hashes(self) -> list[int]:
@@ -112,7 +133,7 @@ class RequestPreparer:
         return await read_json(request, self.settings.max_body_bytes)
 
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
-        self._check_counts(body)
+        self._check_counts(body.get("messages") if isinstance(body, dict) else None)
         if _heavy(request):
             parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_chat, body)
         else:
@@ -124,14 +145,44 @@ class RequestPreparer:
 
     def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
         parsed = parse_chat(body)
-        dialect = self._dialect(parsed.model)
+        return parsed, self._render(parsed.model, body)
+
+    def _render(self, model: str, chat: dict[str, Any]) -> str:
+        """The prompt of a chat body as the model's engines render it."""
+        dialect = self._dialect(model)
         try:
             # The template's other inputs (tools, chat_template_kwargs, ...) as the engines take them: vLLM
             # renders agents' tools into the prompt's first blocks.
-            inputs = dialect.chat_inputs(body)
-            return parsed, render_messages(self.tokenizer, body["messages"], dialect=dialect, inputs=inputs)
+            inputs = dialect.chat_inputs(chat)
+            return render_messages(self.tokenizer, chat["messages"], dialect=dialect, inputs=inputs)
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
+
+    async def responses(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+        """A Responses API request (``POST /v1/responses``), its input rendered as the chat vLLM makes of it.
+        One that continues a stored response (``previous_response_id``) goes where that response is
+        (``Prepared.previous_response_id``); its prompt starts with history the gateway never saw, so it is
+        not hashed: no cached tokens are predicted for it, and only its new input is admitted."""
+        if isinstance(body, dict) and isinstance(body.get("input"), list):
+            self._check_counts(body["input"], "input")
+        if _heavy(request):
+            parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_responses, body)
+        else:
+            parsed, text = self._parse_responses(body)
+        tokens = await self.encode(text, _cache_salt(tenant, parsed))
+        p = self._prepare(request, body, parsed, RESPONSES_PATH, tokens, tenant)
+        if parsed.previous_response_id is not None:
+            p.previous_response_id = parsed.previous_response_id
+            p.chains = {key: [] for key in p.chains}
+        return p
+
+    def _parse_responses(self, body: Any) -> tuple[ResponsesRequest, str]:
+        parsed = parse_responses(body)
+        try:
+            chat = responses_chat_body(body)
+        except ChatContentError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+        return parsed, self._render(parsed.model, chat)
 
     def _dialect(self, model: str) -> ChatDialect:
         """``chat_dialect`` of the model's engines, counted again only when the fleet's table of them is
@@ -146,25 +197,24 @@ class RequestPreparer:
             self._dialects[model] = (engines, dialect)
         return dialect
 
-    def _check_counts(self, body: Any) -> None:
+    def _check_counts(self, messages: Any, field: str = "messages") -> None:
         """Bounds that cost nothing to check, before validation whose cost grows with what they bound: a body
         of a quarter million empty messages is small on the wire and would take seconds to validate."""
-        messages = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(messages, list):
             return  # (validation says what is wrong)
         limit = self.settings.max_messages
         if len(messages) > limit:
             raise InvalidRequest(
-                f"messages has {len(messages)} items; this gateway allows at most {limit}", param="messages"
+                f"{field} has {len(messages)} items; this gateway allows at most {limit}", param=field
             )
         parts = sum(
             len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
         )
         if parts > self.settings.max_content_parts:
             raise InvalidRequest(
-                f"the messages have {parts} content parts; this gateway allows at most "
+                f"the {field} have {parts} content parts; this gateway allows at most "
                 f"{self.settings.max_content_parts}",
-                param="messages",
+                param=field,
             )
 
     async def completion(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
@@ -201,7 +251,7 @@ class RequestPreparer:
         self,
         request: ClientRequest,
         body: dict[str, Any],
-        parsed: ChatCompletionRequest | CompletionRequest,
+        parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest,
         path: str,
         token_ids: np.ndarray,
         tenant: Tenant,
@@ -224,7 +274,7 @@ class RequestPreparer:
                 f"{budget_param} is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
                 param=budget_param,
             )
-        prompt_param = "messages" if path == "/v1/chat/completions" else "prompt"
+        prompt_param = _PROMPT_PARAM[path]
         if len(token_ids) == 0:  # engines refuse it too, naming the field the gateway sent them
             raise InvalidRequest("the prompt must not be empty", param=prompt_param)
         if len(token_ids) > s.max_prompt_tokens:
@@ -244,7 +294,8 @@ class RequestPreparer:
             path=path,
             body=body,
             stream=bool(parsed.stream),
-            client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+            client_wants_usage=isinstance(parsed.stream_options, StreamOptions)
+            and bool(parsed.stream_options.include_usage),
             token_ids=token_ids,
             chains={
                 key: self.block_hashes(
@@ -288,8 +339,10 @@ class RequestPreparer:
         allows": it is sent without one unless ``default_chat_max_tokens`` is set (a fixed budget could only
         be wrong: past an engine's context, vLLM refuses the request); admission then charges
         ``default_max_tokens`` and the tokens generated past it are charged when the answer is done."""
-        chat = path == "/v1/chat/completions"
-        if chat and body.get("max_completion_tokens") is not None:
+        chat = path != "/v1/completions"  # (a Responses request budgets as a chat does)
+        if path == RESPONSES_PATH:
+            param = "max_output_tokens"
+        elif chat and body.get("max_completion_tokens") is not None:
             param = "max_completion_tokens"
         else:
             if body.get("max_completion_tokens") is not None:
@@ -361,7 +414,7 @@ def chat_dialect(engines: list[EngineState]) -> ChatDialect:
     return SGLANG if 2 * sglang > len(engines) else VLLM
 
 
-def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest) -> str:
+def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> str:
     """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
     in the tokenizer's cache."""
     return request_cache_salt(tenant.cache_salt, parsed.cache_salt)

@@ -92,9 +92,39 @@ class CompletionRequest(_Common):
     echo: bool | None = None
 
 
-_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest)
+class ResponsesRequest(_Open):
+    """OpenAI's Responses API (``POST /v1/responses``): what routing and billing read of it. The input's items
+    are checked where they are rendered (``cache.responses_input``), as vLLM converts them."""
+
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None  # (include_obfuscation: not about usage, always sent)
+    store: bool | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    user: str | None = None
+    cache_salt: Annotated[str, StringConstraints(max_length=256)] | None = None
+    background: bool | None = None
+
+    @field_validator("background")
+    @classmethod
+    def _not_in_background(cls, background: bool | None) -> bool | None:
+        # A background response is polled for later (GET /v1/responses/{id}) and billed by nobody: the
+        # gateway relays and bills the answer it carries.
+        if background:
+            raise PydanticCustomError("background", "background responses are not supported by this gateway")
+        return background
+
+
+_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
 _CHAT = TypeAdapter(ChatCompletionRequest)
 _COMPLETION = TypeAdapter(CompletionRequest)
+_RESPONSES = TypeAdapter(ResponsesRequest)
 
 
 # Fields typed as unions: pydantic reports one error per member, which reads badly; say what is accepted.
@@ -103,6 +133,7 @@ _UNION_HINTS = {
     "or an array of such arrays",
     "content": "must be a string, null, or an array of content parts",
     "stop": "must be a non-empty string or an array of strings",
+    "input": "must be a string or an array of input items (objects)",
 }
 _UNION_TAGS = ("list[", "constrained-", "function-", "nullable[", "union[")
 _UNION_NAMES = frozenset({"str", "int", "float", "bool", "none", "StreamOptions", "TextPart"})
@@ -158,3 +189,7 @@ def parse_chat(body: Any) -> ChatCompletionRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     return _parse(_COMPLETION, body)
+
+
+def parse_responses(body: Any) -> ResponsesRequest:
+    return _parse(_RESPONSES, body)

@@ -7,6 +7,7 @@ the body and, for a session id never seen before, one Redis read.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -31,16 +32,19 @@ from gateway.http.errors import (
 from gateway.http.http_wire import Answer
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
-from gateway.http.relay import relay_stream, relay_whole
+from gateway.http.relay import StreamTap, relay_stream, relay_whole
+from gateway.http.responses_sse import ResponsesStreamTap
+from gateway.http.sse import SseUsageTap
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import Prepared, RequestPreparer
+from gateway.prepare import RESPONSES_PATH, Prepared, RequestPreparer
 from gateway.routing import RoutingPolicy
 from gateway.routing.route import Route
 from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
+from gateway.stored_responses import StoredResponses
 from gateway.tenancy.accounting import RequestAccount
 from gateway.tenancy.billing import Billing, Caller
 from gateway.tenancy.tenants import Tenant
@@ -74,6 +78,7 @@ class Gateway:
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
+        self.stored = StoredResponses(state, fleet, clients, config.gateway.read_timeout_s)
         self.resilience = r = config.gateway.resilience
         for engine in fleet:
             engine.down_quiet_s = r.unhealthy_silence_s
@@ -95,6 +100,21 @@ class Gateway:
     async def completions(self, request: LeanRequest) -> Answer:
         return await self._complete(request, self.prepare.completion)
 
+    async def responses(self, request: LeanRequest) -> Answer:
+        """``POST /v1/responses``: the Responses API, routed and billed as a chat is."""
+        return await self._complete(request, self.prepare.responses)
+
+    async def stored_response(self, request: LeanRequest) -> Answer:
+        """``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``, ``GET .../input_items``: asked of
+        the engine that holds the response (``gateway.stored_responses``)."""
+        caller = await self._caller(request)
+        rid = self.prepare.refused_request_id(request)
+        try:
+            return await self.stored.answer(request, caller.tenant.name, rid)
+        except GatewayError as exc:
+            exc.headers["x-request-id"] = rid
+            raise
+
     async def _complete(
         self, request: LeanRequest, prepare: Callable[[LeanRequest, Any, Tenant], Awaitable[Prepared]]
     ) -> Answer:
@@ -109,6 +129,9 @@ class Gateway:
             body = await self.prepare.read_json(request)
             p = await prepare(request, body, caller.tenant)
             p.key_id = caller.key_id
+            if p.previous_response_id is not None:  # (unknown to every gateway: any engine may hold it)
+                holder = await self.stored.engine_of(p.tenant, p.previous_response_id)
+                p.pinned_engine = holder.id if holder is not None else None
             tokens = await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
             if tokens is not None:
                 limits = tokens if limits is None else {**limits, **tokens}
@@ -357,6 +380,9 @@ class Gateway:
                 headers["x-kvgate-decode-engine"] = engine.id
                 self.metrics.disaggregated(engine.region, path, computing.id, engine.id)
             timeout = self.settings.read_timeout_s
+            # A Responses API answer: its id is bound to the engine that keeps it, as soon as it is known.
+            responses = p.path == RESPONSES_PATH
+            bind = functools.partial(self.stored.bind, p.tenant, engine) if responses else None
             try:
                 if upstream.status != 200 or not p.stream:
                     return await relay_whole(
@@ -366,13 +392,19 @@ class Gateway:
                         read_timeout_s=timeout,
                         metrics=self.metrics,
                         accounting=account,
+                        on_answer=bind,
                     )
+                tap: StreamTap = (
+                    ResponsesStreamTap(annotate=account.annotate, on_response=bind)
+                    if responses
+                    else SseUsageTap(forward_usage_event=p.client_wants_usage, annotate=account.annotate)
+                )
                 return await relay_stream(
                     request,
                     upstream,
                     engine_id=engine.id,
                     headers=headers,
-                    forward_usage_event=p.client_wants_usage,
+                    tap=tap,
                     read_timeout_s=timeout,
                     stall_timeout_s=self.resilience.stall_timeout_s,
                     metrics=self.metrics,

@@ -59,6 +59,8 @@ class TraceAsk:
     tenant: str = TENANT
     model: str = MODEL
     tools: bool = False
+    pinned_engine: str | None = None
+    disaggregable: bool = True
 
 
 @dataclass

@@ -105,6 +105,7 @@ def _app(handler: Any) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_post("/v1/chat/completions", handler)
     app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/responses", handler)
     return app
 
 

@@ -36,7 +36,9 @@ def engine_body(
     if p.cache_salt and kind in (EngineKind.KVGATE, EngineKind.VLLM):
         body["cache_salt"] = p.cache_salt
     if kind is EngineKind.KVGATE:
-        if engine.token_ids_on(p.path):
+        # (A continued Responses conversation starts with history only its engine holds: the gateway's
+        # ids are its new input alone, not its prompt.)
+        if engine.token_ids_on(p.path) and p.previous_response_id is None:
             if engine.packed_token_ids:  # hex digits: an engine reads them 5x faster than JSON numbers
                 body["prompt_token_ids_hex"] = pack_token_ids(p.token_ids)
             else:
@@ -50,7 +52,8 @@ def engine_body(
         # "full" makes vLLM announce again blocks it served from cache, with no removals to match: the
         # residency index would keep blocks the engine has evicted.
         body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
-    if p.stream:  # always ask for usage: billing needs the engine's cached_tokens
+    if p.stream and p.path != "/v1/responses":  # always ask for usage: billing needs its cached_tokens
+        # (A Responses stream always ends with its usage, and has no such option.)
         options = body.get("stream_options")
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     if additions:

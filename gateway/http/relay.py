@@ -19,7 +19,6 @@ from aiohttp import web
 from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import WholeAnswer
 from gateway.http.lean_request import LeanRequest
-from gateway.http.sse import SseUsageTap
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
@@ -65,6 +64,24 @@ class Accounting(Protocol):
         ...
 
 
+class StreamTap(Protocol):
+    """What the relay reads of a stream as it passes: ``gateway.http.sse.SseUsageTap`` (completions), or
+    ``gateway.http.responses_sse.ResponsesStreamTap`` (the Responses API)."""
+
+    end_marker: str  # what ends a whole stream, in words: "[DONE]"
+    usage: dict[str, Any] | None
+    final_usage: dict[str, Any] | None
+    error: dict[str, Any] | None
+    saw_done: bool
+
+    @property
+    def token_events(self) -> int: ...
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
 async def relay_whole(
     upstream: Response,
     *,
@@ -73,10 +90,12 @@ async def relay_whole(
     read_timeout_s: float,
     metrics: GatewayMetrics,
     accounting: Accounting,
+    on_answer: Callable[[dict[str, Any]], None] | None = None,
 ) -> WholeAnswer | web.Response:
     """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``.
     An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
-    ``UpstreamTimedOut``: nothing reached the client, another engine may answer."""
+    ``UpstreamTimedOut``: nothing reached the client, another engine may answer. ``on_answer`` sees a 200's
+    answer before it is relayed."""
     try:
         data = await read_answer(upstream, read_timeout_s)
     except UpstreamTimeout:
@@ -100,6 +119,8 @@ async def relay_whole(
         # it with an error of its own. Nothing reached the client yet, so another engine may answer.
         metrics.upstream_error(engine_id, "malformed_answer")
         raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
+    if on_answer is not None:
+        on_answer(answer)
     usage = answer.get("usage")
     if not isinstance(usage, dict):
         usage = None
@@ -117,7 +138,7 @@ async def relay_stream(
     *,
     engine_id: str,
     headers: dict[str, str],
-    forward_usage_event: bool,
+    tap: StreamTap,
     read_timeout_s: float,
     stall_timeout_s: float,
     metrics: GatewayMetrics,
@@ -127,12 +148,11 @@ async def relay_stream(
     """Relay an SSE stream. The client's response starts with the engine's first bytes: until then nothing
     has reached the client, and a failure raises ``UpstreamFailed``/``UpstreamTimedOut`` so that another
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
-    most; a stream that breaks off, or whose engine ends it without ``[DONE]``, ends with an error event and
-    is billed for what was sent."""
+    most; a stream that breaks off, or whose engine ends it without ``[DONE]`` (``tap.end_marker``), ends
+    with an error event and is billed for what was sent."""
     response = request.stream_response(headers)  # written on the client's connection (gateway.http.lean_http)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
-    tap = SseUsageTap(forward_usage_event=forward_usage_event, annotate=accounting.annotate)
     first_byte: float | None = None
     outcome: Outcome = "completed"
     timeout = read_timeout_s  # (a prompt may wait in the engine's queue; its health covers a dead engine)
@@ -174,7 +194,7 @@ async def relay_stream(
             # a stream quietly at EOF, so relayed as it is, a truncated answer would pass for a whole one:
             # end it with an error event, as a stream that breaks off is ended.
             metrics.upstream_error(engine_id, "stream_without_done")
-            error = UpstreamFailed(f"engine {engine_id} ended the stream without [DONE]")
+            error = UpstreamFailed(f"engine {engine_id} ended the stream without {tap.end_marker}")
             await response.write(error.sse_event())
             outcome = "failed"
         await response.write_eof()

@@ -28,7 +28,7 @@ _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 # "\r\n\r\n" hold "\n\r", "\r\n\n" holds "\n\n", "\r\r\n" holds "\r\r"); a "\n" right after a pair's \r is the
 # rest of its \r\n, and of the blank line.
 _PAIRS = (b"\n\n", b"\n\r", b"\r\r")
-# A pair may be split between two reads, and a "\n\r" that ends a read waits for the next (_last_event_end):
+# A pair may be split between two reads, and a "\n\r" that ends a read waits for the next (last_event_end):
 # the last two bytes of a buffered partial event are searched again with the next read.
 _OVERLAP = 2
 _USUAL_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
@@ -38,6 +38,10 @@ _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?:[:\r\n]|$)")
 
 
 class SseUsageTap:
+    """The relay's tap (``gateway.http.relay.StreamTap``) for a completion's stream."""
+
+    end_marker = "[DONE]"
+
     def __init__(self, *, forward_usage_event: bool, annotate: Annotate | None = None) -> None:
         self._forward_usage_event = forward_usage_event
         self._annotate = annotate
@@ -89,16 +93,16 @@ class SseUsageTap:
         if not self.events:
             self._wordless += _announces_role_only(complete)
         if b'"usage"' not in complete and b'"error"' not in complete:
-            self.events += _count_events(complete)
+            self.events += count_events(complete)
             return complete
-        out = b"".join(filter(None, map(self._rewrite, _split_events(complete))))
-        self.events += _count_events(out)
+        out = b"".join(filter(None, map(self._rewrite, split_events(complete))))
+        self.events += count_events(out)
         return out
 
     def _event_end(self, buf: bytes | bytearray, start: int) -> int:
         """Where the last whole event of ``buf`` ends (-1: none), searching from ``start`` on."""
         self.scanned += len(buf) - start
-        return _last_event_end(buf, start)
+        return last_event_end(buf, start)
 
     @property
     def token_events(self) -> int:
@@ -122,7 +126,7 @@ class SseUsageTap:
         """The event to forward (None: drop it), noting the usage or the error it carries."""
         if b'"usage"' not in event and b'"error"' not in event:
             return event
-        payload = _data_of(event)
+        payload = data_of(event)
         if payload is None:
             return event
         try:
@@ -152,7 +156,7 @@ class SseUsageTap:
         return b"data: " + orjson.dumps(chunk) + (b"\r\n\r\n" if event.endswith(b"\r\n\r\n") else b"\n\n")
 
 
-def _last_event_end(buf: bytes | bytearray, start: int) -> int:
+def last_event_end(buf: bytes | bytearray, start: int) -> int:
     r"""Where the last blank line in ``buf[start:]`` ends, -1 if there is none. A "\n\r" that ends ``buf``
     waits for the next read: its \r most likely starts the \r\n whose \n ends the blank line (a lone \r after
     a \n would be an odd stream's; a stream of lone \r's has no \n and is not kept waiting)."""
@@ -203,7 +207,7 @@ def _announces_role_only(data: bytes) -> bool:
     return data.find(b'"content":""', 0, end) >= 0 or data.find(b'"content"', 0, end) < 0
 
 
-def _count_events(data: bytes) -> int:
+def count_events(data: bytes) -> int:
     """The events in ``data`` (whole events) as an SSE client dispatches them: blocks ended by a blank line
     with at least one data line. Several data lines are one event; a comment (":...") or a block of other
     fields only (``event:``, ``id:``, ``retry:``) is none."""
@@ -217,7 +221,7 @@ def _count_events(data: bytes) -> int:
     return sum(1 for block in _BLANK_LINE.split(data) if _DATA_LINE.search(block))
 
 
-def _split_events(data: bytes) -> list[bytes]:
+def split_events(data: bytes) -> list[bytes]:
     """Events with their terminating blank line, for any of SSE's line endings, mixed within ``data`` too (a
     proxy's comments may end otherwise than the engine's events)."""
     if b"\r" not in data:  # \n only, the usual: a blank line is "\n\n"
@@ -233,6 +237,6 @@ def _split_events(data: bytes) -> list[bytes]:
     return events
 
 
-def _data_of(event: bytes) -> bytes | None:
+def data_of(event: bytes) -> bytes | None:
     lines = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None

@@ -31,6 +31,10 @@ class RoutingAsk(Protocol):
     @property
     def tools(self) -> bool: ...
     @property
+    def pinned_engine(self) -> str | None: ...  # the only engine that can answer it (a stored response's)
+    @property
+    def disaggregable(self) -> bool: ...  # whether a dedicated engine may prefill it
+    @property
     def chains(self) -> dict[ChainKey, list[int]]: ...
     @property
     def prompt_tokens(self) -> int: ...

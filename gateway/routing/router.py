@@ -78,6 +78,12 @@ class Router:
         if ask.tools:
             engines = [e for e in engines if e.config.tools]
         answering, prefilling = self._roles(engines)
+        if ask.pinned_engine is not None:
+            # It continues a response stored on that engine (the Responses API's previous_response_id):
+            # no other engine knows it.
+            answering = [e for e in answering if e.id == ask.pinned_engine]
+        if not ask.disaggregable:
+            prefilling = []
         cached, confirmed = self.cached_tokens(ask, engines)
         # What a peer could give, when a pull is possible at all: what its KV events confirmed.
         pulls = bool(cached) and self.policy.pulls_kv and any(e.kv_pull for e in engines)
@@ -200,8 +206,11 @@ class Router:
             eligible = self.limiter.eligible(ask.home_region, candidates, request.session_engine)
             decision = self.policy.pick(request, eligible)
             if decision is None:
+                what = f"model '{ask.model}'"
+                if ask.pinned_engine is not None:
+                    what = f"the response this request continues (kept by engine {ask.pinned_engine})"
                 return error or NoCapacity(
-                    f"no healthy engine serves model '{ask.model}' right now",
+                    f"no healthy engine serves {what} right now",
                     headers=retry_after_headers(_back_in_s(engines)),
                 )
             if plan.attempts and decision.reason != "failover":

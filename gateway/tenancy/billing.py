@@ -269,13 +269,20 @@ def reset_duration(seconds: float) -> str:
 
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, cached, completion) tokens of an OpenAI usage object; ``prompt`` includes the cached ones."""
+    """(prompt, cached, completion) tokens of an OpenAI usage object, a completion's or (``input_tokens``,
+    ``output_tokens``) a Responses API one's; ``prompt`` includes the cached ones."""
     if not usage:
         return 0, 0, 0
-    prompt = _count(usage.get("prompt_tokens"))
-    details = usage.get("prompt_tokens_details")
+    if "prompt_tokens" not in usage and "input_tokens" in usage:
+        prompt = _count(usage.get("input_tokens"))
+        details = usage.get("input_tokens_details")
+        completion = _count(usage.get("output_tokens"))
+    else:
+        prompt = _count(usage.get("prompt_tokens"))
+        details = usage.get("prompt_tokens_details")
+        completion = _count(usage.get("completion_tokens"))
     cached = min(_count(details.get("cached_tokens")), prompt) if isinstance(details, dict) else 0
-    return prompt, cached, _count(usage.get("completion_tokens"))
+    return prompt, cached, completion
 
 
 def _count(value: Any) -> int:

@@ -78,3 +78,24 @@ async def test_each_candidate_says_whether_its_queue_may_wait_for_a_slot_or_kv_a
     candidates = {c.engine: c for c in gateway.router.candidates(plan.answering, {}, "r")}
     assert candidates["r/e0"].waiting == 9 and candidates["r/e0"].queued_prefill_tokens == 4_000
     assert [candidates[e.id].waits_for_room for e in (e0, e1, e2)] == [False, True, True]
+
+
+async def test_a_responses_request_is_answered_whole_and_a_continued_one_where_it_is_kept() -> None:
+    # A dedicated prefill engine would keep a response of its own, and the P/D protocols hand K/V over for
+    # completions only: a Responses request is answered whole by one engine.
+    gateway = gateway_of(3)
+    e0 = gateway.fleet.engines["r/e0"]
+    if e0.apply_health({"model": MODEL, "role": "prefill"}):
+        gateway.fleet.refresh_models()
+    p = await gateway.prepare.responses(Request(), {"model": MODEL, "input": "hello"})
+    plan = gateway.router.plan(p)
+    assert [e.id for e in plan.answering] == ["r/e1", "r/e2"] and plan.prefilling == []
+    assert [e.id for e in gateway.router.plan(await prepared(gateway)).prefilling] == ["r/e0", "r/e1", "r/e2"]
+    # One continuing a stored response goes only where that response is kept; its prompt starts with
+    # history the gateway never saw, so no block of it is hashed.
+    body = {"model": MODEL, "input": "and then?", "previous_response_id": "resp_1"}
+    p = await gateway.prepare.responses(Request(), body)
+    p.pinned_engine = "r/e2"
+    plan = gateway.router.plan(p)
+    assert [e.id for e in plan.answering] == ["r/e2"] and plan.prefilling == []
+    assert all(chain == [] for chain in p.chains.values()) and len(p.token_ids) > 0

@@ -1,0 +1,103 @@
+"""Where each stored Responses API response is: only the engine that answered a request keeps its response
+(vLLM in memory, with ``VLLM_ENABLE_RESPONSES_API_STORE=1``; kvgate's engines too), so a request continuing it
+(``previous_response_id``) and a request for it by id (``GET``/``DELETE /v1/responses/{id}``, ``POST
+.../cancel``, ``GET .../input_items``) must go to that engine, and no other engine can stand in for it.
+
+A response's id is bound to its engine as a session is (``SharedState.bind_session``: this gateway's view at
+once, Redis for the others), under its tenant: another tenant's request never finds it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from aiohttp import web
+
+from cache.sessions import SessionBinding
+from gateway.http.errors import InvalidRequest, NotFound, Unavailable
+from gateway.http.lean_request import LeanRequest
+from gateway.http.relay import MAX_ERROR_BODY, read_answer
+from gateway.http.upstream import UpstreamClients
+from gateway.http.upstream_errors import UpstreamError
+from gateway.state.shared_state import SharedState
+from region_map.fleet import EngineState, Fleet
+
+# Session ids come from a header, which holds no space: a response's key is never a client's session.
+_KEY = "response "
+MAX_RESPONSE_ID = 256
+# (method, what follows the id) of the requests about a stored response: OpenAI's, and vLLM's cancel.
+_ROUTES = frozenset({("GET", ""), ("DELETE", ""), ("POST", "cancel"), ("GET", "input_items")})
+
+
+def response_key(response_id: str) -> str:
+    return _KEY + response_id
+
+
+def not_found(response_id: str) -> NotFound:
+    """vLLM's own answer for an id it does not hold (its message, param and status)."""
+    return NotFound(f"Response with id '{response_id[:MAX_RESPONSE_ID]}' not found.", param="response_id")
+
+
+class StoredResponses:
+    def __init__(self, state: SharedState, fleet: Fleet, clients: UpstreamClients, read_timeout_s: float):
+        self.state = state
+        self.fleet = fleet
+        self.clients = clients
+        self.read_timeout_s = read_timeout_s
+
+    def bind(self, tenant: str, engine: EngineState, response: dict[str, Any]) -> None:
+        """Note where ``response`` (as its engine first announced it) is kept, unless it is not kept."""
+        response_id = response.get("id")
+        if response.get("store") is False or not isinstance(response_id, str) or not response_id:
+            return
+        binding = SessionBinding(engine.region, engine.id, time.time())
+        self.state.bind_session(tenant, response_key(response_id), binding)
+
+    async def engine_of(self, tenant: str, response_id: str) -> EngineState | None:
+        """The engine that holds ``response_id``, as far as any gateway knows (None: nobody knows it)."""
+        binding = await self.state.lookup_session(tenant, response_key(response_id))
+        if binding is None:
+            return None
+        return self.fleet.engines.get(binding.engine)
+
+    async def answer(self, request: LeanRequest, tenant: str, rid: str) -> web.Response:
+        """The answer to ``request`` (an id in ``match_info["response"]``, maybe with an action) for a
+        caller of ``tenant``: the engine's, or NotFound/Unavailable; ``rid`` names it to the engine."""
+        response_id, _, action = request.match_info["response"].partition("/")
+        if (request.method, action) not in _ROUTES:
+            raise NotFound(f"no route for {request.method} /v1/responses/{response_id}/{action[:64]}")
+        query = request.query
+        if query.get("stream", "false").lower() != "false":
+            raise InvalidRequest(
+                "streaming a stored response is not supported by this gateway", param="stream"
+            )
+        path = "/v1/responses/" + quote(response_id, safe="") + ("/" + action if action else "")
+        if query:
+            path += "?" + urlencode(list(query.items()))
+        status, data = await self.forward(tenant, request.method, response_id, path, [("X-Request-Id", rid)])
+        headers = {"x-request-id": rid}
+        return web.Response(body=data, status=status, content_type="application/json", headers=headers)
+
+    async def forward(
+        self, tenant: str, method: str, response_id: str, path: str, headers: list[tuple[str, str]]
+    ) -> tuple[int, bytes]:
+        """Send a request about a stored response to the engine holding it: (status, body) of its answer.
+        NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked."""
+        if len(response_id) > MAX_RESPONSE_ID:
+            raise not_found(response_id)
+        engine = await self.engine_of(tenant, response_id)
+        if engine is None:
+            raise not_found(response_id)
+        if not engine.healthy:
+            raise Unavailable(f"engine {engine.id}, which holds response '{response_id}', is unavailable")
+        pool = self.clients.pool(engine.url)
+        try:
+            upstream = await pool.request(method, path, b"", headers, header_timeout=self.read_timeout_s)
+            data = await read_answer(upstream, self.read_timeout_s)
+        except UpstreamError as exc:
+            raise Unavailable(
+                f"engine {engine.id}, which holds response '{response_id}', failed: {exc}"
+            ) from None
+        return upstream.status, data[:MAX_ERROR_BODY] if upstream.status != 200 else data
