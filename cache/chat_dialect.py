@@ -36,15 +36,22 @@ class ChatContentError(ValueError):
         self.param = param
 
 
-# Content parts that are text, and the field holding it: an assistant's refusal part ({"type": "refusal",
-# "refusal": "..."}, OpenAI's) is text of the conversation, as vLLM renders it.
-_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+# Content parts that are text, and the field holding it, as vLLM 0.32 reads them (MM_PARSER_MAP in
+# renderers/chat_utils.py): an assistant's refusal part ({"type": "refusal", "refusal": "..."}, OpenAI's) is
+# text of the conversation; so are the Responses API's input_text and output_text parts (a Responses request's
+# messages reach the chat template with them) and a "thinking" part's thinking.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal", "input_text": "text", "output_text": "text",
+               "thinking": "thinking"}  # fmt: skip
 
 
 def part_texts(parts: list[Any]) -> list[str]:
-    """The texts of an OpenAI content array; ChatContentError for a part that is not text."""
+    """The texts of an OpenAI content array (a part may be a plain string, as vLLM takes it); ChatContentError
+    for a part that is not text."""
     texts = []
     for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
         kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
         field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if field is None:
@@ -101,7 +108,7 @@ class ChatDialect:
             if isinstance(content, list):
                 texts = part_texts(content)
                 if normalize and role == "system":
-                    texts = _without_billing_header(texts)
+                    texts = _without_billing_header(texts, content)
                 if parts:
                     value = [{"type": "text", "text": t} for t in texts]
                 else:
@@ -132,14 +139,16 @@ class ChatDialect:
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def _without_billing_header(texts: list[str]) -> list[str]:
+def _without_billing_header(texts: list[str], parts: list[Any] | None = None) -> list[str]:
     """A system message's texts as vLLM keeps them: a text opening with the billing header loses its first
-    line, and goes when nothing follows it."""
+    line, and goes when nothing follows it. ``parts``: the content array the texts come from, one each; vLLM
+    looks only at its strings and its parts of type "text" (an input_text part keeps the line)."""
     if not any(t.startswith(_BILLING_HEADER) for t in texts):
         return texts
     kept = []
-    for text in texts:
-        if text.startswith(_BILLING_HEADER):
+    for i, text in enumerate(texts):
+        part = None if parts is None else parts[i]
+        if text.startswith(_BILLING_HEADER) and (isinstance(part, str | None) or part.get("type") == "text"):
             text = text.partition("\n")[2]
             if not text:
                 continue

@@ -265,3 +265,38 @@ def test_the_builtin_chatml_prepares_messages_as_a_chatml_template_is_given_them
     assert render_chat(chat, dialect=dialect) == render_messages(
         load_tokenizer(directory), chat, dialect=dialect
     )
+
+
+def test_every_part_type_vllm_reads_as_text_is_rendered_as_its_text() -> None:
+    # The Responses API's input_text and output_text parts, a "thinking" part and a plain string part are
+    # text to vLLM (MM_PARSER_MAP); it drops Claude Code's billing header line only from a system message's
+    # strings and "text" parts. Expected: vLLM 0.32's parse_chat_messages of this chat, in both formats.
+    header = "x-anthropic-billing-header: cch=1;"
+    system = [
+        {"type": "input_text", "text": header + "\nkept"},
+        {"type": "text", "text": header + "\nBe brief."},
+        header + "\nplain",
+    ]
+    user = [{"type": "input_text", "text": "a"}, "b", {"type": "thinking", "thinking": "c", "closed": True}]
+    assistant = [{"type": "output_text", "text": "d"}, {"type": "refusal", "refusal": "e"}]
+    tool = [{"type": "input_text", "text": "f"}, {"type": "output_text", "text": "g"}]
+    chat: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": assistant},
+        {"role": "tool", "content": tool, "tool_call_id": "t"},
+    ]
+    assert VLLM.messages(chat, "string", names_developer=False) == [
+        {"role": "system", "content": header + "\nkept\nBe brief.\nplain"},
+        {"role": "user", "content": "a\nb\nc"},
+        {"role": "assistant", "content": "d\ne"},
+        {"role": "tool", "content": "f\ng", "tool_call_id": "t"},
+    ]
+    texts = ([header + "\nkept", "Be brief.", "plain"], ["a", "b", "c"], ["d", "e"])
+    parts = [[{"type": "text", "text": t} for t in group] for group in texts]
+    assert VLLM.messages(chat, "openai", names_developer=False) == [
+        {"role": "system", "content": parts[0]},
+        {"role": "user", "content": parts[1]},
+        {"role": "assistant", "content": parts[2]},
+        {"role": "tool", "content": "f\ng", "tool_call_id": "t"},
+    ]
