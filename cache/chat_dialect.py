@@ -125,7 +125,8 @@ class ChatDialect:
             developer = developer or role == "developer"
             if not normalize:
                 out.append({**message, "content": value})
-            elif len(message) <= 2 and role != "developer":  # (role and content alone: the common message)
+            elif len(message) <= 2 and role != "developer" and ("content" in message or len(message) < 2):
+                # (Role and content alone: the common message; an assistant's role and tool calls are not.)
                 out.append({"role": role, "content": value})
             else:
                 out.append(_vllm_message(message, role, value))

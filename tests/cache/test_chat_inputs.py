@@ -101,6 +101,15 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]] = 
         [*SHORT, {"role": "assistant", "content": "Hello! The answer is "}],
         {"add_generation_prompt": False, "continue_final_message": True},
     ),
+    # An assistant message of tool calls and no "content" key: its calls were dropped, as if it said nothing.
+    "tool calls without content": (
+        {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": CALLS[:1]},
+                      {"role": "tool", "content": "18C", "tool_call_id": "c1"}]},
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
+                                                   "tool_calls": VLLM_HISTORY[2]["tool_calls"][:1]},
+         {"role": "tool", "content": "18C", "tool_call_id": "c1"}],
+        {},
+    ),
     "no generation prompt": ({"messages": SHORT, "add_generation_prompt": False}, SHORT,
                              {"add_generation_prompt": False}),
     "documents": (
