@@ -194,6 +194,13 @@ def _reordered(item: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any
     return out
 
 
+class ToolCallAsBuilt(dict[str, Any]):
+    """A tool call whose keys, and its function's, reach the template in the order they are in: vLLM's
+    Responses API builds an assistant's tool calls from function_call items itself (``{"id", "function":
+    {"name", "arguments"}, "type"}``) and renders them unvalidated, where its chat API's validation writes a
+    function's ``arguments`` before its ``name`` (a template may write a call out whole with ``tojson``)."""
+
+
 def _tool_calls(calls: Any) -> list[dict[str, Any]]:
     """An assistant's tool calls as vLLM gives them to templates: each function's ``arguments`` (a JSON
     string from OpenAI clients) parsed to an object, as templates expect; malformed JSON, or JSON that is not
@@ -207,9 +214,10 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]]:
             raise ChatContentError("an assistant message's tool_calls must be objects of type 'function'")
         if not isinstance(function, Mapping):
             raise ChatContentError("an assistant message's tool call needs its function, an object")
-        prepared = _reordered(function, _FUNCTION_KEYS)
+        as_built = isinstance(call, ToolCallAsBuilt)
+        prepared = dict(function) if as_built else _reordered(function, _FUNCTION_KEYS)
         prepared["arguments"] = _arguments(function.get("arguments"))
-        out.append({**_reordered(call, _CALL_KEYS), "function": prepared})
+        out.append({**(call if as_built else _reordered(call, _CALL_KEYS)), "function": prepared})
     return out
 
 
