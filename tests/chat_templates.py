@@ -37,3 +37,26 @@ TOOLS_CHATML = (
     "{%- if style is defined %}({{ style }}) {% endif %}"
     "{%- endif %}"
 )
+
+# Templates that write out everything they are given, for comparisons with vLLM (every key of every message,
+# in order, with tojson; then the content as it is, where continue_final_message cuts the text; the tools; the
+# variables requests set). DUMP is given each content as a string and does not know the developer role;
+# DUMP_PARTS loops over a message's content (so it is given parts) and knows it.
+_DUMP_HEAD = (
+    "{%- if tools is not none %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message | tojson }}\n"
+)
+_DUMP_TAIL = (
+    "<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{{ reasoning_effort | default('-') }} {{ enable_thinking | default('-') }} {{ style | default('-') }}\n"
+    "{%- endif %}"
+)
+DUMP = _DUMP_HEAD + "{{ message['content'] }}" + _DUMP_TAIL
+DUMP_PARTS = (
+    _DUMP_HEAD
+    + "{%- if message['role'] == 'developer' %}(developer) {% endif %}"
+    + "{%- if message['content'] is string %}{{ message['content'] }}{% else %}"
+    + "{%- for part in message['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}"
+    + _DUMP_TAIL
+)
