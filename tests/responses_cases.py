@@ -104,7 +104,8 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]] | None, list[dict[st
     "output message then reasoning and calls": (
         {"tools": [WEATHER], "input": [
             user("Go"),
-            said("Checking."),
+            said("Checking.", content=[{"type": "output_text", "text": "Checking.", "annotations": []},
+                                       {"type": "output_text", "text": "(vLLM reads only the first part)"}]),
             reasoning("think"),
             call("c1", "get_weather", '{"city": "Oslo"}'),
             call("c2", "get_weather", '{"city": "Rome"}'),
@@ -153,6 +154,16 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]] | None, list[dict[st
                       {"type": "output_text", "text": "One moment.", "annotations": []}]}],
     ),
     "empty input": ({"instructions": "Only this.", "input": []}, None, None),
+    "an assistant message without text takes the calls after it": (
+        {"input": [user("a"), {"role": "assistant", "content": []}, call("c1", "get_weather", "{}"),
+                   output("c1", "warm")]},
+        None, None,
+    ),
+    "a partial assistant message of a string": (
+        {"input": [user("Count"), {"type": "message", "role": "assistant", "content": "One,",
+                                   "status": "in_progress"}]},
+        None, None,
+    ),
 }  # fmt: skip
 
 # name -> (body, the field vLLM names in its 400)

@@ -19,7 +19,7 @@ import pytest
 
 from cache.chat_dialect import VLLM, ChatContentError
 from cache.responses_input import responses_chat_body
-from tests.responses_cases import CASES, REFUSED, REFUSED_HERE, WEATHER, call, output, said, user
+from tests.responses_cases import CASES, REFUSED, REFUSED_HERE, WEATHER, call, output, user
 
 _ASIDE = ("tools", "add_generation_prompt", "continue_final_message")
 
@@ -311,6 +311,30 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "continue_final_message": False,
         "variables": {},
     },
+    "an assistant message without text takes the calls after it": {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": {}}, "type": "function"}
+                ],
+            },
+            {"role": "tool", "content": "warm", "tool_call_id": "c1"},
+        ],
+        "tools": None,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "variables": {},
+    },
+    "a partial assistant message of a string": {
+        "messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One,"}],
+        "tools": None,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "variables": {},
+    },
 }
 
 
@@ -369,11 +393,3 @@ def test_a_function_call_written_out_whole_keeps_vllms_key_order() -> None:
         json.dumps(calls)
         == '[{"id": "c1", "function": {"name": "f", "arguments": {"x": 1}}, "type": "function"}]'
     )
-
-
-def test_only_an_output_messages_first_part_is_read() -> None:
-    # (vLLM's construct_chat_messages_with_tool_call reads content[0].text of a ResponseOutputMessage.)
-    two = said("first")
-    two["content"] = [*two["content"], {"type": "output_text", "text": "second", "annotations": []}]
-    chat = responses_chat_body({"input": [user("a"), two]})
-    assert chat["messages"][1] == {"role": "assistant", "content": "first"}
