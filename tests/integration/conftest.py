@@ -25,7 +25,7 @@ if not os.environ.get("KVGATE_VLLM_URLS"):
     # venv (KVGATE_VLLM_VENV), not an engine.
     collect_ignore_glob = ["test_*.py"] if not os.environ.get("KVGATE_VLLM_VENV") else ["test_vllm_[fp]*.py"]
 elif os.environ.get("KVGATE_VLLM_MODE", "fleet") == "pd":  # engine 0 prefills, engine 1 decodes (NIXL)
-    collect_ignore_glob = ["test_vllm_fleet.py", "test_vllm_responses.py", "bench_*.py"]
+    collect_ignore_glob = ["test_vllm_fleet.py", "test_vllm_responses*.py", "bench_*.py"]
 else:  # two plain engines
     collect_ignore_glob = ["test_vllm_pd.py"]
 
