@@ -70,7 +70,7 @@ class TextPart(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    content: str | list[TextPart | str] | None = Field(default=None, validate_default=True)  # (vLLM: str parts)
     name: str | None = None
 
     @field_validator("content")

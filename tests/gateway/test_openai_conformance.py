@@ -292,3 +292,23 @@ async def test_a_vllm_fleet_takes_more_than_four_stop_strings_and_vllms_own_fiel
     [completion_body] = engines["eu-west/v"].bodies("/v1/completions")
     assert chat_body["stop"] == stops and completion_body["stop"] == stops
     assert {k: chat_body[k] for k in extras} == extras
+
+
+async def test_a_content_part_given_as_a_plain_string_is_text_as_vllm_reads_it(
+    make_cluster: ClusterFactory,
+) -> None:
+    # vLLM takes a string among a message's content parts as a text part (its chat_utils); the gateway's
+    # schema refused the request (400 "content: must be a string, null, or an array of content parts").
+    cluster = await make_cluster({"eu-west": 1})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    strings = [{"role": "user", "content": ["tell me", "a story"]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "tell me"}, {"type": "text", "text": "a story"}],
+        }
+    ]
+    a = await client.chat.completions.create(model=MODEL, messages=strings, max_tokens=2)  # type: ignore[arg-type]
+    b = await client.chat.completions.create(model=MODEL, messages=parts, max_tokens=2)  # type: ignore[arg-type]
+    assert a.usage is not None and b.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens
+    await client.close()
