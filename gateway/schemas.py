@@ -70,7 +70,8 @@ class TextPart(_Open):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart | str] | None = Field(default=None, validate_default=True)  # (vLLM: str parts)
+    # (A part may be a plain string: vLLM reads it as a text part.)
+    content: str | list[TextPart | str] | None = Field(default=None, validate_default=True)
     name: str | None = None
 
     @field_validator("content")
