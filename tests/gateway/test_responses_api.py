@@ -226,3 +226,29 @@ async def test_a_continued_response_whose_engine_is_down_is_refused_not_sent_els
     with pytest.raises(openai.InternalServerError, match="unavailable"):
         await client.responses.retrieve(first.id)
     await client.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/responses/resp_1/unknown", 404),
+        ("GET", "/v1/responses/" + "r" * 5000, 404),
+        ("GET", "/v1/responses/..%2F..%2Fv1%2Fkv%2Fprefill", 404),
+        ("POST", "/v1/responses/resp_1", 404),
+        ("DELETE", "/v1/responses/resp_1/cancel", 404),
+        ("PUT", "/v1/responses/resp_1", 405),
+        ("GET", "/v1/responses/resp_1?stream=true", 400),
+    ],
+)
+async def test_requests_about_stored_responses_that_name_nothing_known_get_openai_errors(
+    make_cluster: ClusterFactory, method: str, path: str, status: int
+) -> None:
+    cluster, [engine], client = await fleet(make_cluster)
+    made = await client.responses.create(model=MODEL, input="hi")
+    assert cluster.session is not None
+    async with cluster.session.request(method, cluster.url + path.replace("resp_1", made.id)) as r:
+        body = await r.json()
+        assert r.status == status and set(body["error"]) == {"message", "type", "param", "code"}
+        assert r.headers["x-request-id"]
+    assert engine.asked == []
+    await client.close()
