@@ -127,16 +127,20 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
+def new_id(prefix: str) -> str:
+    """``<prefix><hex>``: the id of a response (``cmpl-``, ``chatcmpl-``, ``resp_``) or an item (``msg_``)."""
+    return f"{prefix}{_ID_PREFIX}{next(_id_counter):016x}"
+
+
 def new_response_id(kind: RequestKind) -> str:
-    """``cmpl-<hex>`` or ``chatcmpl-<hex>``."""
-    return f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{_ID_PREFIX}{next(_id_counter):016x}"
+    return new_id("chatcmpl-" if kind == "chat" else "cmpl-")
 
 
 # --------------------------------------------------------------------------------------------- parsing
 
 
 def parse_request(
-    body: bytes,
+    body: bytes | dict[str, Any],
     kind: RequestKind,
     *,
     served_model: str,
@@ -155,24 +159,11 @@ def parse_request(
 
     ``prompt_token_ids`` (a kvgate extension the gateway sends), or the same ids packed in
     ``prompt_token_ids_hex``, wins over ``prompt`` / ``messages``: the gateway already tokenized the prompt
-    to hash it, and re-tokenizing could only make the hashes disagree.
+    to hash it, and re-tokenizing could only make the hashes disagree. ``body`` may be read as JSON already
+    (the Responses API hands over the chat body it makes of its own).
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise OpenAIError("the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise OpenAIError("the request body must be a JSON object")
-
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise OpenAIError("model must be a string", param="model")
-    # A missing model means "whatever this engine serves": engines serve exactly one.
-    if model is not None and model != served_model:
-        raise OpenAIError(
-            f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
-        )
-
+    data = body if isinstance(body, dict) else load_body(body)
+    check_model(data, served_model)
     _reject_unsupported(data, kind, capabilities)
     if data.get(PACKED_IDS_FIELD) is not None:
         prompt_param = PACKED_IDS_FIELD
@@ -264,6 +255,28 @@ def parse_request(
         kv_pull=kv_pull,
         cache_shared_blocks=shared_blocks,
     )
+
+
+def load_body(body: bytes) -> dict[str, Any]:
+    """A request body as the JSON object it must be."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise OpenAIError("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    return data
+
+
+def check_model(data: dict[str, Any], served_model: str) -> None:
+    """A request's ``model``: missing means "whatever this engine serves" (engines serve exactly one)."""
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError("model must be a string", param="model")
+    if model is not None and model != served_model:
+        raise OpenAIError(
+            f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found"
+        )
 
 
 def _kv_transfer_params(params: Any) -> tuple[str | None, KvPull | None]:

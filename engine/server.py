@@ -207,38 +207,50 @@ class EngineServer:
                 capabilities=FULL,
                 vocab_size=self.info.vocab_size,
             )
-            prompt = req.prompt_token_ids.tolist()
-            namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
-
-            def start(index: int, params: SamplingParams, transfer: bool) -> AsyncGenerator[StepOutput, None]:
-                return self.engine.generate(
-                    f"{request_id}-{req.response_id}" + (f"-{index}" if index else ""),
-                    prompt,
-                    params,
-                    namespace,
-                    prefill_url=req.prefill_url if transfer else None,
-                    pull_url=req.kv_pull.url if req.kv_pull and transfer else None,
-                    pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
-                )
-
-            outputs = Choices(req, start)
-            first = await outputs.first()  # errors before the first token still become an HTTP error
+            outputs, first = await self.start(req)
         except OpenAIError as exc:
             return exc.to_response(headers)
-        except RequestRejected as exc:
-            return OpenAIError(str(exc), code="context_length_exceeded").to_response(headers)
-        except EngineDead as exc:
-            return engine_failed(exc).to_response(headers)
-        except KvTransferError as exc:
-            # Nothing reached the client yet: the gateway may retry with another prefill engine.
-            error = OpenAIError(str(exc), status=502, error_type="server_error", code="kv_transfer_failed")
-            return error.to_response(headers)
-        headers[TRANSFER_HEADER] = "remote" if req.prefill_url else "pull" if req.kv_pull else "local"
-        headers[TRANSFERRED_HEADER] = str(first.kv_transferred_tokens)
+        headers.update(self.transfer_headers(req, first))
         async with contextlib.aclosing(outputs):  # closing early (client gone) aborts the request
             if req.stream:
                 return await self._stream(request, req, first, outputs, headers)
             return await self._whole(req, first, outputs, headers)
+
+    async def start(self, req: GenerationRequest) -> tuple[Choices, StepOutput]:
+        """Start ``req``'s choices, and wait for choice 0's first output: any failure until then is an
+        :class:`OpenAIError`, which the client still gets as an HTTP error."""
+        prompt = req.prompt_token_ids.tolist()
+        namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
+
+        def start(index: int, params: SamplingParams, transfer: bool) -> AsyncGenerator[StepOutput, None]:
+            return self.engine.generate(
+                f"{req.request_id}-{req.response_id}" + (f"-{index}" if index else ""),
+                prompt,
+                params,
+                namespace,
+                prefill_url=req.prefill_url if transfer else None,
+                pull_url=req.kv_pull.url if req.kv_pull and transfer else None,
+                pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
+            )
+
+        outputs = Choices(req, start)
+        try:
+            return outputs, await outputs.first()
+        except RequestRejected as exc:
+            raise OpenAIError(str(exc), code="context_length_exceeded") from None
+        except EngineDead as exc:
+            raise engine_failed(exc) from None
+        except KvTransferError as exc:
+            # Nothing reached the client yet: the gateway may retry with another prefill engine.
+            raise OpenAIError(
+                str(exc), status=502, error_type="server_error", code="kv_transfer_failed"
+            ) from None
+
+    @staticmethod
+    def transfer_headers(req: GenerationRequest, first: StepOutput) -> dict[str, str]:
+        """Where the prompt's K/V came from, for the gateway."""
+        transfer = "remote" if req.prefill_url else "pull" if req.kv_pull else "local"
+        return {TRANSFER_HEADER: transfer, TRANSFERRED_HEADER: str(first.kv_transferred_tokens)}
 
     async def _whole(
         self,
