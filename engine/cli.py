@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from engine.cli_args import fraction, port_number, positive_float, positive_int
+from engine.cli_args import fraction, non_negative_int, port_number, positive_float, positive_int
 from engine.cli_tls import add_tls_arguments, tls_context
 from engine.kv_cache_sizing import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_MEMORY_GIB,
     KvCacheSizingError,
 )
+from engine.responses_store import DEFAULT_CAPACITY as DEFAULT_STORED_RESPONSES
 
 ENGINE_HELP = (
     "serve a model (Hugging Face layout) with kvgate's engine: OpenAI API, paged KV cache with prefix "
@@ -109,6 +110,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="its part in disaggregated serving, as the gateway sees it (default: both)",
     )
     parser.add_argument(
+        "--max-stored-responses",
+        type=non_negative_int,
+        default=DEFAULT_STORED_RESPONSES,
+        help="Responses API responses kept for previous_response_id and GET, the least recently used "
+        "dropped first; 0 keeps none (default: %(default)s)",
+    )
+    parser.add_argument(
         "--engine-core",
         choices=("auto", "process", "thread"),
         default="auto",
@@ -190,7 +198,11 @@ def run_engine(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs,
     )
     server_config = ServerConfig(
-        engine_id=args.engine_id or f"engine-{args.port}", host=args.host, port=args.port, role=args.role
+        engine_id=args.engine_id or f"engine-{args.port}",
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        responses_stored=args.max_stored_responses,
     )
     try:
         return serve(

@@ -36,6 +36,8 @@ from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response, openai_routing_errors, read_body
 from engine.openai_format import model_object, models_body, sse_response
 from engine.openai_sampling import FULL
+from engine.responses_api import ResponsesApi
+from engine.responses_store import DEFAULT_CAPACITY
 from engine.sequence import CacheNamespace, SamplingParams
 
 # remote: the prompt's K/V came from a prefill engine; pull: a pull from a peer's cache was asked for; local
@@ -53,6 +55,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     role: str = "both"
+    responses_stored: int = DEFAULT_CAPACITY  # responses kept for the Responses API (0: none)
 
 
 class EngineServer:
@@ -308,6 +311,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model:.+}", server.model_card)  # (ids may hold slashes: org/name)
     app.router.add_get("/health", server.health)
+    ResponsesApi(server, config.responses_stored).add_routes(app)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, server.counters, server.gauges))
     server.publisher.add_routes(app)
     return app
