@@ -8,11 +8,11 @@ What the engine cannot do (tools, structured output, background mode, conversati
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cache.tokens import Tokenizer
+from cache.tokens import ChatContentError, Tokenizer
 from engine.openai_api import (
     DEFAULT_MAX_TOKENS,
     GenerationRequest,
@@ -121,13 +121,7 @@ def parse_responses_request(
     if budget is not None:
         budget = int_param(budget, "max_output_tokens", lo=1)
     previous = _previous(data.get("previous_response_id"), history)
-
-    chat = _chat_body(data)
-    if previous is not None:
-        # vLLM's construct_input_messages: the instructions (never those of before), then the stored
-        # conversation, then the new input.
-        at = 1 if data.get("instructions") else 0
-        chat["messages"][at:at] = continued(previous)
+    chat = _chat_body(data, previous)
     chat.update((k, data[k]) for k in _CHAT_FIELDS if k in data)
     if previous is not None:
         for field in _GATEWAY_PROMPT_FIELDS:
@@ -155,15 +149,18 @@ def parse_responses_request(
     return ResponsesRequest(gen, data, chat["messages"], stream, store, logprobs)
 
 
-def continued(stored: StoredResponse) -> list[dict[str, Any]]:
-    """What a response continuing ``stored`` puts before its input (vLLM's construct_input_messages): the
-    stored chat without its system messages (instructions do not carry over), then each text part of the
-    stored output as an assistant message."""
-    messages = [m for m in stored.messages if m.get("role") != "system"]
-    for item in stored.response["output"]:
-        if item.get("type") == "message":
-            messages.extend({"role": "assistant", "content": part["text"]} for part in item["content"])
-    return messages
+def _chat_body(data: dict[str, Any], previous: StoredResponse | None) -> dict[str, Any]:
+    """The chat vLLM renders for the body, continuing ``previous`` if given (its chat, then its output)."""
+    history = None if previous is None else previous.messages
+    output = None if previous is None else previous.response["output"]
+    try:
+        chat = _responses_chat_body(data, history, output)
+    except ChatContentError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from None
+    # (Tools were refused above; a tool_choice of "auto" would have the chat path refuse it for asking.)
+    chat.pop("tools", None)
+    chat.pop("tool_choice", None)
+    return chat
 
 
 def _max_tokens(prompt_tokens: int, budget: int | None, max_model_len: int | None) -> int:
@@ -233,39 +230,49 @@ def _previous(response_id: Any, history: History) -> StoredResponse | None:
 
 # ------------------------------------------------------------------------- the input as a chat (stand-in)
 # cache.responses_input.responses_chat_body will do this for the gateway and the engine alike (function
-# calls and their outputs, reasoning items, the tools, ...); until it lands, the text conversations.
+# calls and their outputs, reasoning items, the tools, ...); until it lands, the text conversations, with
+# its signature and its errors.
 
 
-def _chat_body(data: dict[str, Any]) -> dict[str, Any]:
-    """The chat vLLM renders for a Responses body's instructions and input (construct_input_messages):
-    the instructions as a system message, a string input as a user message, message items as messages."""
-    instructions = data.get("instructions")
+def _responses_chat_body(
+    body: dict[str, Any],
+    history: Sequence[Mapping[str, Any]] | None = None,
+    previous_output: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The chat vLLM renders (construct_input_messages): the instructions as a system message, then the
+    ``history`` of a previous response without its system messages (instructions do not carry over) and
+    each text part of its ``previous_output`` as an assistant message, then a string input as a user
+    message, or message items as messages."""
+    instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise OpenAIError("instructions must be a string", param="instructions")
+        raise ChatContentError("instructions must be a string", param="instructions")
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    raw = data.get("input")
-    if raw is None:
-        raise OpenAIError("input is required", param="input")
+    if history is not None:
+        messages.extend(dict(m) for m in history if m.get("role") != "system")
+    for item in previous_output or ():
+        if item.get("type") == "message":
+            messages.extend({"role": "assistant", "content": part["text"]} for part in item["content"])
+    raw = body.get("input")
     if isinstance(raw, str):
         messages.append({"role": "user", "content": raw})
     elif isinstance(raw, list):
         messages.extend(_input_message(item) for item in raw)
     else:
-        raise OpenAIError("input must be a string or an array of input items", param="input")
+        raise ChatContentError("input must be a string or an array of input items", param="input")
     return {"messages": messages}
 
 
 def _input_message(item: Any) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise OpenAIError("input items must be objects", param="input")
+        raise ChatContentError("input items must be objects", param="input")
     kind, role = item.get("type", "message"), item.get("role")
     if kind != "message" or role not in _ROLES:
-        raise OpenAIError(f"Unsupported input item type: {kind}", param="input")  # (vLLM's words)
+        raise ChatContentError(f"Unsupported input item type: {kind}", param="input")  # (vLLM's words)
     content = item.get("content")
     if isinstance(content, str):
         return {"role": role, "content": content}
     if not isinstance(content, list):
-        raise OpenAIError("a message's content must be a string or an array of content parts", param="input")
+        raise ChatContentError("a message's content must be a string or an array of parts", param="input")
     texts = [_part_text(part) for part in content]
     if role == "assistant":  # (vLLM keeps an assistant message's first part only)
         return {"role": role, "content": texts[0] if texts else ""}
@@ -275,6 +282,6 @@ def _input_message(item: Any) -> dict[str, Any]:
 def _part_text(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-        raise OpenAIError(f"content parts of type {str(kind)[:50]!r} are not supported", param="input")
+        raise ChatContentError(f"content parts of type {str(kind)[:50]!r} are not supported", param="input")
     text: str = part["text"]
     return text
