@@ -43,7 +43,8 @@ INCLUDABLE = frozenset(
 # conversation only this engine has stored, so then it is rendered here.
 _GATEWAY_PROMPT_FIELDS = ("prompt_token_ids", PACKED_IDS_FIELD)
 # The fields of a Responses body that mean what they mean in a chat (vLLM's ResponsesRequest has them), and
-# kvgate's gateway extensions: handed to the chat parser as they are. vLLM ignores fields it does not know.
+# kvgate's gateway extensions: handed to the chat parser as they are (the template's inputs, such as
+# chat_template_kwargs, are the chat body's). vLLM ignores fields it does not know.
 _CHAT_FIELDS = (
     "temperature",
     "top_p",
@@ -60,7 +61,6 @@ _CHAT_FIELDS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
     "structured_outputs",
-    "chat_template_kwargs",
     "cache_salt",
     "kv_transfer_params",
     "cache_shared_blocks",
@@ -259,7 +259,10 @@ def _responses_chat_body(
         messages.extend(_input_message(item) for item in raw)
     else:
         raise ChatContentError("input must be a string or an array of input items", param="input")
-    return {"messages": messages}
+    chat: dict[str, Any] = {"messages": messages}
+    if body.get("chat_template_kwargs") is not None:
+        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
+    return chat
 
 
 def _input_message(item: Any) -> dict[str, Any]:

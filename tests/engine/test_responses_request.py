@@ -135,6 +135,7 @@ def test_sampling_and_logprobs_are_read_as_a_chats() -> None:
         ({"input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
         ({"input": "x", "include": ["file_search_call.everything"]}, 400, "include"),
         ({"input": "x", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
+        ({"input": "x", "chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ],
 )
 def test_refusals_name_the_responses_field(body: dict[str, Any], status: int, param: str) -> None:
