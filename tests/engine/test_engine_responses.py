@@ -301,7 +301,7 @@ def test_logprobs_come_with_the_include(client: openai.OpenAI, model: str) -> No
         ({"background": True}, 400, "background"),
         ({"max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": 7}, 400, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400, "input"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e"}]}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
         ({"input": "hello world " * 200}, 400, "input"),
         ({"include": ["everything"]}, 400, "include"),

@@ -50,7 +50,8 @@ def test_instructions_and_a_string_input_are_a_system_and_a_user_message() -> No
     assert (req.store, req.stream, req.logprobs) == (True, False, False)
 
 
-def test_message_items_take_their_text_parts() -> None:
+def test_message_items_are_rendered_with_their_text_parts() -> None:
+    """vLLM: text parts joined with newlines, an assistant message's first part only."""
     req = parse(
         {
             "input": [
@@ -59,15 +60,12 @@ def test_message_items_take_their_text_parts() -> None:
                     "role": "user",
                     "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
                 },
-                {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
             ]
         }
     )
-    assert req.messages == [
-        {"role": "developer", "content": "d"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "c"},
-    ]
+    as_chat = [{"role": "developer", "content": "d"}, {"role": "user", "content": "a\nb"}]
+    assert prompt_of(req) == render_chat([*as_chat, {"role": "assistant", "content": "c"}])
 
 
 def test_a_continuation_puts_the_stored_chat_and_output_between_instructions_and_input() -> None:
@@ -122,7 +120,7 @@ def test_sampling_and_logprobs_are_read_as_a_chats() -> None:
         ({}, 400, "input"),
         ({"input": []}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e"}]}, 400, "input"),
         ({"input": "x", "instructions": ["a"]}, 400, "instructions"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, 400, "tool_choice"),
