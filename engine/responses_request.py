@@ -1,6 +1,7 @@
 """A ``POST /v1/responses`` body (the OpenAI Responses API), read as vLLM 0.32 reads one for a model without
-Harmony: instructions, the stored conversation of a ``previous_response_id`` and the input become a chat,
-which is then parsed as ``/v1/chat/completions`` parses one, so that both render a conversation alike.
+Harmony: instructions, the stored conversation of a ``previous_response_id`` and the input become a chat
+(``cache.responses_input.responses_chat_body``, as the gateway makes it too), which is then parsed as
+``/v1/chat/completions`` parses one, so that both render a conversation alike.
 
 What the engine cannot do (tools, structured output, background mode, conversations) is refused with a
 400 naming the field, as the chat path refuses it: an answer that ignored it would be a different one.
@@ -8,10 +9,11 @@ What the engine cannot do (tools, structured output, background mode, conversati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cache.responses_input import responses_chat_body
 from cache.tokens import ChatContentError, Tokenizer
 from engine.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -66,8 +68,6 @@ _CHAT_FIELDS = (
     "cache_shared_blocks",
     *_GATEWAY_PROMPT_FIELDS,
 )
-_ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 
 # A stored response by id, or None.
 History = Callable[[str], StoredResponse | None]
@@ -154,7 +154,7 @@ def _chat_body(data: dict[str, Any], previous: StoredResponse | None) -> dict[st
     history = None if previous is None else previous.messages
     output = None if previous is None else previous.response["output"]
     try:
-        chat = _responses_chat_body(data, history, output)
+        chat = responses_chat_body(data, history, output)
     except ChatContentError as exc:
         raise OpenAIError(str(exc), param=exc.param) from None
     # (Tools were refused above; a tool_choice of "auto" would have the chat path refuse it for asking.)
@@ -226,65 +226,3 @@ def _previous(response_id: Any, history: History) -> StoredResponse | None:
     if stored is None:
         raise not_found(response_id)
     return stored
-
-
-# ------------------------------------------------------------------------- the input as a chat (stand-in)
-# cache.responses_input.responses_chat_body will do this for the gateway and the engine alike (function
-# calls and their outputs, reasoning items, the tools, ...); until it lands, the text conversations, with
-# its signature and its errors.
-
-
-def _responses_chat_body(
-    body: dict[str, Any],
-    history: Sequence[Mapping[str, Any]] | None = None,
-    previous_output: Sequence[Mapping[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The chat vLLM renders (construct_input_messages): the instructions as a system message, then the
-    ``history`` of a previous response without its system messages (instructions do not carry over) and
-    each text part of its ``previous_output`` as an assistant message, then a string input as a user
-    message, or message items as messages."""
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise ChatContentError("instructions must be a string", param="instructions")
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if history is not None:
-        messages.extend(dict(m) for m in history if m.get("role") != "system")
-    for item in previous_output or ():
-        if item.get("type") == "message":
-            messages.extend({"role": "assistant", "content": part["text"]} for part in item["content"])
-    raw = body.get("input")
-    if isinstance(raw, str):
-        messages.append({"role": "user", "content": raw})
-    elif isinstance(raw, list):
-        messages.extend(_input_message(item) for item in raw)
-    else:
-        raise ChatContentError("input must be a string or an array of input items", param="input")
-    chat: dict[str, Any] = {"messages": messages}
-    if body.get("chat_template_kwargs") is not None:
-        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
-    return chat
-
-
-def _input_message(item: Any) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        raise ChatContentError("input items must be objects", param="input")
-    kind, role = item.get("type", "message"), item.get("role")
-    if kind != "message" or role not in _ROLES:
-        raise ChatContentError(f"Unsupported input item type: {kind}", param="input")  # (vLLM's words)
-    content = item.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise ChatContentError("a message's content must be a string or an array of parts", param="input")
-    texts = [_part_text(part) for part in content]
-    if role == "assistant":  # (vLLM keeps an assistant message's first part only)
-        return {"role": role, "content": texts[0] if texts else ""}
-    return {"role": role, "content": [{"type": "text", "text": text} for text in texts]}
-
-
-def _part_text(part: Any) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-        raise ChatContentError(f"content parts of type {str(kind)[:50]!r} are not supported", param="input")
-    text: str = part["text"]
-    return text
