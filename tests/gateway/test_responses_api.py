@@ -6,6 +6,7 @@ about a stored response are asked of that engine, within the caller's tenant."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -251,4 +252,47 @@ async def test_requests_about_stored_responses_that_name_nothing_known_get_opena
         assert r.status == status and set(body["error"]) == {"message", "type", "param", "code"}
         assert r.headers["x-request-id"]
     assert engine.asked == []
+    await client.close()
+
+
+async def test_kvgate_engines_behind_the_gateway_continue_and_predict_responses(
+    make_cluster: ClusterFactory, tiny_model_dir: Path
+) -> None:
+    # Two of kvgate's own engines (the tiny model): a conversation by previous_response_id stays on the
+    # engine that keeps it and finds its earlier turns cached there; a stateless resend of a long prompt is
+    # predicted as cached exactly as the engine reports it.
+    cluster = await make_cluster(
+        {"eu-west": 2},
+        real_model=tiny_model_dir,
+        tokenizer=str(tiny_model_dir),
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    model = cluster.model
+    # (No instructions: vLLM leaves a response's instructions out of the next turn's prompt, whose blocks then
+    # differ from the first; kvgate's engine does the same.)
+    first = await client.responses.with_raw_response.create(
+        model=model, input="tell me about the weather in Paris today " * 8, max_output_tokens=4
+    )
+    holder, previous = first.headers["x-kvgate-engine"], first.parse().id
+    for turn in range(3):
+        raw = await client.responses.with_raw_response.create(
+            model=model, input=f"and then {turn}?", previous_response_id=previous, max_output_tokens=4
+        )
+        answer = raw.parse()
+        assert raw.headers["x-kvgate-engine"] == holder and answer.usage is not None
+        assert answer.usage.input_tokens_details.cached_tokens > 0
+        previous = answer.id
+    assert (await client.responses.retrieve(previous)).id == previous
+    long_instructions = "You answer questions about the weather, briefly. " * 30
+    for turn in range(2):
+        await asyncio.sleep(0.3)  # (the engine's KV events reach the gateway)
+        raw = await client.responses.with_raw_response.create(
+            model=model, instructions=long_instructions, input=f"question {turn}", max_output_tokens=2
+        )
+        usage = raw.parse().usage
+        assert usage is not None
+        assert (
+            int(raw.headers["x-kvgate-predicted-cached-tokens"]) == usage.input_tokens_details.cached_tokens
+        )
+        assert (usage.input_tokens_details.cached_tokens > 0) == (turn == 1)
     await client.close()
