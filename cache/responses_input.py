@@ -91,6 +91,10 @@ def responses_chat_body(
         chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     chat["add_generation_prompt"] = not continues
     chat["continue_final_message"] = continues
+    # vLLM tokenizes the rendered Responses prompt with its TokenizeParams' default, add_special_tokens=True
+    # (a chat's is false): a tokenizer that adds a BOS (Llama's, Mistral's) adds one before the template's
+    # text, which may hold a BOS of its own. Seen on vLLM's server: 261 input_tokens where the chat is 260.
+    chat["add_special_tokens"] = True
     return chat
 
 

@@ -166,23 +166,28 @@ class RequestPreparer:
         if isinstance(body, dict) and isinstance(body.get("input"), list):
             self._check_counts(body["input"], "input")
         if _heavy(request):
-            parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_responses, body)
+            parsed, chat, text = await asyncio.get_running_loop().run_in_executor(
+                None, self._parse_responses, body
+            )
         else:
-            parsed, text = self._parse_responses(body)
+            parsed, chat, text = self._parse_responses(body)
         tokens = await self.encode(text, _cache_salt(tenant, parsed))
+        if chat.get("add_special_tokens") is True:  # (as vLLM encodes a Responses prompt: a BOS first)
+            tokens = self.tokenizer.with_special_tokens(tokens)
         p = self._prepare(request, body, parsed, RESPONSES_PATH, tokens, tenant)
         if parsed.previous_response_id is not None:
             p.previous_response_id = parsed.previous_response_id
             p.chains = {key: [] for key in p.chains}
         return p
 
-    def _parse_responses(self, body: Any) -> tuple[ResponsesRequest, str]:
+    def _parse_responses(self, body: Any) -> tuple[ResponsesRequest, dict[str, Any], str]:
+        """The request, the chat vLLM makes of it, and that chat's prompt."""
         parsed = parse_responses(body)
         try:
             chat = responses_chat_body(body)
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
-        return parsed, self._render(parsed.model, chat)
+        return parsed, chat, self._render(parsed.model, chat)
 
     def _dialect(self, model: str) -> ChatDialect:
         """``chat_dialect`` of the model's engines, counted again only when the fleet's table of them is

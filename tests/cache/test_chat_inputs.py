@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -17,6 +18,8 @@ from cache.chat_dialect import VLLM
 from cache.tokens import HFTokenizer, load_tokenizer
 from engine.openai_api import parse_request
 from engine.openai_errors import OpenAIError
+from engine.responses_request import parse_responses_request
+from engine.responses_store import ResponseStore
 from gateway.config import GatewaySettings
 from gateway.http.errors import InvalidRequest
 from gateway.prepare import RequestPreparer
@@ -24,7 +27,7 @@ from region_map.config import parse_topology
 from region_map.fleet import Fleet
 from tests.cache.test_token_cache_tenants import FakeClientRequest
 from tests.chat_templates import TOOLS_CHATML
-from tests.models import make_tokenizer_dir
+from tests.models import make_bos_tokenizer_dir, make_tokenizer_dir
 
 WEATHER = {
     "type": "function",
@@ -226,3 +229,31 @@ async def test_template_inputs_of_the_wrong_shape_are_refused_naming_the_field(
         with pytest.raises(OpenAIError) as engine_error:
             parse_request(orjson.dumps(body), "chat", served_model="m", tokenizer=load_tokenizer(model_dir))  # type: ignore[arg-type]
         assert engine_error.value.param == param
+
+
+async def test_a_responses_prompt_gets_the_special_tokens_its_tokenizer_adds_as_vllm_encodes_it(
+    tmp_path: Path,
+) -> None:
+    # vLLM encodes the prompt it renders for a Responses request with add_special_tokens (TokenizeParams'
+    # default; a chat's is false): with a BOS-adding tokenizer its input_tokens were one more than the
+    # gateway's (261 against 260 on vLLM 0.32's server), and every block hashed was shifted by one.
+    directory = make_bos_tokenizer_dir(tmp_path / "bos")
+    tok = load_tokenizer(directory)
+    engine = {"name": "e", "url": "http://127.0.0.1:9", "model": "m", "kind": "vllm"}
+    fleet = Fleet(parse_topology({"region": "r", "regions": [{"name": "r", "engines": [engine]}]}))
+    preparer = RequestPreparer(GatewaySettings(), fleet, tok)
+    bos = tok.with_special_tokens(np.empty(0, dtype=np.uint32)).tolist()
+    assert bos
+    chat = await preparer.chat(
+        FakeClientRequest(), {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    responses = await preparer.responses(FakeClientRequest(), {"model": "m", "input": "hi"})
+    assert responses.token_ids.tolist() == bos + chat.token_ids.tolist()
+    # ... and so does kvgate's engine, which renders the request itself.
+    served = parse_responses_request(
+        orjson.dumps({"model": "m", "input": "hi"}),
+        served_model="m",
+        tokenizer=tok,
+        history=ResponseStore().get,
+    )
+    assert served.gen.prompt_token_ids.tolist() == responses.token_ids.tolist()
