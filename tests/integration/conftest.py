@@ -78,12 +78,23 @@ def vllm_fleet() -> VllmFleet:
 
 @contextlib.asynccontextmanager
 async def gateway_in_front(
-    fleet: VllmFleet, *, roles: Sequence[str] | None = None, **settings: Any
+    fleet: VllmFleet,
+    *,
+    roles: Sequence[str] | None = None,
+    engine_options: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[tuple[str, Gateway]]:
     """kvgate (in this process) in front of the engines, configured as an operator would: a URL, a kind and
-    the engine's event endpoints; model, block size and load are discovered. Yields (its URL, the Gateway)."""
+    the engine's event endpoints (and ``engine_options``, e.g. tools); model, block size and load are
+    discovered. Yields (its URL, the Gateway)."""
     engines: list[dict[str, Any]] = [
-        {"name": f"v{i}", "url": url, "kind": "vllm", "role": (roles or ["both"] * len(fleet.urls))[i]}
+        {
+            "name": f"v{i}",
+            "url": url,
+            "kind": "vllm",
+            "role": (roles or ["both"] * len(fleet.urls))[i],
+            **(engine_options or {}),
+        }
         for i, url in enumerate(fleet.urls)
     ]
     for i, engine in enumerate(engines[: len(fleet.kv_events)]):  # none: the gateway's own routing records

@@ -45,7 +45,7 @@ def bodies(model: str) -> list[dict[str, Any]]:
 
 
 async def test_the_gateway_renders_responses_requests_as_long_as_vllm_does(vllm_fleet: VllmFleet) -> None:
-    async with gateway_in_front(vllm_fleet) as (_, gateway):
+    async with gateway_in_front(vllm_fleet, engine_options={"tools": True}) as (_, gateway):
         await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
         client = openai.AsyncOpenAI(base_url=vllm_fleet.urls[0] + "/v1", api_key="unused", max_retries=0)
         for body in bodies(vllm_fleet.model):
@@ -89,7 +89,7 @@ async def test_responses_are_predicted_and_continued_where_they_are_kept(vllm_fl
             previous = raw.parse().id
         assert len(engines) == 1
         got = await client.responses.retrieve(previous)
-        assert got.id == previous and got.status == "completed"
+        assert got.id == previous and got.status in ("completed", "incomplete")  # (cut at 4 tokens)
         # The other engine does not know it: only the gateway's binding made every turn above work.
         other = next(e.url for e in gateway.fleet if e.id not in engines)
         async with session.get(f"{other}/v1/responses/{previous}") as r:
