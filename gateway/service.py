@@ -78,7 +78,9 @@ class Gateway:
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
-        self.stored = StoredResponses(state, fleet, clients, config.gateway.read_timeout_s)
+        self.stored = StoredResponses(
+            state, fleet, clients, config.gateway.read_timeout_s, tenants_apart=config.gateway.auth.enabled
+        )
         self.resilience = r = config.gateway.resilience
         for engine in fleet:
             engine.down_quiet_s = r.unhealthy_silence_s
@@ -129,8 +131,8 @@ class Gateway:
             body = await self.prepare.read_json(request)
             p = await prepare(request, body, caller.tenant)
             p.key_id = caller.key_id
-            if p.previous_response_id is not None:  # (unknown to every gateway: any engine may hold it)
-                holder = await self.stored.engine_of(p.tenant, p.previous_response_id)
+            if p.previous_response_id is not None:
+                holder = await self.stored.continued(p.tenant, p.previous_response_id)
                 p.pinned_engine = holder.id if holder is not None else None
             tokens = await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
             if tokens is not None:

@@ -35,17 +35,27 @@ def response_key(response_id: str) -> str:
     return _KEY + response_id
 
 
-def not_found(response_id: str) -> NotFound:
+def not_found(response_id: str, param: str = "response_id") -> NotFound:
     """vLLM's own answer for an id it does not hold (its message, param and status)."""
-    return NotFound(f"Response with id '{response_id[:MAX_RESPONSE_ID]}' not found.", param="response_id")
+    return NotFound(f"Response with id '{response_id[:MAX_RESPONSE_ID]}' not found.", param=param)
 
 
 class StoredResponses:
-    def __init__(self, state: SharedState, fleet: Fleet, clients: UpstreamClients, read_timeout_s: float):
+    def __init__(
+        self,
+        state: SharedState,
+        fleet: Fleet,
+        clients: UpstreamClients,
+        read_timeout_s: float,
+        *,
+        tenants_apart: bool = False,
+    ):
         self.state = state
         self.fleet = fleet
         self.clients = clients
         self.read_timeout_s = read_timeout_s
+        # With authentication on, an engine cannot tell tenants apart: only a binding says whose it is.
+        self.tenants_apart = tenants_apart
 
     def bind(self, tenant: str, engine: EngineState, response: dict[str, Any]) -> None:
         """Note where ``response`` (as its engine first announced it) is kept, unless it is not kept."""
@@ -61,6 +71,16 @@ class StoredResponses:
         if binding is None:
             return None
         return self.fleet.engines.get(binding.engine)
+
+    async def continued(self, tenant: str, response_id: str) -> EngineState | None:
+        """The engine a request continuing ``response_id`` (``previous_response_id``) must go to. An id no
+        gateway bound for ``tenant`` is NotFound when tenants are kept apart: on the engine that keeps it, it
+        may be another tenant's conversation. Otherwise (one tenant: a binding expired, or made by a gateway
+        that could not reach Redis) None: any engine may hold it, and one that does not answers 404."""
+        engine = await self.engine_of(tenant, response_id)
+        if engine is None and self.tenants_apart:
+            raise not_found(response_id, param="previous_response_id")
+        return engine
 
     async def answer(self, request: LeanRequest, tenant: str, rid: str) -> web.Response:
         """The answer to ``request`` (an id in ``match_info["response"]``, maybe with an action) for a

@@ -191,6 +191,35 @@ async def test_another_tenants_response_is_not_found(make_cluster: ClusterFactor
     await asyncio.gather(acme.close(), globex.close())
 
 
+async def test_another_tenants_response_cannot_be_continued(make_cluster: ClusterFactory) -> None:
+    # An id no gateway bound for the caller's tenant went to any engine, and the engine that keeps it
+    # continued another tenant's conversation: its history reached the prompt of a stranger's request.
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"acme": {}, "globex": {}}
+    )
+    store = cluster.gateway.billing.keys
+    keys = {t: (await create_key(store, t))[0] for t in ("acme", "globex")}
+    acme = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
+    globex = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["globex"], max_retries=0)
+    response = await acme.responses.create(model=MODEL, input="acme's secret")
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as raised:
+            await globex.responses.create(
+                model=MODEL, input="what did I say?", previous_response_id=response.id, stream=stream
+            )
+        assert raised.value.body == {
+            "message": f"Response with id '{response.id}' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": None,
+        }
+        assert raised.value.response.headers["x-request-id"]
+    assert len(engine.bodies) == 1
+    await acme.responses.create(model=MODEL, input="and then?", previous_response_id=response.id)
+    assert len(engine.bodies) == 2
+    await asyncio.gather(acme.close(), globex.close())
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
