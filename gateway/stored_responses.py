@@ -9,6 +9,7 @@ once, Redis for the others), under its tenant: another tenant's request never fi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -57,13 +58,19 @@ class StoredResponses:
         # With authentication on, an engine cannot tell tenants apart: only a binding says whose it is.
         self.tenants_apart = tenants_apart
 
-    def bind(self, tenant: str, engine: EngineState, response: dict[str, Any]) -> None:
-        """Note where ``response`` (as its engine first announced it) is kept, unless it is not kept."""
+    def bind(self, tenant: str, engine: EngineState, response: dict[str, Any]) -> asyncio.Future[Any] | None:
+        """Note where ``response`` (as its engine first announced it) is kept, unless it is not kept.
+
+        The id is new: it is claimed in Redis at once, not behind the writer's backlog, since the client may
+        ask any gateway about it as soon as it has it. Returns the claim's answer (bounded by the Redis read
+        timeout), which a whole answer waits for before it is sent; None when Redis is not written now."""
         response_id = response.get("id")
         if response.get("store") is False or not isinstance(response_id, str) or not response_id:
-            return
+            return None
+        key = response_key(response_id)
         binding = SessionBinding(engine.region, engine.id, time.time())
-        self.state.bind_session(tenant, response_key(response_id), binding)
+        self.state.bind_session(tenant, key, binding, claim=True)
+        return self.state.claims.get((tenant, key))
 
     async def engine_of(self, tenant: str, response_id: str) -> EngineState | None:
         """The engine that holds ``response_id``, as far as any gateway knows (None: nobody knows it)."""

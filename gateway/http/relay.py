@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, Protocol, cast
 
 import orjson
@@ -90,12 +90,12 @@ async def relay_whole(
     read_timeout_s: float,
     metrics: GatewayMetrics,
     accounting: Accounting,
-    on_answer: Callable[[dict[str, Any]], None] | None = None,
+    on_answer: Callable[[dict[str, Any]], Awaitable[Any] | None] | None = None,
 ) -> WholeAnswer | web.Response:
     """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``.
     An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
     ``UpstreamTimedOut``: nothing reached the client, another engine may answer. ``on_answer`` sees a 200's
-    answer before it is relayed."""
+    answer before it is relayed; what it returns, if anything, is awaited before the answer goes out."""
     try:
         data = await read_answer(upstream, read_timeout_s)
     except UpstreamTimeout:
@@ -119,8 +119,7 @@ async def relay_whole(
         # it with an error of its own. Nothing reached the client yet, so another engine may answer.
         metrics.upstream_error(engine_id, "malformed_answer")
         raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
-    if on_answer is not None:
-        on_answer(answer)
+    noted = on_answer(answer) if on_answer is not None else None
     usage = answer.get("usage")
     if not isinstance(usage, dict):
         usage = None
@@ -129,6 +128,8 @@ async def relay_whole(
         answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
     accounting.done(usage, None, "completed", 0)
+    if noted is not None:
+        await asyncio.shield(noted)  # (shared: a client that leaves does not cancel it for others)
     return WholeAnswer(data, headers)
 
 

@@ -27,7 +27,7 @@ _READ = re.compile(
 _DELTA = re.compile(rb'"type": ?"response\.[a-z_.]+\.delta"')  # a piece of output: about one token each
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
-OnResponse = Callable[[dict[str, Any]], None]  # the response object, as first announced
+OnResponse = Callable[[dict[str, Any]], object]  # the response object, as first announced
 
 
 class ResponsesStreamTap:

@@ -15,6 +15,7 @@ import pytest
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.redis_prefixes import REDIS_URL
 from tests.responses_engine import USAGE, ResponsesEngine, sse_event
 
 PRICES = {MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
@@ -218,6 +219,29 @@ async def test_another_tenants_response_cannot_be_continued(make_cluster: Cluste
     await acme.responses.create(model=MODEL, input="and then?", previous_response_id=response.id)
     assert len(engine.bodies) == 2
     await asyncio.gather(acme.close(), globex.close())
+
+
+async def test_a_response_made_through_one_gateway_is_found_at_once_through_another(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Its binding went to Redis behind the writer's backlog: the client, continuing or reading it through
+    # another gateway as soon as it had the id, was told it does not exist (or sent to the wrong engine).
+    shared = {"redis_url": REDIS_URL, "routing": {"policy": "least_load"}}
+    cluster, engines, first = await fleet(make_cluster, 2, **shared)
+    options = {f"eu-west/e{i}": {"kv_events": False} for i in range(2)}
+    _, url = await cluster.add_gateway(
+        "eu-west", redis_prefix=cluster.redis_prefix, engine_options=options, **shared
+    )
+    second = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    for turn in range(10):
+        made = await first.responses.create(model=MODEL, input=f"q{turn}", stream=turn % 2 == 1)
+        if isinstance(made, openai.AsyncStream):
+            made = [event async for event in made][-1].response
+        assert (await second.responses.retrieve(made.id)).id == made.id
+        holder = next(e for e in engines if made.id in e.kept)
+        nxt = await second.responses.create(model=MODEL, input="and then?", previous_response_id=made.id)
+        assert nxt.id in holder.kept
+    await asyncio.gather(first.close(), second.close())
 
 
 @pytest.mark.parametrize(
