@@ -174,8 +174,12 @@ class RequestAccount:
                   record.completion_tokens, record.cost_picodollars)  # fmt: skip
         self.billing.record(record)
         self.metrics.usage_recorded(record.status, record.estimated)
-        # Admission charged the budget; an answer that went past it (sent without one) is charged the rest.
-        self.billing.charge_overrun(p.tenant, p.key_id, record.completion_tokens - p.output_budget)
+        # Admission charged the prompt the gateway saw and the budget; what the answer took past them is
+        # charged now: the output of a chat sent without a budget, and the history a continued Responses
+        # request read on its engine (its prompt there, the gateway's only the new input).
+        overrun = max(record.prompt_tokens - p.prompt_tokens, 0)
+        overrun += max(record.completion_tokens - p.output_budget, 0)
+        self.billing.charge_overrun(p.tenant, p.key_id, overrun)
 
     def _record(
         self, prompt: int, cached: int, completion: int, status: str, *, estimated: bool

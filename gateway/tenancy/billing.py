@@ -150,9 +150,10 @@ class Billing:
         return ratelimit_headers("tokens", allowance)
 
     def charge_overrun(self, tenant: str, key_id: str, tokens: int) -> None:
-        """Charge tokens an answer generated past what admission charged for it (a chat sent without a
-        budget writes what the engine's context leaves) to the caller's tokens per minute: never refused,
-        since they are spent, they come out of what the caller's next requests may take."""
+        """Charge tokens an answer used past what admission charged for it (a chat sent without a budget
+        writes what the engine's context leaves; a continued Responses request reads its history on the
+        engine) to the caller's tokens per minute: never refused, since they are spent, they come out of
+        what the caller's next requests may take."""
         if tokens <= 0:
             return
         tpm = self.tenant(tenant).tokens_per_minute or self.auth.tokens_per_minute

@@ -244,6 +244,28 @@ async def test_a_response_made_through_one_gateway_is_found_at_once_through_anot
     await asyncio.gather(first.close(), second.close())
 
 
+async def test_the_history_a_continued_response_read_counts_against_the_token_limit(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Admission counts a continued response's new input alone (the history is on its engine). The engine's
+    # usage then said 1990 input tokens, but only an overrun of output tokens was charged afterwards: turn
+    # after turn, a conversation's whole history went past tokens_per_minute uncounted.
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"small": {"tokens_per_minute": 2000}}
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    first = await client.responses.create(model=MODEL, input="hi", max_output_tokens=8)
+    engine.usage = {**USAGE, "input_tokens": 1990, "total_tokens": 1993}
+    await client.responses.create(
+        model=MODEL, input="and then?", previous_response_id=first.id, max_output_tokens=8
+    )
+    await records(cluster, 2)
+    with pytest.raises(openai.RateLimitError):
+        await client.responses.create(model=MODEL, input="hi", max_output_tokens=8)
+    await client.close()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
