@@ -318,7 +318,7 @@ class RequestPreparer:
             record_id=record_id,
             max_tokens=max_tokens,
             budget_named=budget_named,
-            choices=_choices(body),
+            choices=_choices(body) if path != RESPONSES_PATH else 1,  # (a Response is one answer: no n)
             tools=tools_field is not None,
         )
 

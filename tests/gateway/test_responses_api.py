@@ -266,6 +266,18 @@ async def test_the_history_a_continued_response_read_counts_against_the_token_li
     await client.close()
 
 
+async def test_a_responses_request_is_one_answer_whatever_n_it_names(make_cluster: ClusterFactory) -> None:
+    # The Responses API has no n (vLLM's ignores it): admission charged n answers' budgets all the same.
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"small": {"tokens_per_minute": 1000}}
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    await client.responses.create(model=MODEL, input="hi", max_output_tokens=16, extra_body={"n": 100})
+    assert engine.bodies[0]["n"] == 100  # (forwarded, as unknown fields are)
+    await client.close()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
