@@ -20,6 +20,7 @@ from cache.sessions import SessionBinding
 from gateway.http.errors import InvalidRequest, NotFound, Unavailable
 from gateway.http.lean_request import LeanRequest
 from gateway.http.relay import MAX_ERROR_BODY, read_answer
+from gateway.http.retry_after import retry_after_headers
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamError
 from gateway.state.shared_state import SharedState
@@ -28,6 +29,7 @@ from region_map.fleet import EngineState, Fleet
 # Session ids come from a header, which holds no space: a response's key is never a client's session.
 _KEY = "response "
 MAX_RESPONSE_ID = 256
+REDIS_AWAY_RETRY_AFTER_S = 1.0  # (the background writer probes Redis about once a second)
 # (method, what follows the id) of the requests about a stored response: OpenAI's, and vLLM's cancel.
 _ROUTES = frozenset({("GET", ""), ("DELETE", ""), ("POST", "cancel"), ("GET", "input_items")})
 
@@ -86,8 +88,19 @@ class StoredResponses:
         that could not reach Redis) None: any engine may hold it, and one that does not answers 404."""
         engine = await self.engine_of(tenant, response_id)
         if engine is None and self.tenants_apart:
-            raise not_found(response_id, param="previous_response_id")
+            raise self._unknown(response_id, "previous_response_id")
         return engine
+
+    def _unknown(self, response_id: str, param: str) -> NotFound | Unavailable:
+        """The answer for an id no gateway bound for the caller: NotFound, unless Redis, where the other
+        gateways' bindings are, cannot be asked now (it may have been made through one of them)."""
+        if self.state.redis is not None and self.state.writer.failing:
+            return Unavailable(
+                f"cannot tell where response '{response_id}' is kept while Redis is unreachable; "
+                "retry shortly",
+                headers=retry_after_headers(REDIS_AWAY_RETRY_AFTER_S),
+            )
+        return not_found(response_id, param)
 
     async def answer(self, request: LeanRequest, tenant: str, rid: str) -> web.Response:
         """The answer to ``request`` (an id in ``match_info["response"]``, maybe with an action) for a
@@ -116,7 +129,7 @@ class StoredResponses:
             raise not_found(response_id)
         engine = await self.engine_of(tenant, response_id)
         if engine is None:
-            raise not_found(response_id)
+            raise self._unknown(response_id, "response_id")
         if not engine.healthy:
             raise Unavailable(f"engine {engine.id}, which holds response '{response_id}', is unavailable")
         pool = self.clients.pool(engine.url)

@@ -16,6 +16,7 @@ from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import create_key
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_prefixes import REDIS_URL
+from tests.redis_process import RedisProcess
 from tests.responses_engine import USAGE, ResponsesEngine, sse_event
 
 PRICES = {MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
@@ -241,6 +242,37 @@ async def test_a_response_made_through_one_gateway_is_found_at_once_through_anot
         holder = next(e for e in engines if made.id in e.kept)
         nxt = await second.responses.create(model=MODEL, input="and then?", previous_response_id=made.id)
         assert nxt.id in holder.kept
+    await asyncio.gather(first.close(), second.close())
+
+
+async def test_while_redis_is_away_another_gateways_response_is_unavailable_not_unknown(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    # A response made through one gateway while Redis is away is known there alone (Redis gets it back when
+    # it returns). Another gateway, which cannot ask Redis, said it does not exist (404): the client gave up
+    # a conversation that its engine still keeps. It is a 503 now, which the SDK retries.
+    shared = {"redis_url": private_redis.url, "auth": {"enabled": True}, "tenants": {"acme": {}}}
+    cluster, engines, _ = await fleet(make_cluster, 1, **shared)
+    key = (await create_key(cluster.gateway.billing.keys, "acme"))[0]
+    options = {"eu-west/e0": {"kv_events": False}}
+    other, url = await cluster.add_gateway(
+        "eu-west", redis_prefix=cluster.redis_prefix, engine_options=options, **shared
+    )
+    first = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    second = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    await asyncio.gather(first.models.list(), second.models.list())  # (the key is known before Redis goes)
+    private_redis.stop()
+    gateways = (cluster.gateway, other)
+    await cluster.wait_for(lambda: all(g.state.writer.failing for g in gateways), within_s=5)
+    made = await first.responses.create(model=MODEL, input="hi")
+    for ask in (
+        second.responses.retrieve(made.id),
+        second.responses.create(model=MODEL, input="and then?", previous_response_id=made.id),
+    ):
+        with pytest.raises(openai.InternalServerError) as raised:
+            await ask
+        assert raised.value.status_code == 503 and "Redis" in raised.value.message
+    assert made.id in engines[0].kept and len(engines[0].bodies) == 1
     await asyncio.gather(first.close(), second.close())
 
 
