@@ -78,8 +78,9 @@ class Gateway:
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
+        s = self.settings
         self.stored = StoredResponses(
-            state, fleet, clients, config.gateway.read_timeout_s, tenants_apart=config.gateway.auth.enabled
+            state, fleet, clients, metrics, s.read_timeout_s, tenants_apart=s.auth.enabled
         )
         self.resilience = r = config.gateway.resilience
         for engine in fleet:

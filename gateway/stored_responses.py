@@ -14,15 +14,17 @@ import time
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import orjson
 from aiohttp import web
 
 from cache.sessions import SessionBinding
-from gateway.http.errors import InvalidRequest, NotFound, Unavailable
+from gateway.http.errors import InvalidRequest, NotFound, Unavailable, UpstreamFailed
 from gateway.http.lean_request import LeanRequest
-from gateway.http.relay import MAX_ERROR_BODY, read_answer
+from gateway.http.relay import engine_error, read_answer
 from gateway.http.retry_after import retry_after_headers
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamError
+from gateway.observability.metrics import GatewayMetrics
 from gateway.state.shared_state import SharedState
 from region_map.fleet import EngineState, Fleet
 
@@ -49,6 +51,7 @@ class StoredResponses:
         state: SharedState,
         fleet: Fleet,
         clients: UpstreamClients,
+        metrics: GatewayMetrics,
         read_timeout_s: float,
         *,
         tenants_apart: bool = False,
@@ -56,6 +59,7 @@ class StoredResponses:
         self.state = state
         self.fleet = fleet
         self.clients = clients
+        self.metrics = metrics
         self.read_timeout_s = read_timeout_s
         # With authentication on, an engine cannot tell tenants apart: only a binding says whose it is.
         self.tenants_apart = tenants_apart
@@ -116,15 +120,13 @@ class StoredResponses:
         path = "/v1/responses/" + quote(response_id, safe="") + ("/" + action if action else "")
         if query:
             path += "?" + urlencode(list(query.items()))
-        status, data = await self.forward(tenant, request.method, response_id, path, [("X-Request-Id", rid)])
-        headers = {"x-request-id": rid}
-        return web.Response(body=data, status=status, content_type="application/json", headers=headers)
+        return await self.forward(tenant, request.method, response_id, path, rid)
 
-    async def forward(
-        self, tenant: str, method: str, response_id: str, path: str, headers: list[tuple[str, str]]
-    ) -> tuple[int, bytes]:
-        """Send a request about a stored response to the engine holding it: (status, body) of its answer.
-        NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked."""
+    async def forward(self, tenant: str, method: str, response_id: str, path: str, rid: str) -> web.Response:
+        """Send a request about a stored response to the engine holding it, and relay its answer: a 200's
+        JSON object, or its error as an OpenAI error (``relay.engine_error``: a 5xx becomes a 502).
+        NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked,
+        UpstreamFailed for a 200 that is no JSON object (a proxy's page)."""
         if len(response_id) > MAX_RESPONSE_ID:
             raise not_found(response_id)
         engine = await self.engine_of(tenant, response_id)
@@ -133,11 +135,26 @@ class StoredResponses:
         if not engine.healthy:
             raise Unavailable(f"engine {engine.id}, which holds response '{response_id}', is unavailable")
         pool = self.clients.pool(engine.url)
+        headers = {"x-request-id": rid}
         try:
-            upstream = await pool.request(method, path, b"", headers, header_timeout=self.read_timeout_s)
+            upstream = await pool.request(
+                method, path, b"", [("X-Request-Id", rid)], header_timeout=self.read_timeout_s
+            )
             data = await read_answer(upstream, self.read_timeout_s)
         except UpstreamError as exc:
             raise Unavailable(
                 f"engine {engine.id}, which holds response '{response_id}', failed: {exc}"
             ) from None
-        return upstream.status, data[:MAX_ERROR_BODY] if upstream.status != 200 else data
+        if upstream.status != 200:
+            return engine_error(engine.id, upstream.status, data, headers, self.metrics)
+        if not isinstance(_loads(data), dict):
+            self.metrics.upstream_error(engine.id, "malformed_answer")
+            raise UpstreamFailed(f"engine {engine.id} answered 200 with a body that is no JSON object")
+        return web.Response(body=data, content_type="application/json", headers=headers)
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None

@@ -45,6 +45,7 @@ class ResponsesEngine:
         self.bodies: list[dict[str, Any]] = []
         self.asked: list[tuple[str, str]] = []  # (method, path with query) of the requests about kept ones
         self.script: list[bytes] | None = None  # events to stream instead of the usual ones
+        self.about_answer: tuple[int, str] | None = None  # (status, text) for requests about kept ones
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/v1/responses", self.create)
@@ -89,6 +90,9 @@ class ResponsesEngine:
 
     async def about(self, request: web.Request) -> web.Response:
         self.asked.append((request.method, request.path_qs))
+        if self.about_answer is not None:
+            status, text = self.about_answer
+            return web.Response(status=status, text=text)
         response_id, _, action = request.match_info["rest"].partition("/")
         kept = self.kept.get(response_id)
         if kept is None:

@@ -311,6 +311,31 @@ async def test_a_responses_request_is_one_answer_whatever_n_it_names(make_cluste
 
 
 @pytest.mark.parametrize(
+    ("status", "body", "relayed"),
+    [
+        (500, "Internal Server Error", 502),  # (a crashed handler, a proxy's page)
+        (404, "404: Not Found", 404),  # (an engine without the route)
+        (200, "<html>a proxy's page</html>", 502),
+    ],
+)
+async def test_what_an_engine_answers_about_a_stored_response_reaches_the_sdk_as_an_openai_error(
+    make_cluster: ClusterFactory, status: int, body: str, relayed: int
+) -> None:
+    # Relayed as it came, labelled JSON: the SDK raised "Error code: 500" with no message, or failed parsing
+    # a 200 with a JSONDecodeError of its own. Now as the completions path relays an engine's answer.
+    _, [engine], client = await fleet(make_cluster)
+    made = await client.responses.create(model=MODEL, input="hi")
+    engine.about_answer = (status, body)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await client.responses.retrieve(made.id)
+    error = raised.value
+    assert error.status_code == relayed and error.request_id
+    assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
+    assert "engine eu-west/e0" in error.message
+    await client.close()
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"input": 5}, "input"),
