@@ -103,3 +103,9 @@ class ResponsesEngine:
         if action == "input_items":
             return web.json_response({"object": "list", "data": [], "has_more": False})
         return web.json_response(kept)
+
+
+if __name__ == "__main__":  # (a process of its own: python -m tests.responses_engine PORT NAME)
+    import sys
+
+    web.run_app(ResponsesEngine(sys.argv[2]).app, port=int(sys.argv[1]), print=None)

@@ -131,6 +131,69 @@ def test_workers_without_redis_need_redis_server_installed(tmp_path: Path) -> No
     assert "redis-server" in line and "--redis" in line and "Traceback" not in line
 
 
+def test_a_response_made_on_one_worker_is_found_at_once_on_another(tmp_path: Path) -> None:
+    """Each request on a new connection (the kernel picks the worker): retrieving or continuing a response
+    at once found it on the other worker only once its binding had gone through the workers' Redis behind
+    their write backlog (about half of them were 404s)."""
+    ports = [_distinct_ports()[0] for _ in range(2)]
+    while ports[0] == ports[1]:
+        ports[1] = _distinct_ports()[0]
+    engines = [
+        subprocess.Popen([sys.executable, "-m", "tests.responses_engine", str(p), f"e{i}"])
+        for i, p in enumerate(ports)
+    ]
+    _, port, operator = _distinct_ports()
+    listed = ", ".join(
+        f'{{ name = "e{i}", url = "http://127.0.0.1:{p}", kv_events = false }}' for i, p in enumerate(ports)
+    )
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{listed}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
+        '[gateway.routing]\npolicy = "least_load"\n'
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "serve", "--config", str(config), "--workers", "2"], stderr=log_file
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_port_open(p) for p in (port, operator, operator + 1)):
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        for p in (operator, operator + 1):
+            while _engines_healthy(p) != 2:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        for n in range(16):
+            made = _responses(port, "POST", "", {"model": MODEL, "input": f"question {n}"})
+            assert _responses(port, "GET", "/" + made["id"])["id"] == made["id"], n
+            body = {"model": MODEL, "input": "and then?", "previous_response_id": made["id"]}
+            assert _responses(port, "POST", "", body)["previous_response_id"] == made["id"], n
+        assert _routed(operator) > 0 and _routed(operator + 1) > 0  # both workers answered
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        for engine in engines:
+            engine.kill()
+            engine.wait()
+
+
+def _responses(port: int, method: str, path: str, body: object = None) -> dict[str, object]:
+    """A /v1/responses request on a new connection; its answer (urllib raises for an error status)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/responses{path}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        answer: dict[str, object] = json.loads(r.read())
+        return answer
+
+
 def _engines_healthy(operator_port: int) -> int:
     """The engines a worker's /health counts healthy; it answers 503 while none is, with the same body."""
     try:
