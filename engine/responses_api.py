@@ -53,6 +53,9 @@ class ResponsesApi:
                 max_model_len=server.info.max_model_len,
                 vocab_size=server.info.vocab_size,
             )
+            # An engine that keeps none says so in the response, as vLLM does without its store: a gateway
+            # binds only the ids of responses said to be stored.
+            req.store = req.store and self.store.capacity > 0
             outputs, first = await server.start(req.gen)
         except OpenAIError as exc:
             return exc.to_response(headers)

@@ -76,3 +76,21 @@ async def test_the_store_keeps_the_most_recently_used_responses(start: Serve) ->
             await client.responses.retrieve(made[1].id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(input="on", previous_response_id=made[1].id)
+
+
+async def test_an_engine_that_keeps_no_responses_says_they_are_not_stored(start: Serve) -> None:
+    # As vLLM without its store (it sets the request's store to false): --max-stored-responses 0 answered
+    # store: true for a response it then did not find, and a gateway bound its id to the engine.
+    _, url = await start(0)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        made = await client.responses.create(input="hi", max_output_tokens=1)
+        assert made.store is False
+        events = [
+            e async for e in await client.responses.create(input="hi", max_output_tokens=1, stream=True)
+        ]
+        assert [e.response.store for e in events if e.type in ("response.created", "response.completed")] == [
+            False,
+            False,
+        ]
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(made.id)
