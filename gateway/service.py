@@ -133,7 +133,7 @@ class Gateway:
             p = await prepare(request, body, caller.tenant)
             p.key_id = caller.key_id
             if p.previous_response_id is not None:
-                holder = await self.stored.continued(p.tenant, p.previous_response_id)
+                holder = await self.stored.continued(p.tenant, p.previous_response_id, p.model)
                 p.pinned_engine = holder.id if holder is not None else None
             tokens = await self.billing.admit_tokens(caller, len(p.token_ids), p.output_budget)
             if tokens is not None:

@@ -85,14 +85,21 @@ class StoredResponses:
             return None
         return self.fleet.engines.get(binding.engine)
 
-    async def continued(self, tenant: str, response_id: str) -> EngineState | None:
-        """The engine a request continuing ``response_id`` (``previous_response_id``) must go to. An id no
+    async def continued(self, tenant: str, response_id: str, model: str) -> EngineState | None:
+        """The engine a request for ``model`` continuing ``response_id`` (``previous_response_id``) must go
+        to: InvalidRequest when it does not serve that model (no other engine can stand in). An id no
         gateway bound for ``tenant`` is NotFound when tenants are kept apart: on the engine that keeps it, it
         may be another tenant's conversation. Otherwise (one tenant: a binding expired, or made by a gateway
         that could not reach Redis) None: any engine may hold it, and one that does not answers 404."""
         engine = await self.engine_of(tenant, response_id)
         if engine is None and self.tenants_apart:
             raise self._unknown(response_id, "previous_response_id")
+        if engine is not None and engine not in self.fleet.serving(model):
+            raise InvalidRequest(
+                f"response '{response_id}' is kept by engine {engine.id}, which does not serve model "
+                f"'{model}': continue it with the model that made it, or send the conversation as input",
+                param="previous_response_id",
+            )
         return engine
 
     def _unknown(self, response_id: str, param: str) -> NotFound | Unavailable:

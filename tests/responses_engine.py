@@ -38,8 +38,9 @@ def not_found(response_id: str) -> web.Response:
 class ResponsesEngine:
     _ids = itertools.count(1)
 
-    def __init__(self, name: str, *, usage: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, *, usage: dict[str, Any] | None = None, model: str = MODEL) -> None:
         self.name = name
+        self.model = model
         self.usage = usage or USAGE
         self.kept: dict[str, dict[str, Any]] = {}
         self.bodies: list[dict[str, Any]] = []
@@ -52,7 +53,7 @@ class ResponsesEngine:
         self.app.router.add_route("*", "/v1/responses/{rest:.+}", self.about)
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": MODEL, "block_size": 16, "kv_events": False})
+        return web.json_response({"status": "ok", "model": self.model, "block_size": 16, "kv_events": False})
 
     def _response(self, body: dict[str, Any], status: str) -> dict[str, Any]:
         response_id = f"resp_{self.name}_{next(self._ids)}"

@@ -310,6 +310,30 @@ async def test_a_responses_request_is_one_answer_whatever_n_it_names(make_cluste
     await client.close()
 
 
+async def test_a_response_continued_with_a_model_its_engine_does_not_serve_is_a_400(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Only the engine that keeps the response can continue it: one that does not serve the model asked for
+    # left no engine to route to, a 503 "no healthy engine ... right now" that the SDK retried to no end.
+    engines = {"e0": ResponsesEngine("e0"), "e1": ResponsesEngine("e1", model="other")}
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={f"eu-west/{name}": e.app for name, e in engines.items()},
+        engine_options={
+            "eu-west/e0": {"kv_events": False},
+            "eu-west/e1": {"kv_events": False, "model": "other"},
+        },
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    made = await client.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.responses.create(model="other", input="and then?", previous_response_id=made.id)
+    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "previous_response_id"
+    assert "does not serve model 'other'" in raised.value.message
+    assert engines["e1"].bodies == [] and len(engines["e0"].bodies) == 1
+    await client.close()
+
+
 @pytest.mark.parametrize(
     ("status", "body", "relayed"),
     [
