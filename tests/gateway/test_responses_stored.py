@@ -1,0 +1,150 @@
+"""Where stored responses are found through the gateway (tests/responses_engine.py behind it): within the
+caller's tenant only, at once through any gateway sharing its Redis, a 503 while Redis cannot say, never on
+an engine that does not serve the model asked for; and what the engine answers about them reaches the SDK as
+an OpenAI error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from gateway.tenancy.tenants import create_key
+from tests.gateway.test_responses_api import fleet
+from tests.harness import MODEL, ClusterFactory
+from tests.redis_prefixes import REDIS_URL
+from tests.redis_process import RedisProcess
+from tests.responses_engine import ResponsesEngine
+
+
+async def test_another_tenants_response_cannot_be_continued(make_cluster: ClusterFactory) -> None:
+    # An id no gateway bound for the caller's tenant went to any engine, and the engine that keeps it
+    # continued another tenant's conversation: its history reached the prompt of a stranger's request.
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"acme": {}, "globex": {}}
+    )
+    store = cluster.gateway.billing.keys
+    keys = {t: (await create_key(store, t))[0] for t in ("acme", "globex")}
+    acme = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
+    globex = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["globex"], max_retries=0)
+    response = await acme.responses.create(model=MODEL, input="acme's secret")
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as raised:
+            await globex.responses.create(
+                model=MODEL, input="what did I say?", previous_response_id=response.id, stream=stream
+            )
+        assert raised.value.body == {
+            "message": f"Response with id '{response.id}' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": None,
+        }
+        assert raised.value.response.headers["x-request-id"]
+    assert len(engine.bodies) == 1
+    await acme.responses.create(model=MODEL, input="and then?", previous_response_id=response.id)
+    assert len(engine.bodies) == 2
+    await asyncio.gather(acme.close(), globex.close())
+
+
+async def test_a_response_made_through_one_gateway_is_found_at_once_through_another(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Its binding went to Redis behind the writer's backlog: the client, continuing or reading it through
+    # another gateway as soon as it had the id, was told it does not exist (or sent to the wrong engine).
+    shared = {"redis_url": REDIS_URL, "routing": {"policy": "least_load"}}
+    cluster, engines, first = await fleet(make_cluster, 2, **shared)
+    options = {f"eu-west/e{i}": {"kv_events": False} for i in range(2)}
+    _, url = await cluster.add_gateway(
+        "eu-west", redis_prefix=cluster.redis_prefix, engine_options=options, **shared
+    )
+    second = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    for turn in range(10):
+        made = await first.responses.create(model=MODEL, input=f"q{turn}", stream=turn % 2 == 1)
+        if isinstance(made, openai.AsyncStream):
+            made = [event async for event in made][-1].response
+        assert (await second.responses.retrieve(made.id)).id == made.id
+        holder = next(e for e in engines if made.id in e.kept)
+        nxt = await second.responses.create(model=MODEL, input="and then?", previous_response_id=made.id)
+        assert nxt.id in holder.kept
+    await asyncio.gather(first.close(), second.close())
+
+
+async def test_while_redis_is_away_another_gateways_response_is_unavailable_not_unknown(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    # A response made through one gateway while Redis is away is known there alone (Redis gets it back when
+    # it returns). Another gateway, which cannot ask Redis, said it does not exist (404): the client gave up
+    # a conversation that its engine still keeps. It is a 503 now, which the SDK retries.
+    shared = {"redis_url": private_redis.url, "auth": {"enabled": True}, "tenants": {"acme": {}}}
+    cluster, engines, _ = await fleet(make_cluster, 1, **shared)
+    key = (await create_key(cluster.gateway.billing.keys, "acme"))[0]
+    options = {"eu-west/e0": {"kv_events": False}}
+    other, url = await cluster.add_gateway(
+        "eu-west", redis_prefix=cluster.redis_prefix, engine_options=options, **shared
+    )
+    first = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    second = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    await asyncio.gather(first.models.list(), second.models.list())  # (the key is known before Redis goes)
+    private_redis.stop()
+    gateways = (cluster.gateway, other)
+    await cluster.wait_for(lambda: all(g.state.writer.failing for g in gateways), within_s=5)
+    made = await first.responses.create(model=MODEL, input="hi")
+    for ask in (
+        second.responses.retrieve(made.id),
+        second.responses.create(model=MODEL, input="and then?", previous_response_id=made.id),
+    ):
+        with pytest.raises(openai.InternalServerError) as raised:
+            await ask
+        assert raised.value.status_code == 503 and "Redis" in raised.value.message
+    assert made.id in engines[0].kept and len(engines[0].bodies) == 1
+    await asyncio.gather(first.close(), second.close())
+
+
+async def test_a_response_continued_with_a_model_its_engine_does_not_serve_is_a_400(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Only the engine that keeps the response can continue it: one that does not serve the model asked for
+    # left no engine to route to, a 503 "no healthy engine ... right now" that the SDK retried to no end.
+    engines = {"e0": ResponsesEngine("e0"), "e1": ResponsesEngine("e1", model="other")}
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={f"eu-west/{name}": e.app for name, e in engines.items()},
+        engine_options={
+            "eu-west/e0": {"kv_events": False},
+            "eu-west/e1": {"kv_events": False, "model": "other"},
+        },
+    )
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    made = await client.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.responses.create(model="other", input="and then?", previous_response_id=made.id)
+    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "previous_response_id"
+    assert "does not serve model 'other'" in raised.value.message
+    assert engines["e1"].bodies == [] and len(engines["e0"].bodies) == 1
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "relayed"),
+    [
+        (500, "Internal Server Error", 502),  # (a crashed handler, a proxy's page)
+        (404, "404: Not Found", 404),  # (an engine without the route)
+        (200, "<html>a proxy's page</html>", 502),
+    ],
+)
+async def test_what_an_engine_answers_about_a_stored_response_reaches_the_sdk_as_an_openai_error(
+    make_cluster: ClusterFactory, status: int, body: str, relayed: int
+) -> None:
+    # Relayed as it came, labelled JSON: the SDK raised "Error code: 500" with no message, or failed parsing
+    # a 200 with a JSONDecodeError of its own. Now as the completions path relays an engine's answer.
+    _, [engine], client = await fleet(make_cluster)
+    made = await client.responses.create(model=MODEL, input="hi")
+    engine.about_answer = (status, body)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await client.responses.retrieve(made.id)
+    error = raised.value
+    assert error.status_code == relayed and error.request_id
+    assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
+    assert "engine eu-west/e0" in error.message
+    await client.close()
