@@ -33,8 +33,8 @@ from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
 from gateway.observability.worker_metrics import WorkerMetrics
-from gateway.prepare import RESPONSES_PATH
 from gateway.redis_connection import check_redis, redis_client, redis_db
+from gateway.request_limits import RESPONSES_PATH
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.state.kv_events import KvEventConsumer

@@ -19,6 +19,7 @@ from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
 from gateway.http.errors import InvalidRequest, ModelNotFound
 from gateway.request_body import ClientRequest, read_json
+from gateway.request_limits import RESPONSES_PATH, check_counts, output_budget
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
 from gateway.schemas import (
@@ -35,7 +36,6 @@ from region_map.config import EngineKind
 from region_map.fleet import ChainKey, EngineState, Fleet
 
 SESSION_HEADER = "x-session-affinity"
-RESPONSES_PATH = "/v1/responses"
 # The field a prompt is refused by, per endpoint.
 _PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", RESPONSES_PATH: "input"}
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
@@ -62,7 +62,9 @@ class Prepared:
     shared_tokens: int = 0  # leading tokens of an operator-declared public prefix every tenant shares
     key_id: str = ""
     record_id: str = ""  # the ledger's idempotency key: unique per request, whatever the client sends
-    max_tokens: int = 16  # per choice, exactly what the engine is told (see RequestPreparer._output_budget)
+    max_tokens: int = (
+        16  # per choice, exactly what the engine is told (see gateway.request_limits.output_budget)
+    )
     # False: a chat that named no budget, sent without one (the engine writes what its context leaves, as
     # OpenAI's chat does); ``max_tokens`` is then only what admission charges before the answer is known.
     budget_named: bool = True
@@ -133,7 +135,7 @@ class RequestPreparer:
         return await read_json(request, self.settings.max_body_bytes)
 
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
-        self._check_counts(body.get("messages") if isinstance(body, dict) else None)
+        check_counts(self.settings, body.get("messages") if isinstance(body, dict) else None)
         if _heavy(request):
             parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_chat, body)
         else:
@@ -164,7 +166,7 @@ class RequestPreparer:
         (``Prepared.previous_response_id``); its prompt starts with history the gateway never saw, so it is
         not hashed: no cached tokens are predicted for it, and only its new input is admitted."""
         if isinstance(body, dict) and isinstance(body.get("input"), list):
-            self._check_counts(body["input"], "input")
+            check_counts(self.settings, body["input"], "input")
         if _heavy(request):
             parsed, chat, text = await asyncio.get_running_loop().run_in_executor(
                 None, self._parse_responses, body
@@ -201,26 +203,6 @@ class RequestPreparer:
         if engines:
             self._dialects[model] = (engines, dialect)
         return dialect
-
-    def _check_counts(self, messages: Any, field: str = "messages") -> None:
-        """Bounds that cost nothing to check, before validation whose cost grows with what they bound: a body
-        of a quarter million empty messages is small on the wire and would take seconds to validate."""
-        if not isinstance(messages, list):
-            return  # (validation says what is wrong)
-        limit = self.settings.max_messages
-        if len(messages) > limit:
-            raise InvalidRequest(
-                f"{field} has {len(messages)} items; this gateway allows at most {limit}", param=field
-            )
-        parts = sum(
-            len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
-        )
-        if parts > self.settings.max_content_parts:
-            raise InvalidRequest(
-                f"the {field} have {parts} content parts; this gateway allows at most "
-                f"{self.settings.max_content_parts}",
-                param=field,
-            )
 
     async def completion(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         if _heavy(request):  # (a prompt of a million token ids takes 0.2 s to validate)
@@ -273,7 +255,7 @@ class RequestPreparer:
                 "configured with tools = true)",
                 param=tools_field,
             )
-        max_tokens, budget_param, budget_named = self._output_budget(body, path)
+        max_tokens, budget_param, budget_named = output_budget(self.settings, body, path)
         if max_tokens > s.max_output_tokens:
             raise InvalidRequest(
                 f"{budget_param} is {max_tokens}; this gateway allows at most {s.max_output_tokens}",
@@ -333,41 +315,6 @@ class RequestPreparer:
         """The id of a request with this ``x-request-id`` header (None: without one): the client's when it is
         sane, else a new one. The HTTP layer names what no handler named with it (``gateway.http.edge``)."""
         return request_id(raw, self._new_record_id())
-
-    def _output_budget(self, body: dict[str, Any], path: str) -> tuple[int, str, bool]:
-        """(tokens per choice the engine will generate at most, the parameter that says so, whether the
-        engine is told), read as the engines read it: chat takes ``max_completion_tokens`` over
-        ``max_tokens``; legacy completions know only ``max_tokens``.
-
-        A completion naming none gets ``default_max_tokens`` (OpenAI's 16), written into ``body`` so that
-        no engine's own default decides instead. A chat naming none is OpenAI's "as long as the context
-        allows": it is sent without one unless ``default_chat_max_tokens`` is set (a fixed budget could only
-        be wrong: past an engine's context, vLLM refuses the request); admission then charges
-        ``default_max_tokens`` and the tokens generated past it are charged when the answer is done."""
-        chat = path != "/v1/completions"  # (a Responses request budgets as a chat does)
-        if path == RESPONSES_PATH:
-            param = "max_output_tokens"
-        elif chat and body.get("max_completion_tokens") is not None:
-            param = "max_completion_tokens"
-        else:
-            if body.get("max_completion_tokens") is not None:
-                raise InvalidRequest(
-                    "max_completion_tokens is not a parameter of /v1/completions; use max_tokens",
-                    param="max_completion_tokens",
-                )
-            param = "max_tokens"
-        requested = body.get(param)
-        if isinstance(requested, int):  # (the schema checked its type when present)
-            return requested, param, True
-        s = self.settings
-        if not chat:
-            default = s.default_max_tokens
-        elif s.default_chat_max_tokens is not None:
-            default = s.default_chat_max_tokens
-        else:
-            return s.default_max_tokens, param, False  # sent without one; admission's charge
-        body[param] = default
-        return default, param, True
 
     def _shared_tokens(self, token_ids: np.ndarray) -> int:
         """Length of the longest declared shared prefix this prompt starts with."""

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from aiohttp import web
 from cache.tokens import Tokenizer
 from gateway.config import KvgateConfig
 from gateway.engine_refusals import Retryable, raise_refusal
+from gateway.health_report import HealthReport
 from gateway.http.engine_body import engine_body
 from gateway.http.errors import (
     GatewayError,
@@ -39,7 +39,8 @@ from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import RESPONSES_PATH, Prepared, RequestPreparer
+from gateway.prepare import Prepared, RequestPreparer
+from gateway.request_limits import RESPONSES_PATH
 from gateway.routing import RoutingPolicy
 from gateway.routing.route import Route
 from gateway.routing.router import Router
@@ -48,6 +49,7 @@ from gateway.stored_responses import StoredResponses
 from gateway.tenancy.accounting import RequestAccount
 from gateway.tenancy.billing import Billing, Caller
 from gateway.tenancy.tenants import Tenant
+from gateway.waits import Waits
 from region_map.breaker import CircuitBreaker
 from region_map.config import EngineKind, Role
 from region_map.fleet import EngineState, Fleet
@@ -79,6 +81,8 @@ class Gateway:
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
         self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
         s = self.settings
+        self.health_report = HealthReport(fleet, state, billing)
+        self.waits = Waits(config.gateway)
         self.stored = StoredResponses(
             state, fleet, clients, metrics, s.read_timeout_s, tenants_apart=s.auth.enabled
         )
@@ -171,40 +175,7 @@ class Gateway:
         return {"id": model, "object": "model", "created": self.started, "owned_by": "kvgate"}
 
     async def health(self, request: LeanRequest) -> web.Response:
-        return self.health_response(details=True)
-
-    def redis_status(self) -> str:
-        """ "off" (no Redis configured), "on", or "unreachable": known without asking Redis (the last
-        writes to it, shared state's and the ledger's, failed)."""
-        if self.state.redis is None:
-            return "off"
-        return "unreachable" if self.state.writer.failing or self.billing.writer.degraded else "on"
-
-    def journal_status(self) -> str:
-        """ "off" (an in-process ledger needs no crash journal), "ok", or "failing" (the disk refuses it)."""
-        journal = self.billing.journal
-        if journal is None:
-            return "off"
-        return "failing" if journal.failing else "ok"
-
-    def health_response(self, details: bool) -> web.Response:
-        """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
-        healthy = sum(1 for e in self.fleet if e.healthy)
-        status = 200 if healthy else 503
-        if not details:
-            return _json({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
-        body = {
-            "status": "ok" if healthy else "no_healthy_engine",
-            "gateway_id": self.state.gateway_id,
-            "region": self.fleet.region,
-            "redis": self.redis_status(),
-            "ledger": self.billing.writer.state,
-            "journal": self.journal_status(),
-            "engines_healthy": healthy,
-            "engines_total": len(self.fleet),
-            "engines": [e.describe() for e in self.fleet],
-        }
-        return _json(body, status=status)
+        return self.health_report.response(details=True)
 
     # -- serving -------------------------------------------------------------------------------------
 
@@ -230,33 +201,9 @@ class Gateway:
                 if exc.busy_s is not None:
                     soonest_busy_s = min(soonest_busy_s, exc.busy_s)
                 if attempt + 1 < attempts:  # (after the last attempt the client gets the error at once)
-                    await asyncio.sleep(self._backoff_s(attempt))
+                    await asyncio.sleep(self.waits.backoff_s(attempt))
         assert last is not None  # (max_attempts is at least 1)
         raise last.answer(soonest_busy_s)
-
-    def _backoff_s(self, attempt: int) -> float:
-        """Exponential, with jitter so that requests failed together do not retry together."""
-        base = self.resilience.retry_backoff_s * float(2**attempt)
-        return base * (0.5 + random.random())
-
-    def _header_timeout_s(self, p: Prepared) -> float:
-        """How long an engine may take to start answering: a stream's response header, or a whole answer.
-        A whole answer gets ``s_per_output_token`` for each token of its budget and is not cut at the
-        engine-silence limit: it is silent by nature until it is done, and cutting a long one short would
-        only have another engine start it over (a frozen engine is failed over by its health instead)."""
-        r = self.resilience
-        if p.stream:
-            return min(r.first_byte_timeout_s, self.settings.read_timeout_s)
-        # (A chat sent without a budget may write what the engine's context leaves: the largest budget.)
-        budget = p.max_tokens if p.budget_named else self.settings.max_output_tokens
-        return r.first_byte_timeout_s + budget * r.s_per_output_token
-
-    def _queue_wait_s(self, route: Route) -> float:
-        """The prompt's estimated wait for its prefill (its own included), added to the first-byte limit:
-        a known queue is no silence. kvgate's engines send a stream's header with its first token, so a
-        request queued past the limit was failed over onto other full engines, and opened their breakers."""
-        s = self.settings.routing.prefill_s_per_token
-        return route.computing.queued_prefill_tokens(route.clock(), s) * s
 
     # -- dispatch --------------------------------------------------------------------------------------
 
@@ -278,7 +225,7 @@ class Gateway:
             return None, None
         if prefill.kind is EngineKind.KVGATE:
             return {"kv_transfer_params": {"prefill_url": prefill.url, "prefill_engine": prefill.id}}, None
-        timeout = self._header_timeout_s(p) + queue_wait_s
+        timeout = self.waits.header_timeout_s(p) + queue_wait_s
         body = engine_body(p, prefill, default_block_size=self.settings.block_size)
         try:
             if prefill.kind is EngineKind.VLLM:
@@ -328,7 +275,7 @@ class Gateway:
         try:
             self.metrics.overhead.observe(time.perf_counter() - received)
             account.dispatched()
-            queue_wait_s = self._queue_wait_s(route)
+            queue_wait_s = self.waits.queue_wait_s(route)
             try:
                 additions: dict[str, Any] | None = None
                 if pull is not None or prefill is not None:
@@ -341,7 +288,7 @@ class Gateway:
                     p.path,
                     orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                     [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
-                    header_timeout=self._header_timeout_s(p) + queue_wait_s,
+                    header_timeout=self.waits.header_timeout_s(p) + queue_wait_s,
                     started=lambda response: _track(engine, response, exchanges),
                 )
                 upstream = await (sglang_prefill.race(sent) if sglang_prefill is not None else sent)

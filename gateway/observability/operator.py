@@ -57,7 +57,7 @@ def public_health(gateway: Gateway) -> LeanHandler:
         details = not billing.auth.enabled or (
             authorization is not None and (await billing.identify(authorization)).admin
         )
-        return gateway.health_response(details)
+        return gateway.health_report.response(details)
 
     return health
 

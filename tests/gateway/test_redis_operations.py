@@ -122,6 +122,6 @@ async def test_a_redis_that_may_evict_the_ledger_is_named_at_start(
             assert f"maxmemory-policy {warned}" in line and "noeviction" in line
             assert "ledger" in line and server.url in line
         status, _, _ = await cluster.post("/v1/chat/completions", chat("hello"))
-        assert status == 200 and cluster.gateway.redis_status() == "on"
+        assert status == 200 and cluster.gateway.health_report.redis_status() == "on"
     finally:
         server.stop()

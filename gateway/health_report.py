@@ -1,0 +1,57 @@
+"""The gateway's health as ``/health`` reports it: whether an engine can answer, and for operators, the state
+of Redis, the ledger, the usage journal and every engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.state.shared_state import SharedState
+from gateway.tenancy.billing import Billing
+from region_map.fleet import Fleet
+
+
+class HealthReport:
+    def __init__(self, fleet: Fleet, state: SharedState, billing: Billing) -> None:
+        self.fleet = fleet
+        self.state = state
+        self.billing = billing
+
+    def redis_status(self) -> str:
+        """ "off" (no Redis configured), "on", or "unreachable": known without asking Redis (the last
+        writes to it, shared state's and the ledger's, failed)."""
+        if self.state.redis is None:
+            return "off"
+        return "unreachable" if self.state.writer.failing or self.billing.writer.degraded else "on"
+
+    def journal_status(self) -> str:
+        """ "off" (an in-process ledger needs no crash journal), "ok", or "failing" (the disk refuses it)."""
+        journal = self.billing.journal
+        if journal is None:
+            return "off"
+        return "failing" if journal.failing else "ok"
+
+    def response(self, details: bool) -> web.Response:
+        """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
+        healthy = sum(1 for e in self.fleet if e.healthy)
+        status = 200 if healthy else 503
+        if not details:
+            return _json({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
+        body = {
+            "status": "ok" if healthy else "no_healthy_engine",
+            "gateway_id": self.state.gateway_id,
+            "region": self.fleet.region,
+            "redis": self.redis_status(),
+            "ledger": self.billing.writer.state,
+            "journal": self.journal_status(),
+            "engines_healthy": healthy,
+            "engines_total": len(self.fleet),
+            "engines": [e.describe() for e in self.fleet],
+        }
+        return _json(body, status=status)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
