@@ -26,7 +26,7 @@ def check_counts(settings: GatewaySettings, messages: Any, field: str = "message
     )
     if parts > settings.max_content_parts:
         raise InvalidRequest(
-            f"the {field} have {parts} content parts; this gateway allows at most "
+            f"{field} holds {parts} content parts in all; this gateway allows at most "
             f"{settings.max_content_parts}",
             param=field,
         )

@@ -116,11 +116,18 @@ class Gateway:
         the engine that holds the response (``gateway.stored_responses``)."""
         caller = await self._caller(request)
         rid = self.prepare.refused_request_id(request)
+        limits: dict[str, str] = {}
         try:
-            return await self.stored.answer(request, caller.tenant.name, rid)
+            # Each costs the engine a request: counted against the caller's limit, as a usage read is.
+            limits = await self.billing.admit_request(caller) or {}
+            answer = await self.stored.answer(request, caller.tenant.name, rid)
         except GatewayError as exc:
             exc.headers["x-request-id"] = rid
+            for name, value in limits.items():
+                exc.headers.setdefault(name, value)
             raise
+        answer.headers.update(limits)
+        return answer
 
     async def _complete(
         self, request: LeanRequest, prepare: Callable[[LeanRequest, Any, Tenant], Awaitable[Prepared]]

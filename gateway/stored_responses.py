@@ -120,7 +120,7 @@ class StoredResponses:
         if (request.method, action) not in _ROUTES:
             raise NotFound(f"no route for {request.method} /v1/responses/{response_id}/{action[:64]}")
         query = request.query
-        if query.get("stream", "false").lower() != "false":
+        if query.get("stream", "false").lower() not in ("false", "0"):
             raise InvalidRequest(
                 "streaming a stored response is not supported by this gateway", param="stream"
             )

@@ -143,6 +143,11 @@ async def test_stored_responses_are_asked_of_their_engine(make_cluster: ClusterF
         got = await client.responses.retrieve(response.id)
         assert got.id == response.id and got.output_text == "Hello!"
         assert holder.asked[-1] == ("GET", f"/v1/responses/{response.id}")
+        # (stream=0 is as false as stream=false: it was refused as a request to stream.)
+        again = await client.get(
+            f"/responses/{response.id}", options={"params": {"stream": "0"}}, cast_to=object
+        )
+        assert isinstance(again, dict) and again["id"] == response.id
         items = await client.responses.input_items.list(response.id, limit=5)
         assert items.data == [] and holder.asked[-1] == (
             "GET",
@@ -273,6 +278,7 @@ async def test_a_continued_response_whose_engine_is_down_is_refused_not_sent_els
         ("DELETE", "/v1/responses/resp_1/cancel", 404),
         ("PUT", "/v1/responses/resp_1", 405),
         ("GET", "/v1/responses/resp_1?stream=true", 400),
+        ("GET", "/v1/responses/resp_1?stream=1", 400),
     ],
 )
 async def test_requests_about_stored_responses_that_name_nothing_known_get_openai_errors(

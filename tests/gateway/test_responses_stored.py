@@ -148,3 +148,23 @@ async def test_what_an_engine_answers_about_a_stored_response_reaches_the_sdk_as
     assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
     assert "engine eu-west/e0" in error.message
     await client.close()
+
+
+async def test_requests_about_stored_responses_count_against_the_request_limit(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Each costs an engine a request; none was counted, so a key limited to 3 requests a minute could ask an
+    # engine about responses without end.
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"tiny": {"requests_per_minute": 3}}
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "tiny"))[0]
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    made = await client.responses.create(model=MODEL, input="hi")
+    raw = await client.responses.with_raw_response.retrieve(made.id)
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    await client.responses.retrieve(made.id)
+    with pytest.raises(openai.RateLimitError):
+        await client.responses.retrieve(made.id)
+    assert len(engine.asked) == 2
+    await client.close()
