@@ -35,6 +35,15 @@ async def fleet(
     return cluster, engines, client
 
 
+async def keyed(
+    make_cluster: ClusterFactory, limits: dict[str, Any]
+) -> tuple[Cluster, ResponsesEngine, openai.AsyncOpenAI]:
+    """One simulated Responses engine, authentication on, a client with a key of tenant "t" (``limits``)."""
+    cluster, [engine], _ = await fleet(make_cluster, auth={"enabled": True}, tenants={"t": limits})
+    key = (await create_key(cluster.gateway.billing.keys, "t"))[0]
+    return cluster, engine, openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+
+
 async def records(cluster: Cluster, count: int) -> list[Any]:
     ledger = cluster.gateway.billing.ledger
     await cluster.wait_for(lambda: len(ledger._records) >= count)
@@ -202,11 +211,7 @@ async def test_the_history_a_continued_response_read_counts_against_the_token_li
     # Admission counts a continued response's new input alone (the history is on its engine). The engine's
     # usage then said 1990 input tokens, but only an overrun of output tokens was charged afterwards: turn
     # after turn, a conversation's whole history went past tokens_per_minute uncounted.
-    cluster, [engine], _ = await fleet(
-        make_cluster, auth={"enabled": True}, tenants={"small": {"tokens_per_minute": 2000}}
-    )
-    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
-    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    cluster, engine, client = await keyed(make_cluster, {"tokens_per_minute": 2000})
     first = await client.responses.create(model=MODEL, input="hi", max_output_tokens=8)
     engine.usage = {**USAGE, "input_tokens": 1990, "total_tokens": 1993}
     await client.responses.create(

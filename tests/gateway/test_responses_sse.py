@@ -11,19 +11,8 @@ import pytest
 
 from gateway.http.responses_sse import ResponsesStreamTap
 from gateway.tenancy.billing import usage_counts
-
-USAGE = {
-    "input_tokens": 40,
-    "input_tokens_details": {"cached_tokens": 32},
-    "output_tokens": 3,
-    "output_tokens_details": {"reasoning_tokens": 0},
-    "total_tokens": 43,
-}
-
-
-def event(kind: str, sequence: int, **fields: Any) -> bytes:
-    data = {**fields, "sequence_number": sequence, "type": kind}
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+from tests.responses_engine import USAGE
+from tests.responses_engine import sse_event as event
 
 
 def response(status: str, usage: dict[str, Any] | None = None, store: bool = True) -> dict[str, Any]:

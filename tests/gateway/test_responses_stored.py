@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from gateway.tenancy.tenants import create_key
-from tests.gateway.test_responses_api import fleet
+from tests.gateway.test_responses_api import fleet, keyed
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_prefixes import REDIS_URL
 from tests.redis_process import RedisProcess
@@ -155,11 +155,7 @@ async def test_requests_about_stored_responses_count_against_the_request_limit(
 ) -> None:
     # Each costs an engine a request; none was counted, so a key limited to 3 requests a minute could ask an
     # engine about responses without end.
-    cluster, [engine], _ = await fleet(
-        make_cluster, auth={"enabled": True}, tenants={"tiny": {"requests_per_minute": 3}}
-    )
-    key = (await create_key(cluster.gateway.billing.keys, "tiny"))[0]
-    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    _, engine, client = await keyed(make_cluster, {"requests_per_minute": 3})
     made = await client.responses.create(model=MODEL, input="hi")
     raw = await client.responses.with_raw_response.retrieve(made.id)
     assert raw.headers["x-ratelimit-remaining-requests"] == "1"
