@@ -4,6 +4,7 @@ continuations by ``previous_response_id``, retrieve, delete, cancel), and what i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -24,7 +25,14 @@ FILL: dict[str, Any] = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    """``kvgate engine`` in a process of its own, on a free port, until the module's tests are done."""
+    """``kvgate engine`` in a process of its own, until the module's tests are done."""
+    with engine_process(tiny_model_dir) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def engine_process(tiny_model_dir: Path) -> Iterator[str]:
+    """``kvgate engine`` on the tiny model in a process of its own, on a free port: its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
