@@ -1,7 +1,8 @@
-"""The engine's Responses API routes, as vLLM 0.32 serves them (and ``DELETE``, which OpenAI has and vLLM
-lacks): ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``,
-``DELETE /v1/responses/{id}``. Responses are kept (``store``, true by default as OpenAI's) in a bounded LRU
-in memory; vLLM keeps them only with VLLM_ENABLE_RESPONSES_API_STORE=1, and without a bound."""
+"""The engine's Responses API routes, as vLLM 0.32 serves them (and ``DELETE`` and ``GET .../input_items``,
+which OpenAI has and vLLM lacks): ``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+Responses are kept (``store``, true by default as OpenAI's) in a bounded LRU in memory; vLLM keeps them only
+with VLLM_ENABLE_RESPONSES_API_STORE=1, and without a bound."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.openai_choices import Choices
 from engine.openai_errors import OpenAIError, json_response, read_body
 from engine.openai_format import sse_response
 from engine.responses_format import StreamedResponse, WholeResponse
+from engine.responses_items import input_items, items_page
 from engine.responses_request import ResponsesRequest, not_found, parse_responses_request
 from engine.responses_store import DEFAULT_CAPACITY, ResponseStore, StoredResponse
 
@@ -38,6 +40,7 @@ class ResponsesApi:
         app.router.add_get("/v1/responses/{response_id}", self.retrieve)
         app.router.add_delete("/v1/responses/{response_id}", self.delete)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.list_input_items)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         server = self._server
@@ -109,8 +112,9 @@ class ResponsesApi:
         return response
 
     def _keep(self, req: ResponsesRequest, response: dict[str, Any]) -> None:
-        if req.store:
-            self.store.put(req.id, StoredResponse(response, req.messages))
+        if req.store:  # (the items get their ids here, once: a listing shows the same ones every time)
+            items = input_items(req.body["input"], req.previous)
+            self.store.put(req.id, StoredResponse(response, req.messages, items))
 
     async def retrieve(self, request: web.Request) -> web.Response:
         """A stored response; ``?stream=true`` (vLLM's replay of a background response's events) has
@@ -135,3 +139,20 @@ class ResponsesApi:
         if not self.store.delete(response_id):
             return not_found(response_id).to_response()
         return json_response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
+
+    async def list_input_items(self, request: web.Request) -> web.Response:
+        """The items a stored response was generated from, a page at a time (OpenAI's route)."""
+        response_id = request.match_info["response_id"]
+        stored = self.store.get(response_id)
+        if stored is None:
+            return not_found(response_id).to_response()
+        query = request.query
+        try:
+            page = items_page(
+                stored.input_items,
+                query,
+                includes=query.getall("include[]", []) + query.getall("include", []),
+            )
+        except OpenAIError as exc:
+            return exc.to_response()
+        return json_response(orjson.dumps(page))

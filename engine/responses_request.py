@@ -84,6 +84,7 @@ class ResponsesRequest:
     stream: bool
     store: bool
     logprobs: bool  # ``include`` names message.output_text.logprobs
+    previous: StoredResponse | None = None  # the response ``previous_response_id`` continues
 
     @property
     def id(self) -> str:
@@ -146,7 +147,7 @@ def parse_responses_request(
         raise
     gen.response_id = new_id(RESPONSE_ID_PREFIX)
     gen.params = replace(gen.params, max_tokens=_max_tokens(gen.prompt_tokens, budget, max_model_len))
-    return ResponsesRequest(gen, data, chat["messages"], stream, store, logprobs)
+    return ResponsesRequest(gen, data, chat["messages"], stream, store, logprobs, previous)
 
 
 def _chat_body(data: dict[str, Any], previous: StoredResponse | None) -> dict[str, Any]:

@@ -13,11 +13,13 @@ DEFAULT_CAPACITY = 4096
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A finished response: the object served, and the chat its prompt was rendered from (history,
-    instructions and input), which a ``previous_response_id`` continues."""
+    """A finished response: the object served, the chat its prompt was rendered from (history,
+    instructions and input), which a ``previous_response_id`` continues, and the items it was generated
+    from, which ``GET /v1/responses/{id}/input_items`` lists (engine/responses_items.py)."""
 
     response: dict[str, Any]
     messages: list[dict[str, Any]]
+    input_items: tuple[dict[str, Any], ...] = ()
 
 
 class ResponseStore:

@@ -76,6 +76,15 @@ async def test_the_store_keeps_the_most_recently_used_responses(start: Serve) ->
             await client.responses.retrieve(made[1].id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(input="on", previous_response_id=made[1].id)
+        with pytest.raises(openai.NotFoundError):  # (its input items went with it)
+            await client.responses.input_items.list(made[1].id)
+        # A streamed response's items are kept as a whole one's are.
+        events = [e async for e in await client.responses.create(input="s", max_output_tokens=1, stream=True)]
+        streamed = events[-1]
+        assert streamed.type == "response.completed"
+        (item,) = (await client.responses.input_items.list(streamed.response.id)).data
+        assert item.type == "message" and item.content[0].type == "input_text"
+        assert item.content[0].text == "s"
 
 
 async def test_an_engine_that_keeps_no_responses_says_they_are_not_stored(start: Serve) -> None:

@@ -1,11 +1,12 @@
 """Where stored responses are found through the gateway (tests/responses_engine.py behind it): within the
 caller's tenant only, at once through any gateway sharing its Redis, a 503 while Redis cannot say, never on
 an engine that does not serve the model asked for; and what the engine answers about them reaches the SDK as
-an OpenAI error."""
+an OpenAI error. Last, kvgate's own engines behind the gateway list a response's input items."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import openai
 import pytest
@@ -163,4 +164,29 @@ async def test_requests_about_stored_responses_count_against_the_request_limit(
     with pytest.raises(openai.RateLimitError):
         await client.responses.retrieve(made.id)
     assert len(engine.asked) == 2
+    await client.close()
+
+
+async def test_kvgate_engines_behind_the_gateway_list_a_responses_input_items(
+    make_cluster: ClusterFactory, tiny_model_dir: Path
+) -> None:
+    # kvgate's engine did not serve GET /v1/responses/{id}/input_items: the gateway asked the engine that
+    # keeps the response, which answered 404, so the SDK's input_items.list failed against kvgate demo.
+    cluster = await make_cluster({"eu-west": 2}, real_model=tiny_model_dir, tokenizer=str(tiny_model_dir))
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    first = await client.responses.create(model=cluster.model, input="hello there", max_output_tokens=2)
+    second = await client.responses.create(
+        model=cluster.model, input="and then?", previous_response_id=first.id, max_output_tokens=2
+    )
+    (asked,) = [item async for item in client.responses.input_items.list(first.id)]
+    assert asked.type == "message" and asked.role == "user" and asked.content[0].type == "input_text"
+    items = [item async for item in client.responses.input_items.list(second.id, limit=1, order="asc")]
+    assert [item.id for item in items] == [asked.id, first.output[0].id, items[2].id]
+    newest = await client.responses.input_items.list(second.id, limit=2)
+    assert [item.id for item in newest.data] == [items[2].id, items[1].id] and newest.has_more
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.input_items.list(second.id, limit=500)
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.input_items.list("resp_nobody_made")
     await client.close()
