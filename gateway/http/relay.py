@@ -110,15 +110,7 @@ async def relay_whole(
         raise
     if upstream.status != 200:
         return engine_error(engine_id, upstream.status, data, headers, metrics)
-    try:
-        answer = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        answer = None
-    if not isinstance(answer, dict):
-        # A 200 that is no completion (a proxy's error page, a body cut short): the SDK would fail parsing
-        # it with an error of its own. Nothing reached the client yet, so another engine may answer.
-        metrics.upstream_error(engine_id, "malformed_answer")
-        raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
+    answer = answer_object(engine_id, data, metrics)
     noted = on_answer(answer) if on_answer is not None else None
     usage = answer.get("usage")
     if not isinstance(usage, dict):
@@ -216,6 +208,20 @@ async def relay_stream(
         raise
     accounting.done(tap.usage, first_byte, outcome, tap.token_events)
     return response
+
+
+def answer_object(engine_id: str, data: bytes, metrics: GatewayMetrics) -> dict[str, Any]:
+    """A 200's body, which must be a JSON object. One that is not (a proxy's error page, a body cut short)
+    raises UpstreamFailed, counted as ``malformed_answer``: the SDK would fail parsing it with an error of its
+    own, and nothing reached the client yet, so another engine may answer."""
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        metrics.upstream_error(engine_id, "malformed_answer")
+        raise UpstreamFailed(f"engine {engine_id} answered 200 with a body that is no JSON object")
+    return answer
 
 
 def read_answer(upstream: Response, idle_timeout: float) -> Coroutine[Any, Any, bytes]:
