@@ -3,11 +3,9 @@ of Redis, the ledger, the usage journal and every engine."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 from aiohttp import web
 
+from gateway.http.http_wire import json_response
 from gateway.state.shared_state import SharedState
 from gateway.tenancy.billing import Billing
 from region_map.fleet import Fleet
@@ -38,7 +36,7 @@ class HealthReport:
         healthy = sum(1 for e in self.fleet if e.healthy)
         status = 200 if healthy else 503
         if not details:
-            return _json({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
+            return json_response({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
         body = {
             "status": "ok" if healthy else "no_healthy_engine",
             "gateway_id": self.state.gateway_id,
@@ -50,8 +48,4 @@ class HealthReport:
             "engines_total": len(self.fleet),
             "engines": [e.describe() for e in self.fleet],
         }
-        return _json(body, status=status)
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+        return json_response(body, status=status)

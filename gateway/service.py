@@ -29,7 +29,7 @@ from gateway.http.errors import (
     UpstreamFailed,
     UpstreamTimedOut,
 )
-from gateway.http.http_wire import Answer
+from gateway.http.http_wire import Answer, json_response
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
 from gateway.http.relay import StreamTap, relay_stream, relay_whole
@@ -169,14 +169,14 @@ class Gateway:
         return known if isinstance(known, Caller) else await known
 
     async def models(self, request: LeanRequest) -> web.Response:
-        return _json({"object": "list", "data": [self._model_object(m) for m in self.fleet.models()]})
+        return json_response({"object": "list", "data": [self._model_object(m) for m in self.fleet.models()]})
 
     async def model(self, request: LeanRequest) -> web.Response:
         """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): one model, or 404."""
         model = request.match_info["model"]
         if not self.fleet.serving(model):
             raise ModelNotFound(f"The model '{model[:200]}' does not exist", param="model")
-        return _json(self._model_object(model))
+        return json_response(self._model_object(model))
 
     def _model_object(self, model: str) -> dict[str, Any]:
         return {"id": model, "object": "model", "created": self.started, "owned_by": "kvgate"}
@@ -394,7 +394,3 @@ class _Pull:
 
     source: EngineState
     tokens: int  # leading prompt tokens the peer holds, as the residency view knows it
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")

@@ -19,6 +19,7 @@ from typing import Any
 
 from cache.tokens import pack_token_ids
 from gateway.prepare import Prepared
+from gateway.request_limits import RESPONSES_PATH
 from region_map.config import EngineKind
 from region_map.fleet import EngineState
 
@@ -52,7 +53,7 @@ def engine_body(
         # "full" makes vLLM announce again blocks it served from cache, with no removals to match: the
         # residency index would keep blocks the engine has evicted.
         body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
-    if p.stream and p.path != "/v1/responses":  # always ask for usage: billing needs its cached_tokens
+    if p.stream and p.path != RESPONSES_PATH:  # always ask for usage: billing needs its cached_tokens
         # (A Responses stream always ends with its usage, and has no such option.)
         options = body.get("stream_options")
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

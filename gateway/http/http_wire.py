@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import time
 from email.utils import formatdate
+from typing import Any
 
+import orjson
 from aiohttp import web
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    """A JSON answer the gateway makes itself (its models, health, usage)."""
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def whole_response(

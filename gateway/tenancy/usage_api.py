@@ -19,12 +19,12 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
 from gateway.http.errors import GatewayError, InvalidRequest, PermissionDenied, Unavailable
+from gateway.http.http_wire import json_response
 from gateway.http.lean_request import LeanRequest
 from gateway.state.single_flight import SingleFlight
 from gateway.tenancy.billing import Billing, Caller
@@ -48,7 +48,7 @@ class UsageApi:
             ("tenant", tenant, start, end), lambda: self.billing.ledger.daily(tenant, start, end)
         )
         body = {"object": "usage", "tenant": tenant, "start": start, "end": end, **_days_and_total(days)}
-        return _json(body)
+        return json_response(body)
 
     async def admin_usage(self, request: LeanRequest) -> web.Response:
         caller = await self.billing.identify(request.headers.get("Authorization"))
@@ -71,7 +71,7 @@ class UsageApi:
             "data": [{"tenant": name, **_days_and_total(days)} for name, days in chosen.items()],
             "total": _sum(day for days in chosen.values() for day in days),
         }
-        return _json(body)
+        return json_response(body)
 
     async def _admitted(self, caller: Caller, answer: Callable[[], Awaitable[web.Response]]) -> web.Response:
         """``answer()`` once the read is admitted: one request of the caller's request limit (a 429 with its
@@ -146,7 +146,3 @@ def _sum(days: Any) -> dict[str, Any]:
     out = total.to_json()
     del out["day"]
     return out
-
-
-def _json(body: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
