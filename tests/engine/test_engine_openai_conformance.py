@@ -3,14 +3,13 @@ tiny random model, as operators do when they point clients straight at an engine
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+
+from tests.engine_process import engine_process
 
 MAX_MODEL_LEN = 64
 
@@ -18,21 +17,8 @@ MAX_MODEL_LEN = 64
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
     """``kvgate engine`` in a process of its own, on a free port, until the module's tests are done."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
-    argv += ["--device", "cpu", "--kv-blocks", "64", "--block-size", "4", "--engine-core", "thread"]
-    argv += ["--max-model-len", str(MAX_MODEL_LEN)]
-    server = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-    try:
-        assert server.stderr is not None
-        line = server.stderr.readline()  # said once it listens
-        assert "serving" in line, line + server.stderr.read()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(30)
+    with engine_process(tiny_model_dir, kv_blocks=64, max_model_len=MAX_MODEL_LEN) as url:
+        yield url
 
 
 @pytest.fixture

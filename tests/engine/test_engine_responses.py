@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +14,8 @@ from typing import Any
 import openai
 import pytest
 from openai.types.responses import ResponseInputParam
+
+from tests.engine_process import engine_process as serving_engine
 
 MAX_MODEL_LEN = 256
 # Random weights may end an answer at once: with ignore_eos (a vLLM extension) every answer fills its budget.
@@ -30,24 +29,9 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
         yield url
 
 
-@contextlib.contextmanager
-def engine_process(tiny_model_dir: Path) -> Iterator[str]:
+def engine_process(tiny_model_dir: Path) -> contextlib.AbstractContextManager[str]:
     """``kvgate engine`` on the tiny model in a process of its own, on a free port: its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    argv = [sys.executable, "-m", "engine", "engine", "--model", str(tiny_model_dir), "--port", str(port)]
-    argv += ["--device", "cpu", "--kv-blocks", "256", "--block-size", "4", "--engine-core", "thread"]
-    argv += ["--max-model-len", str(MAX_MODEL_LEN)]
-    server = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-    try:
-        assert server.stderr is not None
-        line = server.stderr.readline()  # said once it listens
-        assert "serving" in line, line + server.stderr.read()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(30)
+    return serving_engine(tiny_model_dir, kv_blocks=256, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture
