@@ -36,12 +36,16 @@ async def fleet(
 
 
 async def keyed(
-    make_cluster: ClusterFactory, limits: dict[str, Any]
-) -> tuple[Cluster, ResponsesEngine, openai.AsyncOpenAI]:
-    """One simulated Responses engine, authentication on, a client with a key of tenant "t" (``limits``)."""
-    cluster, [engine], _ = await fleet(make_cluster, auth={"enabled": True}, tenants={"t": limits})
-    key = (await create_key(cluster.gateway.billing.keys, "t"))[0]
-    return cluster, engine, openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    make_cluster: ClusterFactory, tenants: dict[str, dict[str, Any]]
+) -> tuple[Cluster, ResponsesEngine, dict[str, openai.AsyncOpenAI]]:
+    """One simulated Responses engine, authentication on, and a client per tenant (name: its limits), each
+    with a key of its own."""
+    cluster, [engine], _ = await fleet(make_cluster, auth={"enabled": True}, tenants=tenants)
+    clients = {}
+    for tenant in tenants:
+        key = (await create_key(cluster.gateway.billing.keys, tenant))[0]
+        clients[tenant] = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    return cluster, engine, clients
 
 
 async def records(cluster: Cluster, count: int) -> list[Any]:
@@ -185,13 +189,8 @@ async def test_a_response_not_stored_is_not_bound(make_cluster: ClusterFactory) 
 
 
 async def test_another_tenants_response_is_not_found(make_cluster: ClusterFactory) -> None:
-    cluster, [engine], _ = await fleet(
-        make_cluster, auth={"enabled": True}, tenants={"acme": {}, "globex": {}}
-    )
-    store = cluster.gateway.billing.keys
-    keys = {t: (await create_key(store, t))[0] for t in ("acme", "globex")}
-    acme = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
-    globex = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["globex"], max_retries=0)
+    cluster, engine, clients = await keyed(make_cluster, {"acme": {}, "globex": {}})
+    acme, globex = clients["acme"], clients["globex"]
     response = await acme.responses.create(model=MODEL, input="acme's secret")
     assert (await acme.responses.retrieve(response.id)).id == response.id
     for ask in (globex.responses.retrieve(response.id), globex.responses.delete(response.id)):
@@ -211,7 +210,8 @@ async def test_the_history_a_continued_response_read_counts_against_the_token_li
     # Admission counts a continued response's new input alone (the history is on its engine). The engine's
     # usage then said 1990 input tokens, but only an overrun of output tokens was charged afterwards: turn
     # after turn, a conversation's whole history went past tokens_per_minute uncounted.
-    cluster, engine, client = await keyed(make_cluster, {"tokens_per_minute": 2000})
+    cluster, engine, clients = await keyed(make_cluster, {"small": {"tokens_per_minute": 2000}})
+    client = clients["small"]
     first = await client.responses.create(model=MODEL, input="hi", max_output_tokens=8)
     engine.usage = {**USAGE, "input_tokens": 1990, "total_tokens": 1993}
     await client.responses.create(
@@ -225,11 +225,8 @@ async def test_the_history_a_continued_response_read_counts_against_the_token_li
 
 async def test_a_responses_request_is_one_answer_whatever_n_it_names(make_cluster: ClusterFactory) -> None:
     # The Responses API has no n (vLLM's ignores it): admission charged n answers' budgets all the same.
-    cluster, [engine], _ = await fleet(
-        make_cluster, auth={"enabled": True}, tenants={"small": {"tokens_per_minute": 1000}}
-    )
-    key = (await create_key(cluster.gateway.billing.keys, "small"))[0]
-    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    _, engine, clients = await keyed(make_cluster, {"small": {"tokens_per_minute": 1000}})
+    client = clients["small"]
     await client.responses.create(model=MODEL, input="hi", max_output_tokens=16, extra_body={"n": 100})
     assert engine.bodies[0]["n"] == 100  # (forwarded, as unknown fields are)
     await client.close()

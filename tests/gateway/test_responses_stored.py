@@ -22,13 +22,8 @@ from tests.responses_engine import ResponsesEngine
 async def test_another_tenants_response_cannot_be_continued(make_cluster: ClusterFactory) -> None:
     # An id no gateway bound for the caller's tenant went to any engine, and the engine that keeps it
     # continued another tenant's conversation: its history reached the prompt of a stranger's request.
-    cluster, [engine], _ = await fleet(
-        make_cluster, auth={"enabled": True}, tenants={"acme": {}, "globex": {}}
-    )
-    store = cluster.gateway.billing.keys
-    keys = {t: (await create_key(store, t))[0] for t in ("acme", "globex")}
-    acme = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["acme"], max_retries=0)
-    globex = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=keys["globex"], max_retries=0)
+    _, engine, clients = await keyed(make_cluster, {"acme": {}, "globex": {}})
+    acme, globex = clients["acme"], clients["globex"]
     response = await acme.responses.create(model=MODEL, input="acme's secret")
     for stream in (False, True):
         with pytest.raises(openai.NotFoundError) as raised:
@@ -156,7 +151,8 @@ async def test_requests_about_stored_responses_count_against_the_request_limit(
 ) -> None:
     # Each costs an engine a request; none was counted, so a key limited to 3 requests a minute could ask an
     # engine about responses without end.
-    _, engine, client = await keyed(make_cluster, {"requests_per_minute": 3})
+    _, engine, clients = await keyed(make_cluster, {"tiny": {"requests_per_minute": 3}})
+    client = clients["tiny"]
     made = await client.responses.create(model=MODEL, input="hi")
     raw = await client.responses.with_raw_response.retrieve(made.id)
     assert raw.headers["x-ratelimit-remaining-requests"] == "1"
