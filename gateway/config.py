@@ -137,6 +137,11 @@ class GatewaySettings(BaseModel):
     max_session_id_length: int = Field(default=256, ge=1, le=4096)
     max_messages: int = Field(default=4096, ge=1, description="messages in one chat request")
     max_content_parts: int = Field(default=4096, ge=1, description="content parts in one chat request")
+    max_prompts: int = Field(
+        default=128,
+        ge=1,
+        description="prompts in one completion request; each is routed and sent as a request of its own",
+    )
     session_ttl_s: float = Field(default=3600.0, gt=0)
     approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
     pending_ttl_s: float = Field(

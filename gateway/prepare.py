@@ -18,8 +18,9 @@ from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
 from gateway.http.errors import InvalidRequest, ModelNotFound
+from gateway.prompt_batch import PromptBatch
 from gateway.request_body import ClientRequest, read_json
-from gateway.request_limits import RESPONSES_PATH, check_counts, output_budget
+from gateway.request_limits import RESPONSES_PATH, check_counts, check_prompt_count, output_budget
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
 from gateway.schemas import (
@@ -204,16 +205,42 @@ class RequestPreparer:
             self._dialects[model] = (engines, dialect)
         return dialect
 
-    async def completion(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+    async def completion(
+        self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT
+    ) -> Prepared | PromptBatch:
+        """A completion; one naming several prompts (``prompt: ["a", "b"]``, or lists of token ids, as
+        OpenAI and vLLM take them) is a ``PromptBatch``: a request per prompt, each routed to where its own
+        prefix is cached."""
+        if isinstance(body, dict) and isinstance(body.get("prompt"), list):
+            check_prompt_count(self.settings, body["prompt"])
         if _heavy(request):  # (a prompt of a million token ids takes 0.2 s to validate)
             parsed = await asyncio.get_running_loop().run_in_executor(None, parse_completion, body)
         else:
             parsed = parse_completion(body)
         prompt: Any = parsed.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+            if len(prompt) > 1:
+                parts: list[Prepared] = []
+                for i, one in enumerate(prompt):
+                    try:
+                        parts.append(
+                            await self._completion(request, {**body, "prompt": one}, parsed, one, tenant)
+                        )
+                    except InvalidRequest as exc:
+                        exc.message = f"prompt {i}: {exc.message}"  # (which of them)
+                        raise
+                return PromptBatch(parts)
             prompt = prompt[0]
+        return await self._completion(request, body, parsed, prompt, tenant)
+
+    async def _completion(
+        self,
+        request: ClientRequest,
+        body: dict[str, Any],
+        parsed: CompletionRequest,
+        prompt: Any,
+        tenant: Tenant,
+    ) -> Prepared:
         if isinstance(prompt, str):
             tokens = await self.encode(prompt, _cache_salt(tenant, parsed))
             # As vLLM and SGLang encode a completion's text (Hugging Face's add_special_tokens, vLLM's

@@ -32,6 +32,17 @@ def check_counts(settings: GatewaySettings, messages: Any, field: str = "message
         )
 
 
+def check_prompt_count(settings: GatewaySettings, prompt: list[Any]) -> None:
+    """A completion's prompts (each one a request to an engine), bounded before they are validated. A list
+    of token ids is one prompt, whatever its length."""
+    if prompt and isinstance(prompt[0], str | list) and len(prompt) > settings.max_prompts:
+        raise InvalidRequest(
+            f"prompt holds {len(prompt)} prompts; this gateway allows at most {settings.max_prompts} per "
+            "request",
+            param="prompt",
+        )
+
+
 def output_budget(settings: GatewaySettings, body: dict[str, Any], path: str) -> tuple[int, str, bool]:
     """(tokens per choice the engine will generate at most, the parameter that says so, whether the
     engine is told), read as the engines read it: chat takes ``max_completion_tokens`` over

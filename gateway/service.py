@@ -32,7 +32,7 @@ from gateway.http.errors import (
 from gateway.http.http_wire import Answer, json_response
 from gateway.http.lean_request import LeanRequest
 from gateway.http.pd_protocols import PrefillFailed, SglangPrefill, sglang_bootstrap, vllm_prefill
-from gateway.http.relay import StreamTap, relay_stream, relay_whole
+from gateway.http.relay import StreamClient, StreamTap, relay_stream, relay_whole
 from gateway.http.responses_sse import ResponsesStreamTap
 from gateway.http.sse import SseUsageTap
 from gateway.http.upstream import UpstreamClients
@@ -40,6 +40,7 @@ from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
 from gateway.prepare import Prepared, RequestPreparer
+from gateway.prompt_batch import PromptBatch, serve_batch
 from gateway.request_limits import RESPONSES_PATH
 from gateway.routing import RoutingPolicy
 from gateway.routing.route import Route
@@ -130,18 +131,26 @@ class Gateway:
         return answer
 
     async def _complete(
-        self, request: LeanRequest, prepare: Callable[[LeanRequest, Any, Tenant], Awaitable[Prepared]]
+        self,
+        request: LeanRequest,
+        prepare: Callable[[LeanRequest, Any, Tenant], Awaitable[Prepared | PromptBatch]],
     ) -> Answer:
         """Admit, prepare and serve a completion. Its errors name the request (``x-request-id``) as its
         answers do: the OpenAI SDKs read it into every error they raise, and clients quote it."""
         received = time.perf_counter()
-        p: Prepared | None = None
+        p: Prepared | PromptBatch | None = None
         limits: dict[str, str] | None = None  # OpenAI's x-ratelimit-* headers, for a caller with limits
         try:
             caller = await self._caller(request)
             limits = await self.billing.admit_request(caller)
             body = await self.prepare.read_json(request)
             p = await prepare(request, body, caller.tenant)
+            if isinstance(p, PromptBatch):  # several prompts: a request each (gateway.prompt_batch)
+                tokens = await self.billing.admit_tokens(caller, p.prompt_tokens, p.output_budget)
+                if tokens is not None:
+                    limits = tokens if limits is None else {**limits, **tokens}
+                p.admitted(caller.key_id, limits)
+                return await serve_batch(self._serve, request, received, p)
             p.key_id = caller.key_id
             if p.previous_response_id is not None:
                 holder = await self.stored.continued(p.tenant, p.previous_response_id, p.model)
@@ -186,7 +195,7 @@ class Gateway:
 
     # -- serving -------------------------------------------------------------------------------------
 
-    async def _serve(self, request: LeanRequest, received: float, p: Prepared) -> Answer:
+    async def _serve(self, request: StreamClient, received: float, p: Prepared) -> Answer:
         """Route (``gateway.routing.router``), dispatch, and fail over while nothing reached the client."""
         self.router.find_session(p)
         plan = self.router.plan(p)
@@ -258,7 +267,7 @@ class Gateway:
         return Retryable(UpstreamFailed(f"prefill engine {prefill.id} failed: {exc}"), prefill.id,
                           prefill_failed=True)  # fmt: skip
 
-    async def _dispatch(self, request: LeanRequest, received: float, p: Prepared, route: Route) -> Answer:
+    async def _dispatch(self, request: StreamClient, received: float, p: Prepared, route: Route) -> Answer:
         engine, decision, prefill, predicted = route.engine, route.decision, route.prefill, route.predicted
         pull = None
         if route.pulled_tokens:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
 
 import orjson
@@ -18,7 +18,6 @@ from aiohttp import web
 
 from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import WholeAnswer
-from gateway.http.lean_request import LeanRequest
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
@@ -62,6 +61,13 @@ class Accounting(Protocol):
         of the first streamed byte, how it ended, and how many completion tokens streamed to the client (by
         its events: the estimate when the usage never came)."""
         ...
+
+
+class StreamClient(Protocol):
+    """Whom a stream is relayed to: the client's request (``LeanRequest``), or a prompt's part of a batch's
+    stream (``gateway.http.batch_stream``)."""
+
+    def stream_response(self, headers: Mapping[str, str]) -> web.StreamResponse: ...
 
 
 class StreamTap(Protocol):
@@ -126,7 +132,7 @@ async def relay_whole(
 
 
 async def relay_stream(
-    request: LeanRequest,
+    request: StreamClient,
     upstream: Response,
     *,
     engine_id: str,
