@@ -286,6 +286,7 @@ class Gateway:
         )
         exchanges: list[Response] = []  # (two when a stale pooled connection is retried)
         engine.inflight += 1
+        sent_mark = engine.report_lag.sent()
         engine.breaker.on_dispatch()
         sglang_prefill: SglangPrefill | None = None
         try:
@@ -385,6 +386,7 @@ class Gateway:
             if sglang_prefill is not None:
                 sglang_prefill.cancel()
             engine.inflight -= 1
+            engine.report_lag.request_ended(sent_mark, p.prompt_tokens - predicted)
             engine.breaker.on_abandon()
             route.settle()
             engine.exchanges.difference_update(exchanges)

@@ -17,6 +17,7 @@ from region_map.breaker import CircuitBreaker
 from region_map.config import EngineConfig, EngineKind, Role, TopologyConfig
 from region_map.discovery import EngineMetrics
 from region_map.prefill_queue import PrefillQueue
+from region_map.report_lag import ReportLag
 
 
 class ChainKey(NamedTuple):
@@ -83,6 +84,7 @@ class EngineState:
     last_error: str | None = None
     # This gateway's own, instant view of what it has sent there and not yet finished.
     inflight: int = 0
+    report_lag: ReportLag = field(default_factory=ReportLag)  # what of ``load`` has ended since
     prefill: PrefillQueue = field(default_factory=PrefillQueue)  # prompts whose first token is not back
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # The exchanges in flight there, failed at once (unless still answering) when it is declared unhealthy:
@@ -188,8 +190,9 @@ class EngineState:
         return key
 
     def queue_estimate(self) -> tuple[int, int]:
-        """(requests in the engine, requests waiting for a slot), merging reported and local load."""
-        total = max(self.load.running + self.load.waiting, self.inflight)
+        """(requests in the engine, requests waiting for a slot), merging reported and local load. The
+        reported load is taken without the requests of this gateway that it counts and that have ended."""
+        total = max(self.load.running + self.load.waiting - self.report_lag.stale, self.inflight)
         waiting = self.load.waiting
         if self.load.max_running:
             waiting = max(waiting, self.inflight - self.load.max_running)
@@ -220,7 +223,8 @@ class EngineState:
     def queued_prefill_tokens(self, now: float, s_per_token: float) -> int:
         """Prompt tokens still to prefill here at ``now`` (monotonic): this gateway's own count of what it
         sent, drained at ``s_per_token``, or what the engine reported, whichever is larger."""
-        return max(self.prefill.estimate(now, s_per_token), self.load.waiting_tokens)
+        reported = self.load.waiting_tokens - self.report_lag.stale_tokens  # (less what has ended since)
+        return max(self.prefill.estimate(now, s_per_token), reported)
 
     def apply_health(self, payload: dict[str, Any]) -> bool:
         """Take in an engine's ``/health`` JSON (kvgate's shape; other servers' bodies are tolerated).
@@ -250,6 +254,7 @@ class EngineState:
                 kv_blocks_free=_int(load.get("kv_blocks_free")),
             )
             self.load_reported = True
+            self.report_lag.answered()
         return self.model != model_before or self.role is not role_before
 
     def mark_alive(self) -> None:
@@ -273,6 +278,7 @@ class EngineState:
         if metrics is None or (metrics.running is None and metrics.waiting is None):
             self.load = EngineLoad(max_running=self.reported_max_running)
             self.load_reported = False
+            self.report_lag.answered()
             return
         used = free = None
         if metrics.kv_capacity_blocks is not None and metrics.kv_usage is not None:
@@ -289,6 +295,7 @@ class EngineState:
             kv_usage=metrics.kv_usage,
         )
         self.load_reported = True
+        self.report_lag.answered()
 
     def mark_failure(self, error: str, *, unhealthy_after: int) -> None:
         self.consecutive_failures += 1

@@ -98,6 +98,7 @@ class HealthPoller:
         """``probe``, with any error it did not anticipate (a bug, or an answer no parser foresaw) taken as a
         failed check of this engine: raised out of the gather, it stopped the polling task, and with it the
         health and load of every engine."""
+        engine.report_lag.asking()
         try:
             await self.probe(engine)
         except Exception as exc:  # the whole point: nothing escapes one engine's probe

@@ -1,0 +1,90 @@
+"""An engine's load reading counts requests that have ended since it was asked for (region_map.report_lag):
+the router takes off what this gateway saw end, and nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.routing.base import RoutingSettings
+from region_map.config import EngineConfig
+from region_map.fleet import EngineState
+from tests.harness import ClusterFactory
+
+S_PER_TOKEN = RoutingSettings().prefill_s_per_token
+
+
+def engine() -> EngineState:
+    state = EngineState(id="r/e0", region="r", config=EngineConfig(name="e0", url="http://127.0.0.1:1"))
+    state.healthy = True
+    return state
+
+
+def reading(state: EngineState, **load: int) -> None:
+    """A reading asked for now and answered at once with ``load``."""
+    state.report_lag.asking()
+    state.apply_health({"model": "m", "load": load})
+
+
+def test_a_request_the_reading_counted_is_taken_off_once_it_has_ended() -> None:
+    state = engine()
+    mark = state.report_lag.sent()
+    state.inflight += 1
+    reading(state, running=0, waiting=1, waiting_tokens=700)  # it waited there when the engine was read
+    assert state.queue_estimate()[0] == 1 and state.queued_prefill_tokens(0.0, S_PER_TOKEN) == 700
+    state.inflight -= 1
+    state.report_lag.request_ended(mark, 700)
+    assert state.queue_estimate()[0] == 0
+    assert state.queued_prefill_tokens(0.0, S_PER_TOKEN) == 0
+    # The next reading no longer counts it: nothing is taken off twice.
+    reading(state, running=2, waiting=0, waiting_tokens=0)
+    assert state.queue_estimate()[0] == 2
+
+
+def test_a_request_sent_after_the_reading_was_asked_takes_nothing_off_others_load() -> None:
+    state = engine()
+    reading(state, running=1, waiting=1, waiting_tokens=500)  # another gateway's requests
+    mark = state.report_lag.sent()
+    state.report_lag.request_ended(mark, 300)
+    assert state.queue_estimate()[0] == 2
+    assert state.queued_prefill_tokens(0.0, S_PER_TOKEN) == 500
+
+
+def test_a_request_that_ended_before_the_reading_was_asked_is_not_taken_off_it() -> None:
+    state = engine()
+    reading(state, running=0)
+    mark = state.report_lag.sent()
+    reading(state, running=1)  # (counts it)
+    state.report_lag.request_ended(mark, 100)
+    reading(state, running=1, waiting_tokens=100)  # asked after it ended: what it counts is others'
+    assert state.queue_estimate()[0] == 1
+    assert state.queued_prefill_tokens(0.0, S_PER_TOKEN) == 100
+
+
+async def test_the_next_turn_goes_to_its_prefix_though_the_last_reading_counts_the_turn_before(
+    make_cluster: ClusterFactory, tiny_model_dir: Path
+) -> None:
+    # kvgate's engines (a peer may pull the prefix: the router weighs that against the holder's queue). No
+    # reading but the ones this test makes (the poller would read again within 50 ms).
+    cluster = await make_cluster(
+        {"r": 2}, real_model=tiny_model_dir, tokenizer=str(tiny_model_dir), health_interval_s=3600.0
+    )
+    first = " ".join(f"word{i}" for i in range(100))
+    assert cluster.session is not None
+    async with cluster.session.post(
+        cluster.url + "/v1/completions",
+        json={"model": cluster.model, "prompt": first, "max_tokens": 8, "stream": True},
+    ) as response:
+        holder = cluster.gateway.fleet.engines[response.headers["x-kvgate-engine"]]
+        await response.content.readany()
+        # The engine is read while the turn is in it (queued, as a busy engine would have it): that reading
+        # stays the engine's word until the next one.
+        prompt_tokens = len(cluster.gateway.prepare.tokenizer.encode(first)) + 1  # (and its BOS)
+        reading(holder, running=0, waiting=1, waiting_tokens=prompt_tokens)
+        await response.read()
+    status, body, headers = await cluster.post(
+        "/v1/completions", {"model": cluster.model, "prompt": first + " and more", "max_tokens": 2}
+    )
+    assert status == 200, body
+    assert headers["x-kvgate-engine"] == holder.id
+    assert headers["x-kvgate-route"] == "prefix"
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
