@@ -26,7 +26,10 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from cache.events import KvEvent
+from engine.embedding import EmbedQueue
 from engine.engine_types import ImportTicket, StepOutput
 from engine.kv_export import ExportSink, PinnedRun
 from engine.kv_send import vectored_writes
@@ -101,6 +104,7 @@ class AsyncEngine:
         self._import_sources: dict[str, tuple[str, CacheNamespace]] = {}  # request id -> (source url, ...)
         self._imports: dict[str, asyncio.Task[None]] = {}
         self._windows: set[SendWindow] = set()  # of the exports in flight
+        self.embeds = EmbedQueue()  # /v1/embeddings prompts, run between steps (engine.embedding)
         self.error: BaseException | None = None
         self.steps = 0
         self._load = engine.load()
@@ -122,6 +126,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        self.embeds.fail_all(EngineDead("the engine is shutting down"))
 
     @property
     def alive(self) -> bool:
@@ -183,6 +188,16 @@ class AsyncEngine:
                     task.add_done_callback(lambda _: self._submit(("abort", request_id)))
             elif not finished:
                 self._submit(("abort", request_id))
+
+    async def embed(
+        self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace | None = None
+    ) -> np.ndarray:
+        """The last hidden state of a prompt (float32 [hidden]), computed between two steps; RequestRejected
+        for one the engine could never serve. Cancelling it drops a prompt not yet started."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        prompt, namespace = list(prompt_token_ids), namespace or CacheNamespace()
+        return await self.embeds.embed(self.engine, request_id, prompt, namespace, self._wake)
 
     def export(
         self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace, from_position: int
@@ -294,6 +309,8 @@ class AsyncEngine:
                     self._post(self._fail_one, command[1], exc)
             if had_commands:
                 self._load = engine.load()  # aborts free blocks without a step: /health must say so
+            if self.embeds:
+                self.embeds.run(engine)  # first dibs on the blocks the last step freed, before admissions
             if not engine.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -303,6 +320,7 @@ class AsyncEngine:
             except BaseException as exc:  # the model broke: fail everything, stop stepping
                 log.exception("engine step failed")
                 self.error = exc
+                self.embeds.fail_all(EngineDead(f"the engine failed: {exc}"))
                 self._post(self._fail_all, EngineDead(f"the engine failed: {exc}"))
                 return
             self.steps += 1

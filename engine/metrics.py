@@ -66,6 +66,8 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
+    embedding_requests: int = 0  # /v1/embeddings requests answered (apart: they generate nothing)
+    embedding_prompt_tokens: int = 0  # ... and their inputs' tokens
     # KV pulls: this engine fetching a cached prefix from a peer, and serving one to a peer
     kv_pulls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PULL_OUTCOMES, 0))
     kv_pulled_tokens: int = 0
@@ -77,6 +79,10 @@ class EngineCounters:
         self.prompt_tokens += prompt_tokens
         self.cached_prompt_tokens += cached_tokens
         self.generated_tokens += generated_tokens
+
+    def embedded(self, prompt_tokens: int) -> None:
+        self.embedding_requests += 1
+        self.embedding_prompt_tokens += prompt_tokens
 
     def pulled(self, outcome: str, tokens: int) -> None:
         self.kv_pulls[outcome] += 1
@@ -130,6 +136,9 @@ class _Collector(Collector):
             ("kvgate_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
              c.cached_prompt_tokens),
             ("kvgate_engine_generation_tokens", "Tokens generated.", c.generated_tokens),
+            ("kvgate_engine_embedding_requests", "Embedding requests answered.", c.embedding_requests),
+            ("kvgate_engine_embedding_prompt_tokens", "Input tokens of answered embedding requests.",
+             c.embedding_prompt_tokens),
             ("kvgate_engine_kv_pulled_tokens", "Prompt positions whose K/V was pulled from a peer's cache.",
              c.kv_pulled_tokens),
             ("kvgate_engine_kv_pull_served", "KV pulls served to peers from the prefix cache.",

@@ -24,6 +24,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.core.client import EngineCoreClient
 from engine.core.messages import EngineInfo
+from engine.embeddings_serve import EmbeddingsApi
 from engine.engine_types import RequestRejected, StepOutput
 from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
@@ -312,6 +313,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> web
     app.router.add_get("/v1/models/{model:.+}", server.model_card)  # (ids may hold slashes: org/name)
     app.router.add_get("/health", server.health)
     ResponsesApi(server, config.responses_stored).add_routes(app)
+    EmbeddingsApi(server).add_routes(app)
     app.router.add_get("/metrics", metrics_handler(config.engine_id, server.counters, server.gauges))
     server.publisher.add_routes(app)
     return app

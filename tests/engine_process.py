@@ -11,14 +11,25 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def engine_process(model_dir: Path, *, kv_blocks: int, max_model_len: int) -> Iterator[str]:
-    """The engine on ``model_dir`` (CPU, 4-token blocks, its core on a thread), on a free port: its URL,
-    once it says it is serving; stopped on exit."""
+def engine_process(
+    model_dir: Path, *, kv_blocks: int, max_model_len: int, engine_core: str = "thread"
+) -> Iterator[str]:
+    """The engine on ``model_dir`` (CPU, 4-token blocks, its core on a thread unless ``engine_core`` is
+    "process"), on a free port: its URL, once it says it is serving; stopped on exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     argv = [sys.executable, "-m", "engine", "engine", "--model", str(model_dir), "--port", str(port)]
-    argv += ["--device", "cpu", "--kv-blocks", str(kv_blocks), "--block-size", "4", "--engine-core", "thread"]
+    argv += [
+        "--device",
+        "cpu",
+        "--kv-blocks",
+        str(kv_blocks),
+        "--block-size",
+        "4",
+        "--engine-core",
+        engine_core,
+    ]
     argv += ["--max-model-len", str(max_model_len)]
     server = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     try:

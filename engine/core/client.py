@@ -1,7 +1,7 @@
 """The API process's handle on an engine core process: the surface of ``AsyncEngine`` that the HTTP server
-uses (``generate``, ``start``/``stop``, ``alive``, ``error``, ``load``, ``steps``), over a socket pair read
-on the event loop. Every open request fails with ``EngineDead`` when the core's step fails or the process
-goes away; a request left early (its client gone, a stop string) is aborted in the core."""
+uses (``generate``, ``embed``, ``start``/``stop``, ``alive``, ``error``, ``load``, ``steps``), over a socket
+pair read on the event loop. Every open request fails with ``EngineDead`` when the core's step fails or the
+process goes away; a request left early (its client gone, a stop string) is aborted in the core."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ import socket
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from cache.events import KvEvent
 from cache.tokens import Tokenizer, load_tokenizer
 from engine.async_engine import EngineDead
 from engine.core.messages import (
     Abort,
     AddRequest,
+    Embed,
     EngineInfo,
     Ready,
     StartupFailed,
@@ -58,6 +61,7 @@ class EngineCoreClient:
         self._reader, self._writer = reader, writer
         self._load: dict[str, int] = {}
         self._queues: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._embeds: dict[str, asyncio.Future[np.ndarray]] = {}
         self._busy = dict.fromkeys(self.counters.busy, 0.0)
         self._reading: asyncio.Task[None] | None = None
         self._stopping = False
@@ -175,6 +179,25 @@ class EngineCoreClient:
             if in_core and not self._writer.is_closing():
                 send(self._writer, Abort((request_id,)))
 
+    async def embed(
+        self, request_id: str, prompt_token_ids: Sequence[int], namespace: CacheNamespace | None = None
+    ) -> np.ndarray:
+        """As ``AsyncEngine.embed``: the prompt's last hidden state, computed in the core; cancelling the
+        wait aborts it there."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        if request_id in self._embeds or request_id in self._queues:
+            raise EngineDead(f"request id {request_id!r} is already running")
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._embeds[request_id] = future
+        send(self._writer, Embed(request_id, list(prompt_token_ids), namespace or CacheNamespace()))
+        try:
+            return await future
+        finally:
+            self._embeds.pop(request_id, None)
+            if future.cancelled() and not self._writer.is_closing():  # its client left: the core drops it
+                send(self._writer, Abort((request_id,)))
+
     # -- from the core ----------------------------------------------------------------------------------
 
     async def _read(self) -> None:
@@ -202,10 +225,15 @@ class EngineCoreClient:
             queue = queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        for request_id, hidden in batch.embeddings:
+            if (future := self._embeds.get(request_id)) is not None and not future.done():
+                future.set_result(hidden)
         for request_id, exc in batch.failures:
             queue = queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(exc)
+            elif (future := self._embeds.get(request_id)) is not None and not future.done():
+                future.set_exception(exc)
         self._load, self.steps, self.failure = batch.load, batch.steps, batch.failure
         if batch.error is not None and self.error is None:
             self.error = EngineDead(batch.error)
@@ -224,6 +252,9 @@ class EngineCoreClient:
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
+        for future in self._embeds.values():
+            if not future.done():
+                future.set_exception(exc)
 
 
 def _exit_code(process: multiprocessing.process.BaseProcess) -> str:

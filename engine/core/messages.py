@@ -1,5 +1,6 @@
-"""What crosses between the API process and the engine core: requests and aborts one way, one
-:class:`StepBatch` per engine step the other, each a length-prefixed pickle on a private socket pair."""
+"""What crosses between the API process and the engine core: requests (generations, embeddings) and aborts
+one way, one :class:`StepBatch` per engine step the other, each a length-prefixed pickle on a private socket
+pair."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import struct
 from asyncio import StreamReader, StreamWriter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from cache.events import KvEvent
 from engine.async_engine import EngineDead
@@ -74,6 +77,15 @@ class AddRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Embed:
+    """A prompt whose last hidden state the API process wants (``/v1/embeddings``); aborted as a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    namespace: CacheNamespace
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     request_ids: tuple[str, ...]
 
@@ -97,6 +109,7 @@ class StepBatch:
     the requests that failed alone, its KV events, the load and counters after it."""
 
     outputs: list[StepOutput] = field(default_factory=list)
+    embeddings: list[tuple[str, np.ndarray]] = field(default_factory=list)  # (request id, last hidden state)
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
     events: list[KvEvent] = field(default_factory=list)
     load: dict[str, int] = field(default_factory=dict)

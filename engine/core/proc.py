@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.core.messages import (
     Abort,
     AddRequest,
+    Embed,
     EngineInfo,
     Ready,
     StartupFailed,
@@ -128,6 +129,8 @@ class EngineCore:
                     return  # the API process closed its end, or is gone
                 if isinstance(message, AddRequest):
                     self._tasks[message.request_id] = asyncio.create_task(self._serve(message))
+                elif isinstance(message, Embed):
+                    self._tasks[message.request_id] = asyncio.create_task(self._embed(message))
                 elif isinstance(message, Abort):
                     for request_id in message.request_ids:
                         task = self._tasks.pop(request_id, None)
@@ -166,6 +169,19 @@ class EngineCore:
             if self._tasks.get(add.request_id) is asyncio.current_task():
                 del self._tasks[add.request_id]
 
+    async def _embed(self, embed: Embed) -> None:
+        try:
+            hidden = await self.engine.embed(embed.request_id, embed.prompt_token_ids, embed.namespace)
+            self._batch.embeddings.append((embed.request_id, hidden))
+        except asyncio.CancelledError:
+            return  # aborted by the API process: its client left
+        except Exception as exc:
+            self._batch.failures.append((embed.request_id, portable(exc)))
+        finally:
+            if self._tasks.get(embed.request_id) is asyncio.current_task():
+                del self._tasks[embed.request_id]
+        self._soon()  # no step need follow an embedding: send it now
+
     # -- to the API process ---------------------------------------------------------------------------
 
     def _batch_events(self, events: list[Any]) -> None:
@@ -197,7 +213,8 @@ class EngineCore:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             batch = self._batch
-            if batch.outputs or batch.failures or batch.events or self._state() != self._sent:
+            news = batch.outputs or batch.embeddings or batch.failures or batch.events
+            if news or self._state() != self._sent:
                 self._flush()
 
     # -- the KV source routes ------------------------------------------------------------------------------
