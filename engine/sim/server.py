@@ -30,6 +30,7 @@ from aiohttp import web
 from cache.chat_dialect import VLLM
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
 from cache.tokens import load_tokenizer, render_messages
+from engine.embeddings_api import EMBEDDINGS_PATH
 from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler
 from engine.openai_api import FinishReason, GenerationRequest, RequestKind, new_request_id, parse_request
@@ -37,6 +38,7 @@ from engine.openai_errors import MAX_BODY_BYTES, OpenAIError, json_response, ope
 from engine.openai_format import model_object, models_body
 from engine.sim.batching_loop import BatchingLoop, generate_batched
 from engine.sim.config import SimEngineConfig
+from engine.sim.embeddings import handle_embeddings
 from engine.sim.kv_pull import SimKvPeer
 from engine.sim.prefix_cache import PrefixCache
 from engine.sim.pseudo_text import cut_at_stop, pseudo_text
@@ -143,6 +145,10 @@ class SimEngine:
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
+
+    async def handle_embeddings(self, request: web.Request) -> web.Response:
+        """Pseudo-embeddings, validated and shaped as kvgate's engine's (``engine.sim.embeddings``)."""
+        return await handle_embeddings(self, request)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         return json_response(models_body(self.config.model, self.created))
@@ -288,6 +294,7 @@ def build_app(config: SimEngineConfig) -> web.Application:
     app[SIM_ENGINE] = engine
     app.router.add_post("/v1/completions", engine.handle_completions)
     app.router.add_post("/v1/chat/completions", engine.handle_chat)
+    app.router.add_post(EMBEDDINGS_PATH, engine.handle_embeddings)
     app.router.add_get("/v1/models", engine.handle_models)
     app.router.add_get("/v1/models/{model:.+}", engine.handle_model_card)  # (ids may hold slashes)
     app.router.add_get("/health", engine.handle_health)
