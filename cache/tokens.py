@@ -41,6 +41,11 @@ class Tokenizer(Protocol):
         is found from every namespace, and stays for the tokenizer's life (see ``HFTokenizer._public``)."""
         ...
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text, none of them cached: texts that do not recur (an embeddings request's
+        documents), encoded together (Hugging Face's batch call uses every core, without the GIL)."""
+        ...
+
     def with_special_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         """``token_ids`` with the special tokens the tokenizer's post-processor adds around a text (a BOS,
         say): what Hugging Face's ``add_special_tokens=True`` gives, as vLLM and SGLang encode a completion's
@@ -64,6 +69,9 @@ class ByteTokenizer:
 
     def encode_public(self, text: str) -> np.ndarray:
         return self.encode(text)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def with_special_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         return token_ids  # (no post-processor)
@@ -141,6 +149,11 @@ class HFTokenizer:
 
     def encode_public(self, text: str) -> np.ndarray:
         return self._encode(text, None)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        if not texts:
+            return []
+        return [uint32_array(e.ids) for e in self._encode_batch(texts, add_special_tokens=False)]
 
     def _encode(self, text: str, namespace: str | None) -> np.ndarray:
         """``text``'s ids, its pieces cached in ``namespace``; None: in the public table."""

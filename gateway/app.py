@@ -22,6 +22,7 @@ from cache.redis_keys import RedisKeys
 from cache.spool import Spool
 from cache.tokens import Tokenizer, TokenizerError, load_tokenizer
 from gateway.config import KvgateConfig
+from gateway.embedding_inputs import EMBEDDINGS_PATH
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError
 from gateway.http.http_wire import Answer
@@ -180,6 +181,7 @@ def build_app(config: KvgateConfig) -> web.Application:
         (CHAT_PATH, gateway.chat_completions),
         (COMPLETIONS_PATH, gateway.completions),
         (RESPONSES_PATH, gateway.responses),
+        (EMBEDDINGS_PATH, gateway.embeddings),
     ]
     public = [
         ("/v1/models", guarded(billing, "/v1/models", gateway.models)),

@@ -142,6 +142,11 @@ class GatewaySettings(BaseModel):
         ge=1,
         description="prompts in one completion request; each is routed and sent as a request of its own",
     )
+    max_embedding_inputs: int = Field(
+        default=2048,
+        ge=1,
+        description="inputs in one embeddings request (OpenAI's limit); one engine embeds them all",
+    )
     session_ttl_s: float = Field(default=3600.0, gt=0)
     approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
     pending_ttl_s: float = Field(

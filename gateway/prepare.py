@@ -17,6 +17,7 @@ from cache.responses_input import responses_chat_body
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
+from gateway.embedding_inputs import EMBEDDINGS_PATH, embedding_inputs, embedding_tokens
 from gateway.http.errors import InvalidRequest, ModelNotFound
 from gateway.prompt_batch import PromptBatch
 from gateway.request_body import ClientRequest, read_json
@@ -26,10 +27,12 @@ from gateway.routing.home import HomeRegions
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingsRequest,
     ResponsesRequest,
     StreamOptions,
     parse_chat,
     parse_completion,
+    parse_embeddings,
     parse_responses,
 )
 from gateway.tenancy.tenants import Tenant
@@ -38,7 +41,12 @@ from region_map.fleet import ChainKey, EngineState, Fleet
 
 SESSION_HEADER = "x-session-affinity"
 # The field a prompt is refused by, per endpoint.
-_PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", RESPONSES_PATH: "input"}
+_PROMPT_PARAM = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    RESPONSES_PATH: "input",
+    EMBEDDINGS_PATH: "input",
+}
 THREAD_TOKENIZE_CHARS = 8192  # shorter texts tokenize in less time than a hop to a thread costs
 THREAD_VALIDATE_BYTES = 256 << 10  # bodies this large validate in milliseconds: off the event loop
 DEFAULT = Tenant("default", "")  # every request's tenant while authentication is off
@@ -79,8 +87,8 @@ class Prepared:
     @property
     def disaggregable(self) -> bool:
         """A Responses API request is not: its prefill engine would store a response of its own, and the P/D
-        protocols hand K/V over for completions only."""
-        return self.path != RESPONSES_PATH
+        protocols hand K/V over for completions only. Nor is an embedding, which decodes nothing."""
+        return self.path != RESPONSES_PATH and self.path != EMBEDDINGS_PATH
 
     @property
     def hashes(self) -> list[int]:
@@ -252,6 +260,19 @@ class RequestPreparer:
             tokens = np.asarray(prompt, dtype=np.uint32)
         return self._prepare(request, body, parsed, "/v1/completions", tokens, tenant)
 
+    async def embeddings(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
+        """An embeddings request: its inputs' tokens counted for admission, not hashed (see
+        ``gateway.embedding_inputs``); the engine is sent the client's body."""
+        parsed = parse_embeddings(body)
+        inputs = embedding_inputs(self.settings, body)
+        if _heavy(request) or sum(map(len, inputs.texts)) >= THREAD_TOKENIZE_CHARS:
+            tokens = await asyncio.get_running_loop().run_in_executor(
+                None, embedding_tokens, self.tokenizer, self._render, parsed, body, inputs
+            )
+        else:
+            tokens = embedding_tokens(self.tokenizer, self._render, parsed, body, inputs)
+        return self._prepare(request, body, parsed, EMBEDDINGS_PATH, tokens, tenant, hashed=False)
+
     async def encode(self, text: str, namespace: str = "") -> np.ndarray:
         """Tokenize; a long text on a worker thread (the tokenizer encodes long texts without the GIL), so
         that one long prompt does not hold up every other request and the tokenizing uses another core.
@@ -265,11 +286,14 @@ class RequestPreparer:
         self,
         request: ClientRequest,
         body: dict[str, Any],
-        parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest,
+        parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest,
         path: str,
         token_ids: np.ndarray,
         tenant: Tenant,
+        *,
+        hashed: bool = True,
     ) -> Prepared:
+        """``hashed``: whether its blocks are hashed for routing (an embedding's are not)."""
         s = self.settings
         model = parsed.model
         engines = self.fleet.serving(model)
@@ -297,6 +321,10 @@ class RequestPreparer:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
+        if isinstance(parsed, EmbeddingsRequest):  # (never streamed)
+            streamed, options = False, None
+        else:
+            streamed, options = bool(parsed.stream), parsed.stream_options
         cache_salt = _cache_salt(tenant, parsed)
         shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
         record_id = self._new_record_id()
@@ -307,9 +335,8 @@ class RequestPreparer:
             model=model,
             path=path,
             body=body,
-            stream=bool(parsed.stream),
-            client_wants_usage=isinstance(parsed.stream_options, StreamOptions)
-            and bool(parsed.stream_options.include_usage),
+            stream=streamed,
+            client_wants_usage=isinstance(options, StreamOptions) and bool(options.include_usage),
             token_ids=token_ids,
             chains={
                 key: self.block_hashes(
@@ -320,7 +347,9 @@ class RequestPreparer:
                     block_size=key.block_size,
                 )
                 for key in self.fleet.chain_keys(model, s.block_size, s.min_block_size)
-            },
+            }
+            if hashed
+            else {},
             cache_salt=cache_salt,
             home_region=self.home.resolve(request.headers, request.remote),
             shared_tokens=shared_tokens,
@@ -393,7 +422,9 @@ def chat_dialect(engines: list[EngineState]) -> ChatDialect:
     return SGLANG if 2 * sglang > len(engines) else VLLM
 
 
-def _cache_salt(tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> str:
+def _cache_salt(
+    tenant: Tenant, parsed: ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+) -> str:
     """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
     in the tokenizer's cache."""
     return request_cache_salt(tenant.cache_salt, parsed.cache_salt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import GatewaySettings
+from gateway.embedding_inputs import EMBEDDINGS_PATH
 from gateway.http.errors import InvalidRequest
 
 RESPONSES_PATH = "/v1/responses"
@@ -53,6 +54,8 @@ def output_budget(settings: GatewaySettings, body: dict[str, Any], path: str) ->
     allows": it is sent without one unless ``default_chat_max_tokens`` is set (a fixed budget could only
     be wrong: past an engine's context, vLLM refuses the request); admission then charges
     ``default_max_tokens`` and the tokens generated past it are charged when the answer is done."""
+    if path == EMBEDDINGS_PATH:
+        return 0, "max_tokens", True  # (an embedding decodes nothing)
     chat = path != "/v1/completions"  # (a Responses request budgets as a chat does)
     if path == RESPONSES_PATH:
         param = "max_output_tokens"

@@ -122,10 +122,30 @@ class ResponsesRequest(_Open):
         return background
 
 
-_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
+class EmbeddingsRequest(_Open):
+    """``POST /v1/embeddings``, as OpenAI and vLLM take it. Its ``input`` (or vLLM's ``messages``) is read by
+    ``gateway.embedding_inputs``, which says for each form what is wrong with it."""
+
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    input: Any = None
+    messages: Any = None
+    encoding_format: str | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingsRequest)
 _CHAT = TypeAdapter(ChatCompletionRequest)
 _COMPLETION = TypeAdapter(CompletionRequest)
 _RESPONSES = TypeAdapter(ResponsesRequest)
+_EMBEDDINGS = TypeAdapter(EmbeddingsRequest)
+_CONVERSATION = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
 
 
 # Fields typed as unions: pydantic reports one error per member, which reads badly; say what is accepted.
@@ -194,3 +214,18 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 def parse_responses(body: Any) -> ResponsesRequest:
     return _parse(_RESPONSES, body)
+
+
+def parse_embeddings(body: Any) -> EmbeddingsRequest:
+    return _parse(_EMBEDDINGS, body)
+
+
+def check_conversation(messages: Any, where: str) -> None:
+    """A conversation given outside a chat request (an embeddings request's), checked as a chat's messages
+    are; errors name ``where`` (``messages.1.content``, say)."""
+    try:
+        _CONVERSATION.validate_python(messages)
+    except ValidationError as exc:
+        error = _invalid(exc)
+        param = f"{where}.{error.param}" if error.param else where
+        raise InvalidRequest(f"{where}.{error.message}", param=param) from None

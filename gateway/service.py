@@ -112,6 +112,10 @@ class Gateway:
         """``POST /v1/responses``: the Responses API, routed and billed as a chat is."""
         return await self._complete(request, self.prepare.responses)
 
+    async def embeddings(self, request: LeanRequest) -> Answer:
+        """``POST /v1/embeddings``: routed by load and session, admitted and billed by its prompt tokens."""
+        return await self._complete(request, self.prepare.embeddings)
+
     async def stored_response(self, request: LeanRequest) -> Answer:
         """``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``, ``GET .../input_items``: asked of
         the engine that holds the response (``gateway.stored_responses``)."""

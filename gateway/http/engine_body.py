@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from cache.tokens import pack_token_ids
+from gateway.embedding_inputs import EMBEDDINGS_PATH
 from gateway.prepare import Prepared
 from gateway.request_limits import RESPONSES_PATH
 from region_map.config import EngineKind
@@ -36,6 +37,8 @@ def engine_body(
     kind = engine.kind
     if p.cache_salt and kind in (EngineKind.KVGATE, EngineKind.VLLM):
         body["cache_salt"] = p.cache_salt
+    if p.path == EMBEDDINGS_PATH:  # (as the client wrote it: its inputs were counted, not hashed)
+        return body
     if kind is EngineKind.KVGATE:
         # (A continued Responses conversation starts with history only its engine holds: the gateway's
         # ids are its new input alone, not its prompt.)

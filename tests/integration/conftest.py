@@ -23,11 +23,22 @@ from tests.serving import serve
 if not os.environ.get("KVGATE_VLLM_URLS"):
     # Without engines, only the comparisons with vLLM's own code, and only when asked for: they need vLLM's
     # venv (KVGATE_VLLM_VENV), not an engine.
-    collect_ignore_glob = ["test_*.py"] if not os.environ.get("KVGATE_VLLM_VENV") else ["test_vllm_[fp]*.py"]
+    collect_ignore_glob = (
+        ["test_*.py"]
+        if not os.environ.get("KVGATE_VLLM_VENV")
+        else ["test_vllm_[fp]*.py", "test_vllm_embeddings.py"]
+    )
 elif os.environ.get("KVGATE_VLLM_MODE", "fleet") == "pd":  # engine 0 prefills, engine 1 decodes (NIXL)
-    collect_ignore_glob = ["test_vllm_fleet.py", "test_vllm_responses*.py", "bench_*.py"]
+    collect_ignore_glob = [
+        "test_vllm_fleet.py",
+        "test_vllm_responses*.py",
+        "test_vllm_embeddings.py",
+        "bench_*.py",
+    ]
+elif os.environ.get("KVGATE_VLLM_MODE") == "embed":  # two engines serving the model as an embedding model
+    collect_ignore_glob = ["test_vllm_fleet.py", "test_vllm_responses*.py", "test_vllm_pd.py", "bench_*.py"]
 else:  # two plain engines
-    collect_ignore_glob = ["test_vllm_pd.py"]
+    collect_ignore_glob = ["test_vllm_pd.py", "test_vllm_embeddings.py"]
 
 
 def _split(name: str) -> list[str]:

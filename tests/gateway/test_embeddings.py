@@ -1,0 +1,171 @@
+"""``POST /v1/embeddings`` through the gateway (gateway.embedding_inputs): the OpenAI SDK's
+``embeddings.create``, admitted by the tokens the engine will count, routed to one engine, billed as a
+request of prompt tokens only; inputs the engines would refuse, and binary answers, are refused first."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from tests.harness import MODEL, Cluster, ClusterFactory
+
+PRICE = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
+
+
+def words(tag: str, count: int = 60) -> str:
+    return " ".join(f"{tag}-{i}" for i in range(count))
+
+
+@dataclass
+class Request:
+    """What preparing reads of a client's request (gateway.prepare.ClientRequest)."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    remote: str | None = "127.0.0.1"
+    content_length: int | None = 2
+
+
+async def test_the_sdk_gets_embeddings_through_the_gateway_and_they_are_billed(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster({"eu-west": 2}, prices={MODEL: PRICE})
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    texts = [words("doc0"), words("doc1", 20), "a short one"]
+    # (The SDK asks for base64 unless told otherwise, and decodes it.)
+    answer = await client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in answer.data] == [0, 1, 2]
+    assert all(len(d.embedding) == 64 for d in answer.data)
+    floats = await client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    for a, b in zip(answer.data, floats.data, strict=True):
+        assert np.allclose(a.embedding, b.embedding, atol=1e-6)
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens > 0
+    await client.close()
+
+    status, body, headers = await cluster.post(
+        "/v1/embeddings", {"model": MODEL, "input": texts}, headers={"x-request-id": "emb-1"}
+    )
+    assert status == 200, body
+    assert headers["x-request-id"] == "emb-1" and "," not in headers["x-kvgate-engine"]
+    assert headers["x-kvgate-predicted-cached-tokens"] == "0"
+    await cluster.gateway.billing.writer.flush()
+    records = [r for r in await cluster.gateway.billing.ledger.records() if r.request_id == "emb-1"]
+    assert len(records) == 1
+    record = records[0]
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == (
+        "completed",
+        body["usage"]["prompt_tokens"],
+        0,
+    )
+    assert body["usage"]["cost"] == pytest.approx(record.cost_picodollars / 10**12, rel=1e-12)
+    assert record.cost_picodollars == record.prompt_tokens * 500_000  # $0.50 per million input tokens
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a tokenizer that adds a BOS to a text, as Llama's does (scripts/test-vllm's)."""
+    from tokenizers import Tokenizer, processors
+
+    directory = tmp_path_factory.mktemp("bos") / "tiny-bos"
+    shutil.copytree(tiny_model_dir, directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
+    """The prompt tokens the gateway admits an embeddings request for."""
+    prepared = await cluster.gateway.prepare.embeddings(Request(), body)
+    return prepared.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"input": "one text, with a BOS added as vLLM adds it"},
+        {"input": [words("a", 30), "two", words("c", 5)]},
+        {"input": [words("a", 30), "two"], "add_special_tokens": False},
+        {"input": [5, 6, 7, 8, 9]},
+        {"input": [[5, 6, 7], [8, 9], [10]]},
+        {"input": [words("a", 30), words("b", 40)], "truncate_prompt_tokens": 7},
+        {"input": [words("a", 30)], "truncate_prompt_tokens": 7, "truncation_side": "left"},
+    ],
+    ids=["text", "texts", "no-special", "ids", "id-lists", "truncated", "truncated-left"],
+)
+async def test_the_gateway_counts_the_tokens_kvgates_engine_reports(
+    make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
+) -> None:
+    cluster = await make_cluster({"eu-west": 1}, real_model=bos_model_dir, tokenizer=str(bos_model_dir))
+    body = {"model": cluster.model, "encoding_format": "float", **extra}
+    status, answer, _ = await cluster.post("/v1/embeddings", body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == await counted(cluster, body)
+    inputs = extra["input"]
+    count = 1 if isinstance(inputs, str) or isinstance(inputs[0], int) else len(inputs)
+    assert [d["index"] for d in answer["data"]] == list(range(count))
+    vectors = np.array([d["embedding"] for d in answer["data"]])
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # (vLLM's pooler normalises)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"input": "x", "encoding_format": "bytes"}, "encoding_format", "through this gateway"),
+        ({"input": ""}, "input", "empty string"),
+        ({"input": []}, "input", "must be a non-empty string"),
+        ({"input": ["fine", ""]}, "input", "input.1 must not be an empty string"),
+        ({}, "input", "field required"),
+        ({"input": "x", "messages": [{"role": "user", "content": "y"}]}, "messages", "not both"),
+        ({"input": [1, 2**32]}, "input", "token ids must be integers"),
+        ({"input": ["text", [1, 2]], "dimensions": 0}, "dimensions", "greater than or equal to 1"),
+        ({"input": [True]}, "input", "each of input's items"),
+        ({"messages": [[{"role": "user", "content": "a"}], "b"]}, "messages", "each of messages's items"),
+        ({"input": [[{"role": "user", "content": "a"}], [{"role": "bot", "content": "b"}]]}, "input.1.0.role",
+         "input.1.0.role"),
+    ],
+    ids=["bytes", "empty", "empty-list", "empty-item", "missing", "both", "big-id", "dimensions", "bool",
+         "mixed-conversations", "bad-role"],
+)  # fmt: skip
+async def test_inputs_the_engines_would_refuse_are_refused_with_the_field_named(
+    make_cluster: ClusterFactory, body: dict[str, Any], param: str, says: str
+) -> None:
+    cluster = await make_cluster({"eu-west": 1})
+    status, answer, headers = await cluster.post("/v1/embeddings", {"model": MODEL, **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and says in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "invalid_request_error" and headers["x-request-id"]
+
+
+async def test_the_count_of_inputs_is_bounded_before_they_are_read(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster({"eu-west": 1}, max_embedding_inputs=4)
+    status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, "input": ["x"] * 5})
+    assert status == 400 and "at most 4" in answer["error"]["message"]
+    status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, "input": list(range(1, 50))})
+    assert status == 200, answer  # (one prompt of 49 token ids, whatever the bound on inputs)
+    status, answer, _ = await cluster.post("/v1/embeddings", {"model": "no-such-model", "input": "x"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+async def test_a_conversation_is_counted_as_its_chat_template_renders_it(
+    make_cluster: ClusterFactory, bos_model_dir: Path
+) -> None:
+    cluster = await make_cluster({"eu-west": 1}, real_model=bos_model_dir, tokenizer=str(bos_model_dir))
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words("q", 10)}]
+    prepare = cluster.gateway.prepare
+    rendered = prepare._render(cluster.model, {"messages": conversation, "add_generation_prompt": False})
+    one = await counted(cluster, {"model": cluster.model, "messages": conversation})
+    assert one == len(prepare.tokenizer.encode(rendered))  # (no BOS added: the template writes its own)
+    assert await counted(cluster, {"model": cluster.model, "input": [conversation, conversation]}) == 2 * one
+    with_prompt = await counted(
+        cluster, {"model": cluster.model, "messages": conversation, "add_generation_prompt": True}
+    )
+    assert with_prompt > one
