@@ -76,6 +76,7 @@ def embedding_inputs(settings: GatewaySettings, body: dict[str, Any]) -> Embeddi
         raise InvalidRequest(f"{field} {_INPUT_FORMS}", param=field)
     if _is_conversation(value):  # one conversation
         out.conversations.append((field, value))
+        _check_messages(settings, out, field)
         return out
     if len(value) > settings.max_embedding_inputs and not _is_int(value[0]):
         raise InvalidRequest(
@@ -100,7 +101,18 @@ def embedding_inputs(settings: GatewaySettings, body: dict[str, Any]) -> Embeddi
             raise InvalidRequest(f"{where}: each of {field}'s items {_INPUT_FORMS}", param=field)
     if out.conversations and (out.texts or out.token_ids):
         raise InvalidRequest(f"{field} mixes conversations with other inputs", param=field)
+    _check_messages(settings, out, field)
     return out
+
+
+def _check_messages(settings: GatewaySettings, inputs: EmbeddingInputs, field: str) -> None:
+    """A chat's bound on messages, for all the conversations together (each is validated and rendered)."""
+    messages = sum(len(conversation) for _, conversation in inputs.conversations)
+    if messages > settings.max_messages:
+        raise InvalidRequest(
+            f"{field} holds {messages} messages in all; this gateway allows at most {settings.max_messages}",
+            param=field,
+        )
 
 
 def embedding_tokens(

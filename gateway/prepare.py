@@ -263,8 +263,13 @@ class RequestPreparer:
     async def embeddings(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         """An embeddings request: its inputs' tokens counted for admission, not hashed (see
         ``gateway.embedding_inputs``); the engine is sent the client's body."""
-        parsed = parse_embeddings(body)
-        inputs = embedding_inputs(self.settings, body)
+        parsed = parse_embeddings(body)  # (its fields but the inputs: those are read next)
+        if _heavy(request):  # (a million token ids take a fraction of a second to read)
+            inputs = await asyncio.get_running_loop().run_in_executor(
+                None, embedding_inputs, self.settings, body
+            )
+        else:
+            inputs = embedding_inputs(self.settings, body)
         if _heavy(request) or sum(map(len, inputs.texts)) >= THREAD_TOKENIZE_CHARS:
             tokens = await asyncio.get_running_loop().run_in_executor(
                 None, embedding_tokens, self.tokenizer, self._render, parsed, body, inputs

@@ -146,9 +146,13 @@ async def test_inputs_the_engines_would_refuse_are_refused_with_the_field_named(
 
 
 async def test_the_count_of_inputs_is_bounded_before_they_are_read(make_cluster: ClusterFactory) -> None:
-    cluster = await make_cluster({"eu-west": 1}, max_embedding_inputs=4)
+    cluster = await make_cluster({"eu-west": 1}, max_embedding_inputs=4, max_messages=5)
     status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, "input": ["x"] * 5})
     assert status == 400 and "at most 4" in answer["error"]["message"]
+    three = [{"role": "user", "content": "x"}] * 3
+    for body in ({"messages": three * 2}, {"input": [three, three]}):
+        status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, **body})
+        assert status == 400 and "6 messages in all" in answer["error"]["message"], answer
     status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, "input": list(range(1, 50))})
     assert status == 200, answer  # (one prompt of 49 token ids, whatever the bound on inputs)
     status, answer, _ = await cluster.post("/v1/embeddings", {"model": "no-such-model", "input": "x"})
