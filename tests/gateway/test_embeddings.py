@@ -5,7 +5,6 @@ request of prompt tokens only; inputs the engines would refuse, and binary answe
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 import openai
 import pytest
 
+from tests.client_request import BareRequest
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 PRICE = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
@@ -20,15 +20,6 @@ PRICE = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
 
 def words(tag: str, count: int = 60) -> str:
     return " ".join(f"{tag}-{i}" for i in range(count))
-
-
-@dataclass
-class Request:
-    """What preparing reads of a client's request (gateway.prepare.ClientRequest)."""
-
-    headers: dict[str, str] = field(default_factory=dict)
-    remote: str | None = "127.0.0.1"
-    content_length: int | None = 2
 
 
 async def test_the_sdk_gets_embeddings_through_the_gateway_and_they_are_billed(
@@ -84,7 +75,7 @@ def bos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
     """The prompt tokens the gateway admits an embeddings request for."""
-    prepared = await cluster.gateway.prepare.embeddings(Request(), body)
+    prepared = await cluster.gateway.prepare.embeddings(BareRequest(), body)
     return prepared.prompt_tokens
 
 

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.prepare import Prepared
 from gateway.service import Gateway
+from tests.client_request import BareRequest
 
 MODEL = "m"
-
-
-@dataclass
-class Request:
-    """What preparing reads of a client's request (gateway.prepare.ClientRequest)."""
-
-    headers: dict[str, str] = field(default_factory=dict)
-    remote: str | None = "127.0.0.1"
-    content_length: int | None = 2
-
-    async def read(self) -> bytes:
-        return b"{}"
 
 
 def gateway_of(count: int) -> Gateway:
@@ -36,7 +23,7 @@ def gateway_of(count: int) -> Gateway:
 
 async def prepared(gateway: Gateway) -> Prepared:
     body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 4}
-    return await gateway.prepare.completion(Request(), body)
+    return await gateway.prepare.completion(BareRequest(), body)
 
 
 async def test_a_role_an_engine_reports_later_changes_the_plan() -> None:
@@ -87,14 +74,14 @@ async def test_a_responses_request_is_answered_whole_and_a_continued_one_where_i
     e0 = gateway.fleet.engines["r/e0"]
     if e0.apply_health({"model": MODEL, "role": "prefill"}):
         gateway.fleet.refresh_models()
-    p = await gateway.prepare.responses(Request(), {"model": MODEL, "input": "hello"})
+    p = await gateway.prepare.responses(BareRequest(), {"model": MODEL, "input": "hello"})
     plan = gateway.router.plan(p)
     assert [e.id for e in plan.answering] == ["r/e1", "r/e2"] and plan.prefilling == []
     assert [e.id for e in gateway.router.plan(await prepared(gateway)).prefilling] == ["r/e0", "r/e1", "r/e2"]
     # One continuing a stored response goes only where that response is kept; its prompt starts with
     # history the gateway never saw, so no block of it is hashed.
     body = {"model": MODEL, "input": "and then?", "previous_response_id": "resp_1"}
-    p = await gateway.prepare.responses(Request(), body)
+    p = await gateway.prepare.responses(BareRequest(), body)
     p.pinned_engine = "r/e2"
     plan = gateway.router.plan(p)
     assert [e.id for e in plan.answering] == ["r/e2"] and plan.prefilling == []

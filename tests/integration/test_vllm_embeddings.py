@@ -11,22 +11,11 @@ import numpy as np
 import openai
 import pytest
 
+from tests.client_request import BareRequest
 from tests.integration.conftest import VllmFleet, gateway_in_front, until
 from tests.integration.test_vllm_fleet import text
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-class _Request:
-    """What preparing reads of a client's request (gateway.request_body.ClientRequest)."""
-
-    def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
-        self.remote = "127.0.0.1"
-        self.content_length = 2
-
-    async def read(self) -> bytes:
-        return b"{}"
 
 
 def bodies(model: str) -> list[dict[str, Any]]:
@@ -58,7 +47,7 @@ async def test_the_gateway_counts_every_input_form_as_vllm_does(vllm_fleet: Vllm
                 "/embeddings", body={**body, "encoding_format": "float"}, cast_to=object
             )
             assert isinstance(answer, dict) and "usage" in answer, (body, answer)
-            p = await gateway.prepare.embeddings(_Request(), body)
+            p = await gateway.prepare.embeddings(BareRequest(), body)
             assert p.prompt_tokens == answer["usage"]["prompt_tokens"], body
             relayed = await through.post(
                 "/embeddings", body={**body, "encoding_format": "float"}, cast_to=object

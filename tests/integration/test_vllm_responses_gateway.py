@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests.client_request import BareRequest
 from tests.integration.conftest import VllmFleet, gateway_in_front, settled, until
 from tests.integration.test_vllm_fleet import text
 
@@ -51,7 +52,7 @@ async def test_the_gateway_renders_responses_requests_as_long_as_vllm_does(vllm_
         for body in bodies(vllm_fleet.model):
             answer = await client.post("/responses", body={**body, "max_output_tokens": 1}, cast_to=object)
             assert isinstance(answer, dict), answer
-            p = await gateway.prepare.responses(_Request(), body)
+            p = await gateway.prepare.responses(BareRequest(), body)
             assert len(p.token_ids) == answer["usage"]["input_tokens"], body
         await client.close()
 
@@ -95,15 +96,3 @@ async def test_responses_are_predicted_and_continued_where_they_are_kept(vllm_fl
         async with session.get(f"{other}/v1/responses/{previous}") as r:
             assert r.status == 404
         await client.close()
-
-
-class _Request:
-    """What preparing reads of a client's request (gateway.request_body.ClientRequest)."""
-
-    def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
-        self.remote = "127.0.0.1"
-        self.content_length = 2
-
-    async def read(self) -> bytes:
-        return b"{}"
