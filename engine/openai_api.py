@@ -166,7 +166,8 @@ def parse_request(
     check_model(data, served_model)
     _reject_unsupported(data, kind, capabilities)
     if data.get(PACKED_IDS_FIELD) is not None:
-        prompt_param = PACKED_IDS_FIELD
+        # The gateway's packing of the client's own prompt: an error about its ids names the client's field.
+        prompt_param = "messages" if kind == "chat" else "prompt"
         ids = unpack_token_ids(data[PACKED_IDS_FIELD])
     elif data.get("prompt_token_ids") is not None:
         prompt_param = "prompt_token_ids"

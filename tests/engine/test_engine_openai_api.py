@@ -121,12 +121,17 @@ def test_packed_token_ids_win_over_every_other_prompt() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "fragment"),
-    [(7, "string of hex digits"), ("0000000g", "only hex digits"), ("000001", "8 hex digits"), ("", "empty")],
+    ("value", "fragment", "param"),
+    [
+        (7, "string of hex digits", "prompt_token_ids_hex"),
+        ("0000000g", "only hex digits", "prompt_token_ids_hex"),
+        ("000001", "8 hex digits", "prompt_token_ids_hex"),
+        ("", "empty", "prompt"),  # (a well-formed packing of the client's empty prompt: the client's field)
+    ],
 )
-def test_packed_token_id_errors(value: Any, fragment: str) -> None:
+def test_packed_token_id_errors(value: Any, fragment: str, param: str) -> None:
     err = error_of({"prompt": "x", "prompt_token_ids_hex": value})
-    assert (err.status, err.param) == (400, "prompt_token_ids_hex")
+    assert (err.status, err.param) == (400, param)
     assert fragment in err.message
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
+from cache.tokens import pack_token_ids
 from tests.engine_process import engine_process
 
 MAX_MODEL_LEN = 64
@@ -71,6 +73,21 @@ def test_a_token_id_outside_the_vocabulary_is_refused_as_the_prompts_fault(clien
         "param": "prompt",
         "code": None,
     }
+    # Through the gateway, which sends the client's prompt packed (prompt_token_ids_hex): the error names the
+    # client's own field (it named prompt_token_ids_hex, a field the client never sent).
+    packed = {"prompt_token_ids_hex": pack_token_ids(np.array([5, 10**6], dtype=np.uint32))}
+    hi = [{"role": "user", "content": "hi"}]
+    for field, create in (
+        (
+            "prompt",
+            lambda: client.completions.create(model=model, prompt=[5], max_tokens=2, extra_body=packed),
+        ),
+        ("messages", lambda: client.chat.completions.create(model=model, messages=hi, extra_body=packed)),
+    ):
+        with pytest.raises(openai.BadRequestError) as through:
+            create()
+        assert isinstance(through.value.body, dict) and through.value.body["param"] == field
+        assert through.value.body["message"].startswith(f"{field} holds token id 1000000")
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
