@@ -62,6 +62,7 @@ HOT_MODULES = (
     "gateway/routing/router.py",
     "gateway/routing/session.py",
     "gateway/service.py",
+    "gateway/session_key.py",
     "gateway/state/shared_state.py",
     "gateway/tenancy/accounting.py",
     "gateway/tenancy/billing.py",

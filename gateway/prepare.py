@@ -35,11 +35,11 @@ from gateway.schemas import (
     parse_embeddings,
     parse_responses,
 )
+from gateway.session_key import SESSION_HEADER, session_id
 from gateway.tenancy.tenants import Tenant
 from region_map.config import EngineKind
 from region_map.fleet import ChainKey, EngineState, Fleet
 
-SESSION_HEADER = "x-session-affinity"
 # The field a prompt is refused by, per endpoint.
 _PROMPT_PARAM = {
     "/v1/chat/completions": "messages",
@@ -336,7 +336,7 @@ class RequestPreparer:
         return Prepared(
             request_id=request_id(request.headers.get("x-request-id"), record_id),
             tenant=tenant.name,
-            session_id=self._session_id(request.headers.get(SESSION_HEADER)),
+            session_id=session_id(request.headers.get(SESSION_HEADER), body, s.max_session_id_length),
             model=model,
             path=path,
             body=body,
@@ -405,18 +405,6 @@ class RequestPreparer:
             shared_blocks=shared_blocks,
             hasher=self._hasher.block_hashes,
         )
-
-    def _session_id(self, raw: str | None) -> str | None:
-        if raw is None:
-            return None
-        limit = self.settings.max_session_id_length
-        if not raw or len(raw) > limit or not all("!" <= ch <= "~" for ch in raw):
-            raise InvalidRequest(
-                f"{SESSION_HEADER} must be 1 to {limit} visible ASCII characters (no spaces)",
-                param=SESSION_HEADER,
-                code="invalid_header",
-            )
-        return raw
 
 
 def chat_dialect(engines: list[EngineState]) -> ChatDialect:
