@@ -21,7 +21,7 @@ import msgpack
 from redis.asyncio import Redis
 
 from cache.redis_keys import RedisKeys
-from cache.sessions import DEFAULT_SESSION_TTL_S, SessionBinding
+from cache.sessions import DEFAULT_SESSION_TTL_S, BindingLives, SessionBinding
 
 # Lua: the held binding's fields (cmsgpack is built into Redis's Lua); a value we did not write reads as none.
 _HELD = """
@@ -132,22 +132,28 @@ def decode(raw: bytes | str | None) -> SessionBinding | None:
 
 class RedisSessionStore:
     def __init__(
-        self, redis: Redis, keys: RedisKeys | None = None, ttl_s: float = DEFAULT_SESSION_TTL_S
+        self,
+        redis: Redis,
+        keys: RedisKeys | None = None,
+        ttl_s: float = DEFAULT_SESSION_TTL_S,
+        *,
+        response_ttl_s: float | None = None,
     ) -> None:
+        """``ttl_s``: a session's TTL; ``response_ttl_s``: a stored response's (default: the same)."""
         self._redis = redis
         self.keys = keys or RedisKeys()
         self.ttl_s = ttl_s
+        self.lives = BindingLives(ttl_s, ttl_s if response_ttl_s is None else response_ttl_s)
         self._offer = redis.register_script(_OFFER)
         self._claim = redis.register_script(_CLAIM)
         self._slide = redis.register_script(_SLIDE)
         self._release = redis.register_script(_RELEASE)
 
-    @property
-    def _ttl_ms(self) -> int:
-        return max(1, round(self.ttl_s * 1000))
+    def _ttl_ms(self, session_id: str) -> int:
+        return max(1, round(self.lives.of(session_id) * 1000))
 
     async def get(self, tenant: str, session_id: str) -> SessionBinding | None:
-        raw = await self._redis.getex(self.keys.session(tenant, session_id), px=self._ttl_ms)
+        raw = await self._redis.getex(self.keys.session(tenant, session_id), px=self._ttl_ms(session_id))
         return decode(raw)
 
     async def bind(self, tenant: str, session_id: str, binding: SessionBinding) -> None:
@@ -155,14 +161,16 @@ class RedisSessionStore:
 
     async def offer(self, tenant: str, session_id: str, binding: SessionBinding) -> HeldBinding:
         """Newest wins: write ``binding`` unless Redis holds a newer one (or a tie); returns what it holds."""
-        reply = await self._offer(keys=self._script_keys(tenant, session_id), args=self._offer_args(binding))
-        return self._held(reply, binding)
+        args = self._offer_args(session_id, binding)
+        reply = await self._offer(keys=self._script_keys(tenant, session_id), args=args)
+        return self._held(reply, session_id, binding)
 
     async def claim(self, tenant: str, session_id: str, binding: SessionBinding) -> HeldBinding:
         """The first claim wins: write ``binding`` unless Redis holds a binding (whatever its time); returns
         what it holds afterwards (the held one's TTL restarted)."""
-        reply = await self._claim(keys=self._script_keys(tenant, session_id), args=self._offer_args(binding))
-        return self._held(reply, binding)
+        args = self._offer_args(session_id, binding)
+        reply = await self._claim(keys=self._script_keys(tenant, session_id), args=args)
+        return self._held(reply, session_id, binding)
 
     async def offer_many(self, items: Sequence[tuple[tuple[str, str], SessionBinding]]) -> list[HeldBinding]:
         """``offer`` for many sessions, pipelined: one round trip (a rebuild after an outage)."""
@@ -170,20 +178,22 @@ class RedisSessionStore:
             return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for (tenant, session_id), binding in items:
-                await self._offer(
-                    keys=self._script_keys(tenant, session_id), args=self._offer_args(binding), client=pipe
-                )
+                args = self._offer_args(session_id, binding)
+                await self._offer(keys=self._script_keys(tenant, session_id), args=args, client=pipe)
             replies = await pipe.execute()
-        return [self._held(reply, binding) for reply, (_, binding) in zip(replies, items, strict=True)]
+        return [
+            self._held(reply, session_id, binding)
+            for reply, ((_, session_id), binding) in zip(replies, items, strict=True)
+        ]
 
     async def slide(self, tenant: str, session_id: str, binding: SessionBinding) -> HeldBinding:
         """Restart the TTL if Redis holds ``binding``; either way, return what it holds (a binding moved or
         released by another gateway, whose message this one missed, comes back here)."""
         reply = await self._slide(
             keys=self._script_keys(tenant, session_id),
-            args=[repr(float(binding.made_at)), binding.engine, self._ttl_ms],
+            args=[repr(float(binding.made_at)), binding.engine, self._ttl_ms(session_id)],
         )
-        return self._held(reply, binding)
+        return self._held(reply, session_id, binding)
 
     async def read_many(self, sessions: Sequence[tuple[str, str]]) -> list[HeldBinding]:
         """What Redis holds for each session, without touching TTLs; pipelined (a resync)."""
@@ -203,7 +213,7 @@ class RedisSessionStore:
         """Undo a claim: if Redis still holds exactly ``claimed``, hold ``previous`` again (None: nothing).
         Returns whether it did."""
         restored = encode(previous) if previous is not None else b""
-        args: list[Any] = [repr(float(claimed.made_at)), claimed.engine, restored, self._ttl_ms]
+        args: list[Any] = [repr(float(claimed.made_at)), claimed.engine, restored, self._ttl_ms(session_id)]
         return bool(await self._release(keys=self._script_keys(tenant, session_id), args=args))
 
     async def unbind(self, tenant: str, session_id: str) -> None:
@@ -212,13 +222,13 @@ class RedisSessionStore:
     def _script_keys(self, tenant: str, session_id: str) -> list[str]:
         return [self.keys.session(tenant, session_id)]
 
-    def _offer_args(self, binding: SessionBinding) -> list[Any]:
+    def _offer_args(self, session_id: str, binding: SessionBinding) -> list[Any]:
         # repr: the shortest text that reads back as the same double, so Lua compares made_at exactly.
-        return [encode(binding), repr(float(binding.made_at)), binding.engine, self._ttl_ms]
+        return [encode(binding), repr(float(binding.made_at)), binding.engine, self._ttl_ms(session_id)]
 
-    def _held(self, reply: list[Any], mine: SessionBinding) -> HeldBinding:
+    def _held(self, reply: list[Any], session_id: str, mine: SessionBinding) -> HeldBinding:
         if int(reply[0]) == 1:
-            return HeldBinding(mine, self.ttl_s)
+            return HeldBinding(mine, self.lives.of(session_id))
         return _held_value(reply[1] or None, reply[2])
 
 

@@ -113,6 +113,7 @@ def build_app(config: KvgateConfig) -> web.Application:
         redis=redis,
         keys=RedisKeys(settings.redis_prefix, db=redis_db(redis)),
         session_ttl_s=settings.session_ttl_s,
+        response_ttl_s=settings.response_ttl_s,
         max_approximate_per_engine=settings.redis_max_approximate_per_engine,
         redis_sweep_every_s=settings.redis_sweep_interval_s,
     )

@@ -148,6 +148,12 @@ class GatewaySettings(BaseModel):
         description="inputs in one embeddings request (OpenAI's limit); one engine embeds them all",
     )
     session_ttl_s: float = Field(default=3600.0, gt=0)
+    response_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="how long the gateways remember which engine keeps a stored Responses API response, "
+        "restarted by each use (engines keep them until they restart or evict them)",
+    )
     approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
     pending_ttl_s: float = Field(
         default=30.0, gt=0, description="residency guess for event engines until their event arrives"

@@ -16,7 +16,7 @@ from urllib.parse import quote, urlencode
 
 from aiohttp import web
 
-from cache.sessions import SessionBinding
+from cache.sessions import SessionBinding, response_key
 from gateway.http.errors import InvalidRequest, NotFound, Unavailable
 from gateway.http.lean_request import LeanRequest
 from gateway.http.relay import answer_object, engine_error, read_answer
@@ -27,16 +27,10 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.state.shared_state import SharedState
 from region_map.fleet import EngineState, Fleet
 
-# Session ids come from a header, which holds no space: a response's key is never a client's session.
-_KEY = "response "
 MAX_RESPONSE_ID = 256
 REDIS_AWAY_RETRY_AFTER_S = 1.0  # (the background writer probes Redis about once a second)
 # (method, what follows the id) of the requests about a stored response: OpenAI's, and vLLM's cancel.
 _ROUTES = frozenset({("GET", ""), ("DELETE", ""), ("POST", "cancel"), ("GET", "input_items")})
-
-
-def response_key(response_id: str) -> str:
-    return _KEY + response_id
 
 
 def not_found(response_id: str, param: str = "response_id") -> NotFound:

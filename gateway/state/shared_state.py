@@ -61,6 +61,7 @@ class SharedState:
         redis: Redis | None = None,
         keys: RedisKeys | None = None,
         session_ttl_s: float = 3600.0,
+        response_ttl_s: float | None = None,
         redis_read_timeout_s: float = 0.25,
         max_approximate_per_engine: int = DEFAULT_MAX_APPROXIMATE_PER_ENGINE,
         redis_sweep_every_s: float = 30.0,
@@ -69,7 +70,8 @@ class SharedState:
         self.gateway_id = gateway_id
         # ``clock``: the view's time (expiries, TTLs); kvgate simulate gives it the simulated clock.
         self.index = MemoryResidencyIndex(clock=clock)
-        self.sessions = MemorySessionStore(session_ttl_s, clock=clock)
+        # (``response_ttl_s``: how long a stored response's binding lives idle; default: a session's TTL.)
+        self.sessions = MemorySessionStore(session_ttl_s, response_ttl_s=response_ttl_s, clock=clock)
         self.redis = redis
         self.keys = keys or RedisKeys()
         self.redis_index = (
@@ -78,7 +80,9 @@ class SharedState:
             else None
         )
         self.redis_sessions = (
-            RedisSessionStore(redis, self.keys, session_ttl_s) if redis is not None else None
+            RedisSessionStore(redis, self.keys, session_ttl_s, response_ttl_s=response_ttl_s)
+            if redis is not None
+            else None
         )
         self.writer = BackgroundWriter(
             on_recovered=self._rebuild_redis,
@@ -270,7 +274,7 @@ class SharedState:
             return
         key = (tenant, session_id)
         now = time.monotonic()
-        if now - self._synced_at.get(key, 0.0) < store.ttl_s / 10:
+        if now - self._synced_at.get(key, 0.0) < store.lives.of(session_id) / 10:
             return
         if len(self._synced_at) > 1_000_000:
             self._synced_at.clear()

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.redis_keys import RedisKeys
-from cache.sessions import MemorySessionStore, SessionBinding, SessionStore
+from cache.sessions import MemorySessionStore, SessionBinding, SessionStore, response_key
 from cache.sessions_redis import HeldBinding, RedisSessionStore
 
 EU = SessionBinding("eu", "eu/e0", 100.0)
@@ -223,3 +223,43 @@ async def test_redis_read_many_does_not_slide(redis_client: aioredis.Redis, redi
     a, b = await store.read_many([("t", "a"), ("t", "b")])
     assert a.binding == EU and 0.2 < a.ttl_s <= 0.3 + 0.02
     assert b == HeldBinding(None, 0.0)
+
+
+# -- stored responses' bindings: a TTL of their own ------------------------------------------------------
+
+
+async def test_a_stored_responses_binding_outlives_a_session(
+    redis_client: aioredis.Redis, redis_keys: RedisKeys
+) -> None:
+    # Both lived for the session TTL: a conversation continued after an hour idle (previous_response_id)
+    # found no binding, although its engine still kept the response.
+    response = response_key("resp_1")
+    for store in (
+        MemorySessionStore(ttl_s=0.3, response_ttl_s=60),
+        RedisSessionStore(redis_client, redis_keys, ttl_s=0.3, response_ttl_s=60),
+    ):
+        await store.bind("t", "s", EU)
+        await store.bind("t", response, US)
+        await asyncio.sleep(0.5)
+        assert await store.get("t", "s") is None
+        assert await store.get("t", response) == US, type(store).__name__
+    assert 55_000 < await redis_client.pttl(redis_keys.session("t", response)) <= 60_000
+
+
+def test_sessions_expire_and_are_swept_behind_a_live_response() -> None:
+    # One LRU order for both TTLs would stop the sweep at a long-lived response at the front, and count
+    # every expired session behind it as live.
+    now = [0.0]
+    store = MemorySessionStore(ttl_s=10, response_ttl_s=1000, clock=lambda: now[0])
+    store.bind_now("t", response_key("resp_1"), US)
+    for i in range(5):
+        store.bind_now("t", f"s{i}", EU)
+    assert store.live_count() == 6
+    now[0] = 11.0
+    assert store.live_count() == 1 and len(store) == 1
+    assert store.items_now() == [(("t", response_key("resp_1")), US)]
+    assert store.get_now("t", response_key("resp_1")) == US
+    now[0] = 1010.0  # (the read restarted its TTL)
+    assert store.peek_now("t", response_key("resp_1")) == US
+    now[0] = 2011.0
+    assert store.peek_now("t", response_key("resp_1")) is None and store.live_count() == 0

@@ -186,3 +186,22 @@ async def test_kvgate_engines_behind_the_gateway_list_a_responses_input_items(
     with pytest.raises(openai.NotFoundError):
         await client.responses.input_items.list("resp_nobody_made")
     await client.close()
+
+
+@pytest.mark.parametrize("redis", [False, True])
+async def test_a_response_is_continued_after_its_session_would_have_expired(
+    make_cluster: ClusterFactory, redis: bool
+) -> None:
+    # Its binding lived as long as a session's (session_ttl_s, an hour by default): a client continuing
+    # a conversation after that got a 404 although the engine kept the response (response_ttl_s now).
+    shared = {"redis_url": REDIS_URL} if redis else {}
+    cluster, [engine], _ = await fleet(
+        make_cluster, auth={"enabled": True}, tenants={"acme": {}}, session_ttl_s=0.3, **shared
+    )
+    key = (await create_key(cluster.gateway.billing.keys, "acme"))[0]
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
+    response = await client.responses.create(model=MODEL, input="remember this")
+    await asyncio.sleep(0.5)
+    later = await client.responses.create(model=MODEL, input="and then?", previous_response_id=response.id)
+    assert later.id in engine.kept and (await client.responses.retrieve(response.id)).id == response.id
+    await client.close()
