@@ -15,8 +15,9 @@ vLLM's behaviour kept here (vllm/entrypoints/pooling/embed and base/protocol.py,
   dimensions. ``use_activation`` false skips the normalisation; ``normalize`` was removed (as in vLLM).
 - ``usage``: prompt tokens (after special tokens and truncation) summed over the inputs; total the same.
 
-Chat-message inputs (``messages``, or ``input`` as messages), which vLLM renders with the chat template, are
-refused with a 400: kvgate's engines embed text and token ids only.
+- Chat forms (``messages``, or ``input``, as one conversation or an array of them): each conversation is
+  rendered by the chat template without a generation prompt (``engine.embedding_chat``), its special tokens
+  added only when ``add_special_tokens`` is true, then truncated as any input is.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import orjson
 
 from cache.tokens import Tokenizer
+from engine.embedding_chat import chat_conversations, render_conversations
 from engine.openai_api import check_model, load_body, new_id
 from engine.openai_errors import OpenAIError
 from engine.openai_params import bool_param, int_param, token_ids_param
@@ -39,7 +41,10 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 EncodingFormat = Literal["float", "base64"]
 ENCODING_FORMATS = ("float", "base64")
 BINARY_FORMATS = ("bytes", "bytes_only")
-INPUT_FORMS = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+INPUT_FORMS = (
+    "a string, an array of strings, an array of token ids, an array of arrays of token ids, a conversation "
+    "(an array of messages) or an array of conversations"
+)
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's (vLLM's PoolerNormalize)
 # vLLM's validate_cache_salt
 MAX_CACHE_SALT = 128
@@ -80,8 +85,6 @@ def parse_embedding_request(
     if "normalize" in data:
         message = "Parameter `normalize` was removed; use `use_activation` instead."
         raise OpenAIError(message, param="normalize")
-    if data.get("messages") is not None:
-        raise OpenAIError(_CHAT_REFUSED, param="messages")
     encoding_format = _encoding_format(data.get("encoding_format"))
     little_endian = _little_endian(data.get("endianness"))
     if data.get("embed_dtype") not in (None, "float32"):
@@ -97,27 +100,35 @@ def parse_embedding_request(
         )
     _check_options(data)
     normalize = bool_param(data.get("use_activation"), "use_activation", default=True)
-    add_special = bool_param(data.get("add_special_tokens"), "add_special_tokens", default=True)
     keep, left = _truncation(data, max_model_len)
     cache_salt = _cache_salt(data.get("cache_salt"))
 
+    chats = chat_conversations(data)
+    if chats is not None:
+        where = chats[0]
+        prompts = render_conversations(data, where, chats[1], tokenizer)
+    else:
+        where = "input"
+        add_special = bool_param(data.get("add_special_tokens"), "add_special_tokens", default=True)
+        prompts = [
+            tokenizer.with_special_tokens(ids) if is_text and add_special else ids
+            for ids, is_text in _inputs(data.get("input"), tokenizer)
+        ]
     inputs = []
-    for ids, is_text in _inputs(data.get("input"), tokenizer):
-        if is_text and add_special:
-            ids = tokenizer.with_special_tokens(ids)
+    for ids in prompts:
         if vocab_size is not None and ids.shape[0] and (largest := int(ids.max())) >= vocab_size:
-            message = f"input holds token id {largest}, outside the model's vocabulary of {vocab_size}"
-            raise OpenAIError(message, param="input")
+            message = f"{where} holds token id {largest}, outside the model's vocabulary of {vocab_size}"
+            raise OpenAIError(message, param=where)
         if keep is not None and keep < ids.shape[0]:
             ids = ids[ids.shape[0] - keep :] if left else ids[:keep]
         if ids.shape[0] == 0:
-            raise OpenAIError("input must not be empty (nor truncated to nothing)", param="input")
+            raise OpenAIError(f"{where} must not be empty (nor truncated to nothing)", param=where)
         if ids.shape[0] > max_model_len:
             raise OpenAIError(  # vLLM's words (TokenizeParams), the field and code as completions say them
                 f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                 f"contains {ids.shape[0]} input tokens, which exceeds this limit even without any output "
                 "tokens. Please reduce the length of the input prompt.",
-                param="input",
+                param=where,
                 code="context_length_exceeded",
             )
         inputs.append(ids)
@@ -131,9 +142,6 @@ def parse_embedding_request(
         normalize=normalize,
         cache_salt=cache_salt,
     )
-
-
-_CHAT_REFUSED = "chat messages are not embedded by this engine; send input as text or token ids"
 
 
 def _encoding_format(value: Any) -> EncodingFormat:
@@ -218,8 +226,6 @@ def _inputs(value: Any, tokenizer: Tokenizer) -> list[tuple[np.ndarray, bool]]:
     # token_ids_param checks every element in C.
     if isinstance(first, int):
         return [(token_ids_param(value, "input"), False)]
-    if isinstance(first, dict) or (isinstance(first, list) and first and isinstance(first[0], dict)):
-        raise OpenAIError(_CHAT_REFUSED, param="input")
     if isinstance(first, str):
         if not all(isinstance(text, str) for text in value):
             raise OpenAIError(f"input must be {INPUT_FORMS}", param="input")

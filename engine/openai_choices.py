@@ -105,11 +105,13 @@ class _Usage:
 
 
 class WholeAnswer:
-    """The non-streamed answer: feed it every output, then take its ``body``."""
+    """The non-streamed answer: feed it every output, then take its ``body``. ``first_index`` is the index
+    its choice 0 is answered with (a prompt's place in a batch: ``engine.batch_serve``)."""
 
-    def __init__(self, req: GenerationRequest, tokenizer: Tokenizer) -> None:
+    def __init__(self, req: GenerationRequest, tokenizer: Tokenizer, first_index: int = 0) -> None:
         self._req = req
         self._tok = tokenizer
+        self._first_index = first_index
         self._text: list[list[str]] = [[] for _ in range(req.n)]
         self._logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         self._reason: list[FinishReason] = ["stop"] * req.n
@@ -122,10 +124,16 @@ class WholeAnswer:
         self._usage.add(index, out)
 
     def body(self) -> bytes:
+        return choices_body(self._req, self.choices(), self.usage())
+
+    def usage(self) -> dict[str, Any]:
+        return self._usage.usage()
+
+    def choices(self) -> list[ChoiceBody]:
         req = self._req
-        choices = [
+        return [
             ChoiceBody(
-                i,
+                self._first_index + i,
                 "".join(self._text[i]),
                 self._reason[i],
                 None
@@ -134,16 +142,17 @@ class WholeAnswer:
             )
             for i in range(req.n)
         ]
-        return choices_body(req, choices, self._usage.usage())
 
 
 class StreamAnswer:
     """The SSE bytes of a streamed answer: ``start()``, then ``chunk`` of every output, then ``end()``.
     Logprobs of tokens whose text is still held back (a possible stop string, half a character) wait for
-    the chunk that brings it, or go out with the choice's finish chunk."""
+    the chunk that brings it, or go out with the choice's finish chunk. ``first_index`` is the index its
+    choice 0 is streamed with (a prompt's place in a batch: ``engine.batch_serve``)."""
 
-    def __init__(self, req: GenerationRequest, tokenizer: Tokenizer) -> None:
+    def __init__(self, req: GenerationRequest, tokenizer: Tokenizer, first_index: int = 0) -> None:
         self._req = req
+        self._first_index = first_index
         self._fmt = SseFormatter(req)
         self._lp = (
             [LogprobsFormatter(req.kind, tokenizer) for _ in range(req.n)] if req.logprobs is not None else []
@@ -158,11 +167,12 @@ class StreamAnswer:
         self._usage.add(index, out)
         self._pending[index].extend(out.logprobs)
         parts = []
+        answered = self._first_index + index
         if out.text:
-            parts.append(self._fmt.token(out.text, index, self._take(index)))
+            parts.append(self._fmt.token(out.text, answered, self._take(index)))
         if out.finished:
             leftover = self._take(index) if self._pending[index] else None
-            parts.append(self._fmt.finish_choice(finish_reason(out), index, leftover))
+            parts.append(self._fmt.finish_choice(finish_reason(out), answered, leftover))
         return b"".join(parts)
 
     def _take(self, index: int) -> dict[str, Any] | None:
@@ -171,5 +181,9 @@ class StreamAnswer:
         entries, self._pending[index] = self._pending[index], []
         return self._lp[index].render(entries)
 
-    def end(self) -> bytes:
-        return self._fmt.end(self._usage.usage())
+    def usage(self) -> dict[str, Any]:
+        return self._usage.usage()
+
+    def end(self, usage_obj: dict[str, Any] | None = None) -> bytes:
+        """The usage chunk (if asked for: this answer's, or ``usage_obj``) and ``[DONE]``."""
+        return self._fmt.end(self.usage() if usage_obj is None else usage_obj)

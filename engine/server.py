@@ -22,6 +22,8 @@ import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.batch_serve import serve_batch
+from engine.completion_batch import parse_requests
 from engine.core.client import EngineCoreClient
 from engine.core.messages import EngineInfo
 from engine.embeddings_serve import EmbeddingsApi
@@ -32,7 +34,7 @@ from engine.kv_serve import MAX_BODY_BYTES, REQUEST_ID_HEADER, OpenFrames, engin
 from engine.kv_transfer import KvTransferError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
-from engine.openai_api import GenerationRequest, RequestKind, new_request_id, parse_request
+from engine.openai_api import GenerationRequest, RequestKind, new_request_id
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response, openai_routing_errors, read_body
 from engine.openai_format import model_object, models_body, sse_response
@@ -200,9 +202,8 @@ class EngineServer:
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         headers = {REQUEST_ID_HEADER: request_id}
         try:
-            body = await read_body(request)
-            req = parse_request(
-                body,
+            reqs = parse_requests(
+                await read_body(request),
                 kind,
                 served_model=self.model,
                 tokenizer=self.tokenizer,
@@ -211,6 +212,9 @@ class EngineServer:
                 capabilities=FULL,
                 vocab_size=self.info.vocab_size,
             )
+            if len(reqs) > 1:  # a completion naming several prompts
+                return await serve_batch(self, request, reqs, headers)
+            req = reqs[0]
             outputs, first = await self.start(req)
         except OpenAIError as exc:
             return exc.to_response(headers)
@@ -223,6 +227,11 @@ class EngineServer:
     async def start(self, req: GenerationRequest) -> tuple[Choices, StepOutput]:
         """Start ``req``'s choices, and wait for choice 0's first output: any failure until then is an
         :class:`OpenAIError`, which the client still gets as an HTTP error."""
+        outputs = self.choices(req)
+        return outputs, await self.first_output(outputs)
+
+    def choices(self, req: GenerationRequest) -> Choices:
+        """``req``'s choices, not started yet: ``first_output`` submits choice 0 to the engine."""
         prompt = req.prompt_token_ids.tolist()
         namespace = CacheNamespace(req.cache_salt, req.cache_shared_blocks)
 
@@ -237,9 +246,13 @@ class EngineServer:
                 pull_tokens=req.kv_pull.tokens if req.kv_pull else 0,
             )
 
-        outputs = Choices(req, start)
+        return Choices(req, start)
+
+    @staticmethod
+    async def first_output(outputs: Choices) -> StepOutput:
+        """Choice 0's first output; a failure until then is an :class:`OpenAIError`."""
         try:
-            return outputs, await outputs.first()
+            return await outputs.first()
         except RequestRejected as exc:
             raise OpenAIError(str(exc), code="context_length_exceeded") from None
         except EngineDead as exc:

@@ -93,7 +93,7 @@ def test_truncation_keeps_the_first_n_tokens_by_default_and_the_last_n_on_the_le
         ({"input": [1, "a"]}, "input"),
         ({"input": ["a", 1]}, "input"),
         ({"input": [[1], "a"]}, "input"),
-        ({"input": [[{"role": "user", "content": "hi"}]]}, "input"),
+        ({"input": [[{"role": "user", "content": "hi"}], "a"]}, "input"),
         ({}, "input"),
     ],
 )

@@ -192,10 +192,48 @@ def test_an_input_longer_than_the_context_is_a_400_naming_input(client: openai.O
     assert too_far["param"] == "truncate_prompt_tokens"
 
 
-def test_chat_messages_and_removed_fields_are_refused_clearly(client: openai.OpenAI) -> None:
+def test_conversations_embed_their_chat_template_rendering_without_a_generation_prompt(
+    engine_url: str, reference: Any, tiny_model_dir: Path
+) -> None:
+    # vLLM's chat forms (messages, or input, as one conversation or an array of them) were a 400 here.
+    question = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is kv?"}]
+    other = [{"role": "user", "content": "hello"}]
+    rendered = [  # the tiny model's template, written out: no generation prompt, no special tokens
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is kv?<|im_end|>\n",
+        "<|im_start|>user\nhello<|im_end|>\n",
+    ]
+    ids = [ids_of(tiny_model_dir, text) for text in rendered]
+    singles: list[dict[str, Any]] = [{"messages": question}, {"input": question}]
+    for body in singles:
+        answer = post(engine_url, {**body, "encoding_format": "float"})
+        assert [item["index"] for item in answer["data"]] == [0]
+        np.testing.assert_allclose(answer["data"][0]["embedding"], last_hidden(reference, ids[0]), atol=1e-4)
+        assert answer["usage"] == {"prompt_tokens": len(ids[0]), "total_tokens": len(ids[0])}
+    batches: list[dict[str, Any]] = [{"messages": [question, other]}, {"input": [question, other]}]
+    for body in batches:
+        answer = post(engine_url, {**body, "encoding_format": "float"})
+        assert [item["index"] for item in answer["data"]] == [0, 1]
+        for item, prompt in zip(answer["data"], ids, strict=True):
+            np.testing.assert_allclose(item["embedding"], last_hidden(reference, prompt), atol=1e-4)
+        assert answer["usage"]["prompt_tokens"] == sum(map(len, ids))
+    prompted = post(
+        engine_url, {"messages": other, "add_generation_prompt": True, "encoding_format": "float"}
+    )
+    with_prompt = ids_of(tiny_model_dir, rendered[1] + "<|im_start|>assistant\n")
+    np.testing.assert_allclose(
+        prompted["data"][0]["embedding"], last_hidden(reference, with_prompt), atol=1e-4
+    )
+
+
+def test_conversations_the_engine_cannot_embed_and_removed_fields_are_refused_clearly(
+    client: openai.OpenAI,
+) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    assert bad_request(client, input=messages)["param"] == "input"
     assert bad_request(client, input="x", extra_body={"messages": messages})["param"] == "messages"
+    assert bad_request(client, input=[messages, "x"])["param"] == "input"
+    long = [{"role": "user", "content": "hello world " * 60}]
+    too_long = bad_request(client, input=long)
+    assert too_long["param"] == "input" and too_long["code"] == "context_length_exceeded"
     assert bad_request(client, input="x", extra_body={"normalize": True})["param"] == "normalize"
     assert bad_request(client, input=[10**6])["param"] == "input"  # outside the vocabulary
 

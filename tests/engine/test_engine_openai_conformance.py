@@ -155,3 +155,29 @@ def test_completions_whole_and_streamed_as_the_sdk_reads_them(client: openai.Ope
     with pytest.raises(openai.BadRequestError) as invalid:
         client.chat.completions.create(model=model, messages=hello, temperature=7, extra_headers=mine)
     assert invalid.value.request_id == "client-7" and invalid.value.body["param"] == "temperature"  # type: ignore[index]
+
+
+def test_a_completion_of_several_prompts_is_answered_as_vllm_answers_it(client: openai.OpenAI) -> None:
+    # The engine answered prompt=["a", "b"], and lists of token-id lists, with a 400 ("only one prompt per
+    # request is supported"); vLLM serves a request per prompt and joins the answers.
+    model = served_model(client)
+    prompts = ["hello", "the quick brown fox"]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=3, temperature=0) for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert batch.usage is not None and all(s.usage is not None for s in singles)
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles if s.usage)
+    assert batch.usage.completion_tokens == 2 * 2 * 3
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert {ch.index for c in chunks for ch in c.choices} == {0, 1}
+    assert [c for c in chunks if c.usage is not None] == [chunks[-1]] and chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model=model, prompt=[], max_tokens=2)
+    assert isinstance(empty.value.body, dict) and empty.value.body["param"] == "prompt"

@@ -67,6 +67,31 @@ async def test_usage_counts_the_prompt_tokens_its_completions_count(sim_client: 
     assert sim.engine.counters.embedding_prompt_tokens == sum(counted) + 4
 
 
+async def test_a_conversation_is_embedded_as_its_chat_completion_prompt_without_a_generation_prompt(
+    sim_client: Client,
+) -> None:
+    # The simulator shares kvgate's engine's parsing: vLLM's chat forms were a 400 here too.
+    sim, _ = await sim_client()
+    model = sim.engine.config.model
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is kv?"}]
+    chat = await sim.chat(
+        {"model": model, "messages": conversation, "add_generation_prompt": False, "max_tokens": 1}
+    )
+    tokens = chat["usage"]["prompt_tokens"]
+    status, one, _ = await sim.post(
+        "/v1/embeddings", {"model": model, "messages": conversation, "encoding_format": "float"}
+    )
+    assert status == 200, one
+    assert one["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    status, two, _ = await sim.post(
+        "/v1/embeddings", {"model": model, "input": [conversation, conversation], "encoding_format": "float"}
+    )
+    assert status == 200 and two["usage"]["prompt_tokens"] == 2 * tokens
+    assert [item["index"] for item in two["data"]] == [0, 1]
+    for item in two["data"]:
+        np.testing.assert_allclose(item["embedding"], one["data"][0]["embedding"], atol=1e-7)
+
+
 async def test_the_simulator_refuses_what_kvgates_engine_refuses(sim_client: Client) -> None:
     sim, client = await sim_client(max_model_len=16)
     model = sim.engine.config.model

@@ -107,6 +107,40 @@ async def test_the_gateway_counts_the_tokens_kvgates_engine_reports(
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # (vLLM's pooler normalises)
 
 
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words("q", 10)}]
+OTHER = [{"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]}]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"messages": CONVERSATION},
+        {"input": CONVERSATION},
+        {"messages": [CONVERSATION, OTHER]},
+        {"input": [CONVERSATION, OTHER]},
+        {"messages": CONVERSATION, "add_generation_prompt": True},
+        {"messages": CONVERSATION, "continue_final_message": True},
+        {"messages": CONVERSATION, "add_special_tokens": True},
+        {"input": [CONVERSATION, OTHER], "truncate_prompt_tokens": 9},
+    ],
+    ids=["messages", "input", "messages-batch", "input-batch", "generation-prompt", "continue", "special",
+         "truncated"],
+)  # fmt: skip
+async def test_the_gateway_counts_a_conversations_tokens_as_kvgates_engine_reports_them(
+    make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
+) -> None:
+    # kvgate's engine refused every chat form with a 400; it now embeds them as vLLM 0.32 does.
+    cluster = await make_cluster({"eu-west": 1}, real_model=bos_model_dir, tokenizer=str(bos_model_dir))
+    body = {"model": cluster.model, "encoding_format": "float", **extra}
+    status, answer, _ = await cluster.post("/v1/embeddings", body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == await counted(cluster, body)
+    conversations = extra.get("messages", extra.get("input"))
+    assert isinstance(conversations, list)
+    count = 1 if isinstance(conversations[0], dict) else len(conversations)
+    assert [d["index"] for d in answer["data"]] == list(range(count))
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
