@@ -148,7 +148,7 @@ def chat_body(body: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str,
     chat: dict[str, Any] = {
         name: body[name]
         for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-        if name in body
+        if body.get(name) is not None  # (null is the default, as kvgate's engine reads it)
     }
     chat.setdefault("add_generation_prompt", False)
     chat["messages"] = messages

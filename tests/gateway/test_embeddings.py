@@ -122,9 +122,10 @@ OTHER = [{"role": "user", "content": [{"type": "text", "text": "two"}, {"type": 
         {"messages": CONVERSATION, "continue_final_message": True},
         {"messages": CONVERSATION, "add_special_tokens": True},
         {"input": [CONVERSATION, OTHER], "truncate_prompt_tokens": 9},
+        {"messages": CONVERSATION, "add_generation_prompt": None},  # (null: the default, false)
     ],
     ids=["messages", "input", "messages-batch", "input-batch", "generation-prompt", "continue", "special",
-         "truncated"],
+         "truncated", "null-generation-prompt"],
 )  # fmt: skip
 async def test_the_gateway_counts_a_conversations_tokens_as_kvgates_engine_reports_them(
     make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
