@@ -4,12 +4,15 @@ request of prompt tokens only; inputs the engines would refuse, and binary answe
 
 from __future__ import annotations
 
+import gzip
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
+import orjson
 import pytest
 
 from tests.client_request import BareRequest
@@ -164,3 +167,32 @@ async def test_a_conversation_is_counted_as_its_chat_template_renders_it(
         cluster, {"model": cluster.model, "messages": conversation, "add_generation_prompt": True}
     )
     assert with_prompt > one
+
+
+class _ThreadNoting:
+    """A tokenizer that notes the thread each batch of an embeddings request's texts is encoded on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.threads: list[threading.Thread] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode_many(self, texts: list[str]) -> Any:
+        self.threads.append(threading.current_thread())
+        return self.inner.encode_many(texts)
+
+
+async def test_a_compressed_body_is_read_off_the_event_loop(make_cluster: ClusterFactory) -> None:
+    # 400 kB of token ids in 1 kB of gzip: its size on the wire said nothing of the work, and the million ids
+    # such a body can hold were read and counted on the event loop (about 7x the time of the same body sent
+    # uncompressed, which goes to a thread), every other request waiting meanwhile.
+    cluster = await make_cluster({"eu-west": 1})
+    prepare = cluster.gateway.prepare
+    tokenizer = prepare.tokenizer = _ThreadNoting(prepare.tokenizer)
+    packed = gzip.compress(orjson.dumps({"model": MODEL, "input": [7] * 200_000}))
+    request = BareRequest(headers={"Content-Encoding": "gzip"}, content_length=len(packed))
+    body = orjson.loads(gzip.decompress(packed))
+    assert (await prepare.embeddings(request, body)).prompt_tokens == 200_000
+    assert tokenizer.threads and threading.main_thread() not in tokenizer.threads
