@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from gateway.http.errors import InvalidRequest
 from tests.client_request import BareRequest
 from tests.harness import MODEL, Cluster, ClusterFactory
 
@@ -151,6 +152,19 @@ async def test_the_count_of_inputs_is_bounded_before_they_are_read(make_cluster:
     assert status == 200, answer  # (one prompt of 49 token ids, whatever the bound on inputs)
     status, answer, _ = await cluster.post("/v1/embeddings", {"model": "no-such-model", "input": "x"})
     assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+async def test_conversations_are_bounded_by_content_parts_as_a_chat_is(make_cluster: ClusterFactory) -> None:
+    # A chat's content parts are bounded (max_content_parts) before they are validated and rendered; an
+    # embeddings request's conversations were not: one message of 300,000 parts (8 MB) took 1.2 s to read.
+    cluster = await make_cluster({"eu-west": 1}, max_content_parts=5)
+    parts = [{"type": "text", "text": "a"}] * 3
+    message = {"role": "user", "content": parts}
+    for body in ({"messages": [message, message]}, {"input": [[message], [message]]}):
+        with pytest.raises(InvalidRequest, match="6 content parts in all") as refused:
+            await cluster.gateway.prepare.embeddings(BareRequest(), {"model": MODEL, **body})
+        assert refused.value.param == next(iter(body))
+    assert await counted(cluster, {"model": MODEL, "messages": [message]}) > 0
 
 
 async def test_a_conversation_is_counted_as_its_chat_template_renders_it(
