@@ -425,7 +425,12 @@ def _cache_salt(
 
 def _heavy(request: ClientRequest) -> bool:
     """Whether validating the request's body would stall the event loop (a few ms and up): then it is
-    validated on a worker thread, and other requests go on meanwhile."""
+    validated on a worker thread, and other requests go on meanwhile. A compressed body always is: its size
+    on the wire says nothing of what it inflated to (2 kB of gzip are a million token ids), and a hop to a
+    thread costs far less than such a body."""
+    coding = request.headers.get("Content-Encoding")
+    if coding is not None and coding.strip().lower() not in ("", "identity"):
+        return True
     return (request.content_length or 0) > THREAD_VALIDATE_BYTES
 
 

@@ -193,7 +193,9 @@ class EngineState:
         """(requests in the engine, requests waiting for a slot), merging reported and local load. The
         reported load is taken without the requests of this gateway that it counts and that have ended."""
         total = max(self.load.running + self.load.waiting - self.report_lag.stale, self.inflight)
-        waiting = self.load.waiting
+        # Whether the requests that ended since were waiting or running, the reading does not say; but no
+        # more can wait than are left in the engine (a queue of this gateway's that has ended is no queue).
+        waiting = min(self.load.waiting, total)
         if self.load.max_running:
             waiting = max(waiting, self.inflight - self.load.max_running)
         return total, waiting

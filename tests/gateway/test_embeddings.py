@@ -4,14 +4,18 @@ request of prompt tokens only; inputs the engines would refuse, and binary answe
 
 from __future__ import annotations
 
+import gzip
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
+import orjson
 import pytest
 
+from gateway.http.errors import InvalidRequest
 from tests.client_request import BareRequest
 from tests.harness import MODEL, Cluster, ClusterFactory
 
@@ -185,6 +189,19 @@ async def test_the_count_of_inputs_is_bounded_before_they_are_read(make_cluster:
     assert status == 404 and answer["error"]["code"] == "model_not_found"
 
 
+async def test_conversations_are_bounded_by_content_parts_as_a_chat_is(make_cluster: ClusterFactory) -> None:
+    # A chat's content parts are bounded (max_content_parts) before they are validated and rendered; an
+    # embeddings request's conversations were not: one message of 300,000 parts (8 MB) took 1.2 s to read.
+    cluster = await make_cluster({"eu-west": 1}, max_content_parts=5)
+    parts = [{"type": "text", "text": "a"}] * 3
+    message = {"role": "user", "content": parts}
+    for body in ({"messages": [message, message]}, {"input": [[message], [message]]}):
+        with pytest.raises(InvalidRequest, match="6 content parts in all") as refused:
+            await cluster.gateway.prepare.embeddings(BareRequest(), {"model": MODEL, **body})
+        assert refused.value.param == next(iter(body))
+    assert await counted(cluster, {"model": MODEL, "messages": [message]}) > 0
+
+
 async def test_a_conversation_is_counted_as_its_chat_template_renders_it(
     make_cluster: ClusterFactory, bos_model_dir: Path
 ) -> None:
@@ -199,3 +216,32 @@ async def test_a_conversation_is_counted_as_its_chat_template_renders_it(
         cluster, {"model": cluster.model, "messages": conversation, "add_generation_prompt": True}
     )
     assert with_prompt > one
+
+
+class _ThreadNoting:
+    """A tokenizer that notes the thread each batch of an embeddings request's texts is encoded on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.threads: list[threading.Thread] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode_many(self, texts: list[str]) -> Any:
+        self.threads.append(threading.current_thread())
+        return self.inner.encode_many(texts)
+
+
+async def test_a_compressed_body_is_read_off_the_event_loop(make_cluster: ClusterFactory) -> None:
+    # 400 kB of token ids in 1 kB of gzip: its size on the wire said nothing of the work, and the million ids
+    # such a body can hold were read and counted on the event loop (about 7x the time of the same body sent
+    # uncompressed, which goes to a thread), every other request waiting meanwhile.
+    cluster = await make_cluster({"eu-west": 1})
+    prepare = cluster.gateway.prepare
+    tokenizer = prepare.tokenizer = _ThreadNoting(prepare.tokenizer)
+    packed = gzip.compress(orjson.dumps({"model": MODEL, "input": [7] * 200_000}))
+    request = BareRequest(headers={"Content-Encoding": "gzip"}, content_length=len(packed))
+    body = orjson.loads(gzip.decompress(packed))
+    assert (await prepare.embeddings(request, body)).prompt_tokens == 200_000
+    assert tokenizer.threads and threading.main_thread() not in tokenizer.threads

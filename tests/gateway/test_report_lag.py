@@ -8,7 +8,7 @@ from pathlib import Path
 from gateway.routing.base import RoutingSettings
 from region_map.config import EngineConfig
 from region_map.fleet import EngineState
-from tests.harness import ClusterFactory
+from tests.harness import MODEL, ClusterFactory
 
 S_PER_TOKEN = RoutingSettings().prefill_s_per_token
 
@@ -88,3 +88,25 @@ async def test_the_next_turn_goes_to_its_prefix_though_the_last_reading_counts_t
     assert headers["x-kvgate-engine"] == holder.id
     assert headers["x-kvgate-route"] == "prefix"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_queue_this_gateway_saw_end_does_not_move_a_session_off_its_engine(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The load guard counts waiting requests (max_waiting, 8): a reading that found 8 of this gateway's
+    # requests queued, all ended since, took them off the engine's requests but not off its queue, and the
+    # session's next turn was moved to the idle engine, giving its cache up.
+    cluster = await make_cluster({"r": 2}, health_interval_s=3600.0)
+    session = {"x-session-affinity": "agent-1"}
+    body = {"model": MODEL, "prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 2}
+    status, answer, headers = await cluster.post("/v1/completions", body, headers=session)
+    assert status == 200, answer
+    holder = cluster.gateway.fleet.engines[headers["x-kvgate-engine"]]
+    marks = [holder.report_lag.sent() for _ in range(8)]
+    reading(holder, running=0, waiting=8, waiting_tokens=800)  # (no slot limit reported: the guard counts)
+    for mark in marks:
+        holder.report_lag.request_ended(mark, 100)
+    assert holder.queue_estimate() == (0, 0)
+    status, answer, headers = await cluster.post("/v1/completions", body, headers=session)
+    assert status == 200, answer
+    assert (headers["x-kvgate-engine"], headers["x-kvgate-route"]) == (holder.id, "session")
