@@ -87,6 +87,11 @@ class BlockManager:
         self._walk(seq, match, self._limit(seq))
         return match.block_ids
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its cached prefix holds now (``match_prefix``'s), remembered as ``can_allocate``
+        remembers it: the walk is not made again when the sequence reaches the head of the queue."""
+        return len(self._remembered_match(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` fits now. Its match is remembered until it is allocated (or :meth:`forget`), so a
         prompt waiting at the head of the queue is walked again only once the cache may hold more of it."""

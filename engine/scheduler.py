@@ -3,7 +3,10 @@
 Every step has a token budget. Running sequences go first, in admission order: a decoding sequence takes
 one token, a sequence still prefilling takes as much of its prompt as the budget allows (chunked prefill).
 Then waiting sequences are admitted, first come first served, sharing their cached prefix (the block manager
-remembers the match of a sequence that has to wait, so it is not walked again every step). When a running
+remembers the match of a sequence that has to wait, so it is not walked again every step). The load it
+reports counts the prompt tokens still to compute: the waiting sequences' past the prefix cached when they
+were queued, and the running ones' still to prefill (a router reads them as the prefill queued here, so a
+waiting turn whose prefix is cached must not count as a whole prompt). When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 released and it waits again, to be recomputed (cheaply, when its blocks are still in the prefix cache).
 """
@@ -39,6 +42,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._waiting_prefill = 0  # the waiting sequences' queued_prefill, summed
         self.preemptions = 0
         self.admitted_importers: list[Sequence] = []  # given blocks this step; their K/V is to be fetched
         self.cached_exports: list[
@@ -48,13 +52,28 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._queued(seq)
+
+    def _queued(self, seq: Sequence) -> None:
+        # (The match is the one admission uses: the block manager remembers it for can_allocate.)
+        seq.queued_prefill = max(0, seq.num_tokens - self.blocks.cached_prefix_tokens(seq))
+        self._waiting_prefill += seq.queued_prefill
+
+    def _dequeued(self, seq: Sequence) -> None:
+        self._waiting_prefill -= seq.queued_prefill
+        seq.queued_prefill = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     @property
     def waiting_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.waiting)
+        """Prompt tokens still to compute: the waiting sequences' past their cached prefix, and the running
+        ones' not computed yet (a chunked prefill's rest)."""
+        prefilling = sum(
+            s.num_prompt_tokens - s.num_computed for s in self.running if s.num_computed < s.num_prompt_tokens
+        )
+        return self._waiting_prefill + prefilling
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -85,6 +104,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
+            self._dequeued(seq)
             cached = self.blocks.allocate(seq)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
@@ -106,6 +126,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+        self._queued(seq)
         self.preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -115,6 +136,7 @@ class Scheduler:
             self.blocks.free(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self._dequeued(seq)
             self.blocks.forget(seq)  # the prefix match can_allocate remembered for it
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

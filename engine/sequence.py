@@ -74,6 +74,7 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K/V sit in the cache
     num_registered: int = 0  # leading full blocks entered into the prefix cache
     num_cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission (what usage reports)
+    queued_prefill: int = 0  # while it waits: its tokens past the cached prefix it had when queued
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     # Disaggregation. A decode-side sequence waits (holding its blocks) while its prompt's K/V arrives; a

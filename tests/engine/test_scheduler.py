@@ -148,3 +148,33 @@ def test_a_waiting_sequence_that_leaves_the_queue_is_forgotten() -> None:
     assert w.status is SeqStatus.WAITING and w in bm._matches  # blocked: its match is remembered
     sched.finish(w, "abort")
     assert not bm._matches
+
+
+def test_the_load_counts_the_prompt_tokens_still_to_compute_not_a_waiting_turns_cached_prefix() -> None:
+    # It counted every waiting prompt whole: a turn waiting for a slot with 784 of its 794 tokens cached
+    # read, to the gateway, as 794 tokens of prefill queued on the engine holding its prefix, and the
+    # gateway sent the turn's next request elsewhere (test_prompt_batch failed about 1 run in 3 on this).
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=1, max_num_batched_tokens=8)
+    first = make("first", 20, max_tokens=1)
+    sched.add(first)
+    assert sched.waiting_tokens == 20
+    step(sched)  # 8 of its 20 computed: the rest is still prefill queued here
+    assert sched.waiting_tokens == 12
+    while first.status is not SeqStatus.FINISHED:
+        step(sched)
+    assert sched.waiting_tokens == 0
+    holder = make("holder", 9, max_tokens=50)  # takes the one slot
+    sched.add(holder)
+    step(sched)
+    step(sched)
+    turn = Sequence("turn", [*first.token_ids[:20], 5, 6], SamplingParams(max_tokens=1), namespace_seed("m"))
+    sched.add(turn)  # waits for the slot; 20 of its 22 tokens are cached (first's 5 whole blocks)
+    cold = make("cold", 10)
+    sched.add(cold)
+    assert [s.request_id for s in sched.waiting] == ["turn", "cold"]
+    assert sched.waiting_tokens == (22 - 20) + 10
+    sched.finish(cold, "abort")
+    assert sched.waiting_tokens == 22 - 20
+    sched.finish(holder, "abort")
+    step(sched)  # admitted: its 2 tokens computed
+    assert sched.waiting_tokens == 0 and turn.num_cached_prompt_tokens == 20
