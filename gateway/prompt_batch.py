@@ -43,6 +43,11 @@ class PromptBatch:
         self.request_id = self.parts[0].request_id  # the client's x-request-id, or one made for the first
         for i, part in enumerate(self.parts):
             part.request_id = f"{self.request_id}-{i}"
+            if i:
+                # The session (x-session-affinity, prompt_cache_key) goes with the first prompt only: the
+                # others go where their own prefixes are. Dispatched at once, every part of one session
+                # moved its binding to its own prefix in turn, and each pulled the others off theirs.
+                part.session_id = None
 
     @property
     def stream(self) -> bool:

@@ -245,3 +245,25 @@ def test_usage_sums_field_by_field_and_cost_without_float_dust() -> None:
         "prompt_tokens_details": {"cached_tokens": 8},
         "completion_tokens_details": None,
     }
+
+
+async def test_a_batch_sent_with_a_session_still_sends_each_prompt_to_its_own_prefix(
+    make_cluster: ClusterFactory, tiny_model_dir: Path
+) -> None:
+    # Every prompt carried the session: the parts, dispatched at once, claimed and moved one binding between
+    # them, and the prompts after the first followed it away from the engines holding their prefixes.
+    cluster = await real_cluster(make_cluster, tiny_model_dir)
+    a, engine_a, b, engine_b = await two_prefixes_on_two_engines(cluster)
+    for session in ({"x-session-affinity": "batch-1"}, {}):
+        prompts = [a + " again", b + " again"]
+        body: dict[str, Any] = {"model": cluster.model, "prompt": prompts, "max_tokens": 2}
+        if not session:
+            body["prompt_cache_key"] = "batch-2"  # (OpenAI's way to name it, in the body)
+        status, answer, headers = await cluster.post("/v1/completions", body, headers=session)
+        assert status == 200, answer
+        assert headers["x-kvgate-engine"] == f"{engine_a}, {engine_b}", session
+        # Each found its own prefix (100 words, placed alone before) whole: where one engine held both, the
+        # prompt sent to the other engine would have found nothing.
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert headers["x-kvgate-predicted-cached-tokens"] == str(cached)
+        assert cached >= 2 * (answer["usage"]["prompt_tokens"] // 2 - 2 * BLOCK)
