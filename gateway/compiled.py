@@ -36,6 +36,7 @@ HOT_MODULES = (
     "cache/ledger.py",
     "cache/residency_memory.py",
     "cache/tokens.py",
+    "gateway/http/answer_usage.py",
     "gateway/http/engine_body.py",
     "gateway/http/http_wire.py",
     "gateway/http/lean_http.py",

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, cast
 import orjson
 from aiohttp import web
 
+from gateway.http.answer_usage import TAIL_USAGE_BYTES, tail_usage
 from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import WholeAnswer
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
@@ -116,6 +117,13 @@ async def relay_whole(
         raise
     if upstream.status != 200:
         return engine_error(engine_id, upstream.status, data, headers, metrics)
+    tail = tail_usage(data) if len(data) > TAIL_USAGE_BYTES and on_answer is None else None
+    if tail is not None:  # (a large answer, embeddings above all: its usage read at its end)
+        added = accounting.annotate(tail.usage)
+        if added:
+            data = tail.replaced({**tail.usage, **added})
+        accounting.done(tail.usage, None, "completed", 0)
+        return WholeAnswer(data, headers)
     answer = answer_object(engine_id, data, metrics)
     noted = on_answer(answer) if on_answer is not None else None
     usage = answer.get("usage")
