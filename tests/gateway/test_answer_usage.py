@@ -3,12 +3,13 @@ writing out a 157 MB embeddings answer held the event loop for about a second.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
-import gateway.http.relay as relay
 from gateway.http.answer_usage import TAIL_USAGE_BYTES, tail_usage
 from tests.harness import MODEL, ClusterFactory
 
@@ -39,23 +40,47 @@ def test_the_usage_is_found_only_as_the_last_member_of_the_outer_object(
         assert orjson.loads(replaced) == {**orjson.loads(body), "usage": {**usage, "cost": 0.5}}  # type: ignore[dict-item]
 
 
-async def test_a_large_embeddings_answer_is_relayed_and_billed_without_being_parsed_whole(
-    make_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+class SpacedEmbeddings:
+    """A SIMULATED engine answering every embeddings request with ``count`` vectors in JSON as Python's
+    ``json`` writes it (a space after each separator, where orjson writes none): an answer the gateway parsed
+    and wrote out again reaches the client without those spaces."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.app = web.Application()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_post("/v1/embeddings", self._embeddings)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": MODEL, "block_size": 16, "kv_events": False})
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        data = [{"index": i, "object": "embedding", "embedding": [0.25] * 64} for i in range(self.count)]
+        usage = {"prompt_tokens": 7, "total_tokens": 7}
+        body = {"id": "embd-1", "object": "list", "created": 1, "model": MODEL, "data": data, "usage": usage}
+        return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+
+
+@pytest.mark.parametrize("count", [4, 4096])
+async def test_a_large_answer_is_relayed_as_its_engine_wrote_it_and_billed(
+    make_cluster: ClusterFactory, count: int
 ) -> None:
-    parsed: list[int] = []
-    whole = relay.answer_object
-    monkeypatch.setattr(
-        relay, "answer_object", lambda e, data, m: parsed.append(len(data)) or whole(e, data, m)
-    )
+    engine = SpacedEmbeddings(count)
     cluster = await make_cluster(
-        {"eu-west": 1}, prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
+        {"eu-west": 0},
+        extra_engines={"eu-west/e0": engine.app},
+        engine_options={"eu-west/e0": {"kv_events": False}},
+        prices={MODEL: {"input": 1, "cached_input": 0.1, "output": 2}},
     )
-    inputs = [f"document {i}" for i in range(2048)]
-    status, answer, _ = await cluster.post("/v1/embeddings", {"model": MODEL, "input": inputs})
-    assert status == 200 and len(answer["data"]) == 2048
-    usage = answer["usage"]
-    assert usage["prompt_tokens"] == sum(len(text) for text in inputs)  # (the simulator's tokens are bytes)
-    assert usage["cost"] == pytest.approx(usage["prompt_tokens"] / 1e6)
-    assert not [size for size in parsed if size > TAIL_USAGE_BYTES]  # (it was parsed whole: 1.6 MB)
-    small = await cluster.post("/v1/embeddings", {"model": MODEL, "input": "one"})
-    assert small[0] == 200 and small[1]["usage"]["cost"] > 0 and parsed  # (a small one is, as before)
+    assert cluster.session is not None
+    body = {"model": MODEL, "input": "one document"}
+    async with cluster.session.post(cluster.url + "/v1/embeddings", json=body) as answer:
+        assert answer.status == 200
+        raw = await answer.read()
+    parsed = orjson.loads(raw)
+    assert len(parsed["data"]) == count and parsed["usage"]["prompt_tokens"] == 7
+    assert parsed["usage"]["cost"] == pytest.approx(7 / 1e6)
+    # A large one (4096 vectors, 1.5 MB) keeps its engine's bytes but for its usage; a small one is parsed
+    # whole and written out again, as every answer was (the large one too, before).
+    assert (b'"index": 0, "object": "embedding"' in raw) == (len(raw) > TAIL_USAGE_BYTES)
+    assert raw.endswith(b'"usage": {"prompt_tokens":7,"total_tokens":7,"cost":7e-6}}') == (count == 4096)
