@@ -242,3 +242,22 @@ async def test_a_restarted_engine_has_no_stale_residency(vllm_fleet: VllmFleet) 
         assert gateway.state.lookup(chain).get(engine, 0) == 0
         for _ in range(3):  # wherever they go now, the predictions hold
             await client.send("/v1/completions", body)
+
+
+async def test_a_prompt_cache_key_keeps_a_conversation_on_its_engine(vllm_fleet: VllmFleet) -> None:
+    # OpenAI's prompt_cache_key (the SDK's prompt_cache_key=) names the session where no header does; vLLM
+    # takes the field and ignores it.
+    async with gateway_in_front(vllm_fleet) as (url, gateway), aiohttp.ClientSession() as session:
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = Client(session, url, gateway)
+        homes: dict[int, str] = {}
+        for turn in range(3):
+            for conv in range(4):
+                messages = [{"role": "system", "content": text(300 + conv, 60)}]
+                messages += [{"role": "user", "content": text(3000 * conv + t, 25)} for t in range(turn + 1)]
+                body = {"model": "tiny", "messages": messages, "prompt_cache_key": f"agent {conv}"}
+                engine, route, cached = await client.send("/v1/chat/completions", body)
+                assert homes.setdefault(conv, engine) == engine
+                if turn:
+                    assert route == "session" and cached > 0
+        assert len(set(homes.values())) == 2 and client.checked == 12
