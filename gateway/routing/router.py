@@ -139,10 +139,14 @@ class Router:
         """Admission control: engines at their limits take nothing more. When every available engine is
         saturated the request is refused at once (503 with Retry-After) rather than queued without bound."""
         r = self.settings.resilience
+        limit = r.max_waiting_per_engine
         open_ = [
             e
             for e in engines
-            if e.inflight < r.max_inflight_per_engine and e.load.waiting < r.max_waiting_per_engine
+            if e.inflight < r.max_inflight_per_engine
+            # (The reading's queue, less this gateway's requests that have ended since it was taken: asked
+            # only of a reading at the limit, so the common case costs one comparison.)
+            and (e.load.waiting < limit or e.queue_estimate()[1] < limit)
         ]
         if (
             len(open_) < len(engines)

@@ -110,3 +110,21 @@ async def test_a_queue_this_gateway_saw_end_does_not_move_a_session_off_its_engi
     status, answer, headers = await cluster.post("/v1/completions", body, headers=session)
     assert status == 200, answer
     assert (headers["x-kvgate-engine"], headers["x-kvgate-route"]) == (holder.id, "session")
+
+
+async def test_a_queue_at_its_limit_that_has_ended_since_does_not_refuse_requests(
+    make_cluster: ClusterFactory,
+) -> None:
+    # Admission refuses an engine whose queue is at max_waiting_per_engine (256): it read the raw reading, so
+    # requests of this gateway that had ended since the engine was read still made it refuse everything (503)
+    # until the next reading.
+    cluster = await make_cluster({"r": 1}, health_interval_s=3600.0)
+    [engine] = cluster.gateway.fleet.engines.values()
+    marks = [engine.report_lag.sent() for _ in range(256)]
+    reading(engine, running=0, waiting=256, waiting_tokens=25_600)
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+    assert (await cluster.post("/v1/completions", body))[0] == 503  # (they are still there)
+    for mark in marks:
+        engine.report_lag.request_ended(mark, 100)
+    status, answer, _ = await cluster.post("/v1/completions", body)
+    assert status == 200, answer
