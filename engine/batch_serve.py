@@ -24,7 +24,7 @@ from aiohttp import web
 
 from engine.async_engine import EngineDead
 from engine.engine_types import RequestRejected, StepOutput
-from engine.kv_serve import engine_failed
+from engine.kv_serve import end_stream_failed, engine_failed
 from engine.openai_api import GenerationRequest
 from engine.openai_choices import Choices, StreamAnswer, WholeAnswer
 from engine.openai_errors import OpenAIError, json_response
@@ -186,9 +186,7 @@ async def _stream(
         await response.write(answers[0].end(summed_usage([answer.usage() for answer in answers])))
         await response.write_eof()
     except EngineDead as exc:
-        error = engine_failed(exc)
-        with contextlib.suppress(ConnectionResetError):
-            await response.write(b"data: " + error.body() + b"\n\n")
+        await end_stream_failed(response, exc)
     except ConnectionResetError:
         pass  # the client left; closing the outputs aborts every prompt
     return response

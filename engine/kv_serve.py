@@ -32,6 +32,13 @@ def engine_failed(exc: BaseException) -> OpenAIError:
     return OpenAIError(str(exc), status=503, error_type="server_error", code="engine_failed")
 
 
+async def end_stream_failed(response: web.StreamResponse, exc: BaseException) -> None:
+    """End an answer already streaming with the engine's failure as an SSE error event (a client that has
+    left meanwhile gets nothing)."""
+    with contextlib.suppress(ConnectionResetError):
+        await response.write(b"data: " + engine_failed(exc).body() + b"\n\n")
+
+
 async def serve_kv_source(
     request: web.Request, open_frames: OpenFrames, *, model: str, block_size: int, max_model_len: int
 ) -> web.StreamResponse:

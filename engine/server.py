@@ -30,7 +30,14 @@ from engine.embeddings_serve import EmbeddingsApi
 from engine.engine_types import RequestRejected, StepOutput
 from engine.kv_import import KvImporter
 from engine.kv_publisher import KvEventPublisher
-from engine.kv_serve import MAX_BODY_BYTES, REQUEST_ID_HEADER, OpenFrames, engine_failed, serve_kv_source
+from engine.kv_serve import (
+    MAX_BODY_BYTES,
+    REQUEST_ID_HEADER,
+    OpenFrames,
+    end_stream_failed,
+    engine_failed,
+    serve_kv_source,
+)
 from engine.kv_transfer import KvTransferError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import EngineGauges, gpu_utilization, metrics_handler
@@ -301,9 +308,7 @@ class EngineServer:
             await response.write(answer.end())
             await response.write_eof()
         except EngineDead as exc:
-            error = engine_failed(exc)
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(b"data: " + error.body() + b"\n\n")
+            await end_stream_failed(response, exc)
         except ConnectionResetError:
             pass  # the client left; closing the iterator aborts the request
         return response
