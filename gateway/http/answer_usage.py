@@ -1,6 +1,6 @@
 """A large whole answer's ``usage``, read and rewritten at its end without parsing the rest.
 
-An embeddings answer of 2048 inputs at 4096 dimensions is about 157 MB of JSON: parsing it whole to read its
+An embeddings answer of 2048 inputs at 4096 dimensions is about 160 MB of JSON: parsing it whole to read its
 usage, and writing it out again to add the cost, held the event loop for about a second (orjson holds the
 GIL, so a worker thread would not free the loop). OpenAI's and vLLM's answers end with their ``usage``
 member; an answer whose last member is an object named ``usage`` has it read and replaced there. Anything
@@ -37,7 +37,8 @@ def tail_usage(body: bytes) -> TailUsage | None:
     """The usage ending ``body`` when ``body`` is a JSON object whose last member is ``"usage": {...}``;
     None otherwise (the caller then parses the whole answer). Only the object's ends are checked: a body
     broken in the middle is relayed as the engine wrote it. Nothing of the body is copied but the usage."""
-    if body[_skip(body, 0, 1) : _skip(body, 0, 1) + 1] != b"{":
+    first = _skip(body, 0, 1)
+    if body[first : first + 1] != b"{":
         return None
     close = _skip(body, len(body) - 1, -1)  # the outer object's closing brace
     if close < 1 or body[close] != ord("}"):
