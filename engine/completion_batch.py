@@ -18,6 +18,9 @@ from engine.openai_params import PACKED_IDS_FIELD
 from engine.openai_sampling import PLAIN, Capabilities
 
 MAX_PROMPTS = 128  # prompts in one request (the gateway's bound too)
+# Sequences one request may make (prompts x n): each holds its own copy of its prompt's ids, so 128 prompts at
+# n = 128 would make 16,384 copies of 2 MB of text's worth of prompts from one request.
+MAX_SEQUENCES = 1024
 _FORMS = (
     "prompt must be a string, an array of strings, an array of token ids, or an array of arrays of token ids"
 )
@@ -60,6 +63,13 @@ def parse_requests(
         # (Its K/V source holds one prompt: the gateway sends a batch's prompts one by one.)
         message = "kv_transfer_params applies to one prompt; send a batch's prompts as requests of their own"
         raise OpenAIError(message, param="kv_transfer_params")
+    n = data.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n * len(prompts) > MAX_SEQUENCES:
+        raise OpenAIError(
+            f"{len(prompts)} prompts with n = {n} make {n * len(prompts)} sequences; this engine makes at "
+            f"most {MAX_SEQUENCES} for one request",
+            param="n",
+        )
     reqs: list[GenerationRequest] = []
     for i, prompt in enumerate(prompts):
         # A one-element list: a text gets its special tokens as a single text prompt does; a list of ids is

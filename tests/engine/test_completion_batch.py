@@ -67,3 +67,11 @@ def test_a_prompts_context_overflow_names_the_prompt() -> None:
         parse({"prompt": ["a", "b" * 20], "max_tokens": 5}, max_model_len=16)
     error = refused.value
     assert error.code == "context_length_exceeded" and error.message.startswith("prompt 1: ")
+
+
+def test_the_sequences_a_batch_makes_are_bounded() -> None:
+    # 128 prompts at n = 128 made 16,384 sequences, each with its own copy of its prompt, from one request.
+    assert len(parse({"prompt": ["a"] * 128, "n": 8})) == 128  # (1024 sequences)
+    with pytest.raises(OpenAIError) as refused:
+        parse({"prompt": ["a"] * 128, "n": 9})
+    assert refused.value.param == "n" and "1152 sequences" in refused.value.message
