@@ -58,8 +58,8 @@ def embedding_inputs(settings: GatewaySettings, body: dict[str, Any]) -> Embeddi
             f"gateway, not {str(encoding)[:40]!r}",
             param="encoding_format",
         )
-    if "messages" in body:
-        if "input" in body:
+    if body.get("messages") is not None:  # (null is absent, as vLLM and kvgate's engine read it)
+        if body.get("input") is not None:
             raise InvalidRequest("give either input or messages, not both", param="messages")
         field, value = "messages", body["messages"]
     elif "input" in body:

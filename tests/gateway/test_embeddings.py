@@ -93,8 +93,9 @@ async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
         {"input": [[5, 6, 7], [8, 9], [10]]},
         {"input": [words("a", 30), words("b", 40)], "truncate_prompt_tokens": 7},
         {"input": [words("a", 30)], "truncate_prompt_tokens": 7, "truncation_side": "left"},
+        {"input": "a text", "messages": None},  # (null is absent: it was refused as both forms at once)
     ],
-    ids=["text", "texts", "no-special", "ids", "id-lists", "truncated", "truncated-left"],
+    ids=["text", "texts", "no-special", "ids", "id-lists", "truncated", "truncated-left", "null-messages"],
 )
 async def test_the_gateway_counts_the_tokens_kvgates_engine_reports(
     make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
