@@ -22,7 +22,6 @@ from cache.redis_keys import RedisKeys
 from cache.spool import Spool
 from cache.tokens import Tokenizer, TokenizerError, load_tokenizer
 from gateway.config import KvgateConfig
-from gateway.embedding_inputs import EMBEDDINGS_PATH
 from gateway.http.engine_probe import check_tokenizers_forever
 from gateway.http.errors import GatewayError
 from gateway.http.http_wire import Answer
@@ -35,7 +34,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
 from gateway.observability.worker_metrics import WorkerMetrics
 from gateway.redis_connection import check_redis, redis_client, redis_db
-from gateway.request_limits import RESPONSES_PATH
+from gateway.request_limits import EMBEDDINGS_PATH, RESPONSES_PATH
 from gateway.routing import POLICIES
 from gateway.service import Gateway
 from gateway.state.kv_events import KvEventConsumer

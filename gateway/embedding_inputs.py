@@ -22,9 +22,9 @@ import numpy as np
 from cache.tokens import Tokenizer
 from gateway.config import GatewaySettings
 from gateway.http.errors import InvalidRequest
+from gateway.request_limits import check_content_parts
 from gateway.schemas import EmbeddingsRequest, check_conversation
 
-EMBEDDINGS_PATH = "/v1/embeddings"
 # Binary answers (vLLM's "bytes", "bytes_only") carry no JSON usage to bill from.
 JSON_ENCODINGS = ("float", "base64")
 _INPUT_FORMS = (
@@ -114,18 +114,8 @@ def _check_messages(settings: GatewaySettings, inputs: EmbeddingInputs, field: s
             f"{field} holds {messages} messages in all; this gateway allows at most {settings.max_messages}",
             param=field,
         )
-    parts = sum(
-        len(m["content"])  # (each message is a dict: _is_conversation said so)
-        for _, conversation in inputs.conversations
-        for m in conversation
-        if isinstance(m.get("content"), list)
-    )
-    if parts > settings.max_content_parts:
-        raise InvalidRequest(
-            f"{field} holds {parts} content parts in all; this gateway allows at most "
-            f"{settings.max_content_parts}",
-            param=field,
-        )
+    every_message = (m for _, conversation in inputs.conversations for m in conversation)
+    check_content_parts(settings, every_message, field)
 
 
 def embedding_tokens(

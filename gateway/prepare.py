@@ -17,11 +17,17 @@ from cache.responses_input import responses_chat_body
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
-from gateway.embedding_inputs import EMBEDDINGS_PATH, embedding_inputs, embedding_tokens
+from gateway.embedding_inputs import embedding_inputs, embedding_tokens
 from gateway.http.errors import InvalidRequest, ModelNotFound
 from gateway.prompt_batch import PromptBatch
 from gateway.request_body import ClientRequest, read_json
-from gateway.request_limits import RESPONSES_PATH, check_counts, check_prompt_count, output_budget
+from gateway.request_limits import (
+    EMBEDDINGS_PATH,
+    RESPONSES_PATH,
+    check_counts,
+    check_prompt_count,
+    output_budget,
+)
 from gateway.routing.base import route_key
 from gateway.routing.home import HomeRegions
 from gateway.schemas import (

@@ -3,13 +3,14 @@ its output budget."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from gateway.config import GatewaySettings
-from gateway.embedding_inputs import EMBEDDINGS_PATH
 from gateway.http.errors import InvalidRequest
 
 RESPONSES_PATH = "/v1/responses"
+EMBEDDINGS_PATH = "/v1/embeddings"
 
 
 def check_counts(settings: GatewaySettings, messages: Any, field: str = "messages") -> None:
@@ -22,6 +23,12 @@ def check_counts(settings: GatewaySettings, messages: Any, field: str = "message
         raise InvalidRequest(
             f"{field} has {len(messages)} items; this gateway allows at most {limit}", param=field
         )
+    check_content_parts(settings, messages, field)
+
+
+def check_content_parts(settings: GatewaySettings, messages: Iterable[Any], field: str) -> None:
+    """A chat's bound on the content parts of ``messages`` (any of them, wherever they come from), all
+    together: each is validated and rendered, which costs time by the part."""
     parts = sum(
         len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
     )
