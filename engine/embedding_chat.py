@@ -4,8 +4,8 @@ for chats, each embedded as one input.
 
 Forms: ``messages`` as one conversation (an array of messages) or as an array of conversations; ``input`` as
 one conversation or as an array of conversations. A conversation is rendered as the gateway counts it
-(``gateway.embedding_inputs.chat_body``): with vLLM's template inputs ``add_generation_prompt`` (false by
-default for embeddings), ``continue_final_message`` and ``chat_template_kwargs``, and without tools. Its
+(``cache.embedding_chat``): with vLLM's template inputs ``add_generation_prompt`` (false by default for
+embeddings), ``continue_final_message`` and ``chat_template_kwargs``, and without tools. Its
 tokens get the tokenizer's special tokens only when ``add_special_tokens`` is true (false by default for
 chats: the template writes its own). A ``chat_template`` in the request is refused, as vLLM refuses one
 unless started with ``--trust-request-chat-template``.
@@ -18,12 +18,10 @@ from typing import Any
 import numpy as np
 
 from cache.chat_dialect import VLLM
+from cache.embedding_chat import embedding_chat_body
 from cache.tokens import ChatContentError, Tokenizer, render_messages
 from engine.openai_errors import OpenAIError
 from engine.openai_params import bool_param
-
-# The template inputs an embeddings chat takes from its body (ChatRequestOptionsMixin's, bar chat_template).
-_TEMPLATE_FIELDS = ("continue_final_message", "chat_template_kwargs")
 
 
 def chat_conversations(data: dict[str, Any]) -> tuple[str, list[list[dict[str, Any]]]] | None:
@@ -81,13 +79,10 @@ def render_conversations(
             "with the model's own",
             param="chat_template",
         )
-    chat: dict[str, Any] = {name: data[name] for name in _TEMPLATE_FIELDS if data.get(name) is not None}
-    chat["add_generation_prompt"] = bool_param(
-        data.get("add_generation_prompt"), "add_generation_prompt", default=False
-    )
+    bool_param(data.get("add_generation_prompt"), "add_generation_prompt", default=False)  # (400: no bool)
     add_special = bool_param(data.get("add_special_tokens"), "add_special_tokens", default=False)
     try:
-        inputs = VLLM.chat_inputs(chat)
+        inputs = VLLM.chat_inputs(embedding_chat_body(data, []))
         texts = [
             render_messages(tokenizer, messages, dialect=VLLM, inputs=inputs) for messages in conversations
         ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from cache.embedding_chat import embedding_chat_body
 from cache.tokens import Tokenizer
 from gateway.config import GatewaySettings
 from gateway.http.errors import InvalidRequest
@@ -132,7 +133,7 @@ def embedding_tokens(
     texts = list(inputs.texts)
     for where, messages in inputs.conversations:
         check_conversation(messages, where)
-        texts.append(render(parsed.model, chat_body(body, messages)))
+        texts.append(render(parsed.model, embedding_chat_body(body, messages)))
     encoded = tokenizer.encode_many(texts)
     special = parsed.add_special_tokens
     if special is True or (special is None and not inputs.conversations):
@@ -143,19 +144,6 @@ def embedding_tokens(
         left = body.get("truncation_side") == "left"
         prompts = [ids[len(ids) - keep :] if left else ids[:keep] for ids in prompts]
     return np.concatenate(prompts)
-
-
-def chat_body(body: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat one conversation of an embeddings request is rendered as: vLLM's embedding chat requests
-    take a chat's template options, with no generation prompt unless asked for."""
-    chat: dict[str, Any] = {
-        name: body[name]
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-        if body.get(name) is not None  # (null is the default, as kvgate's engine reads it)
-    }
-    chat.setdefault("add_generation_prompt", False)
-    chat["messages"] = messages
-    return chat
 
 
 def _is_conversation(value: list[Any]) -> bool:
