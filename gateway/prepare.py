@@ -18,6 +18,7 @@ from cache.tokens import ChatContentError, Tokenizer, render_messages
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
 from gateway.embedding_inputs import embedding_inputs, embedding_tokens
+from gateway.http.content_coding import is_compressed
 from gateway.http.errors import InvalidRequest, ModelNotFound
 from gateway.prompt_batch import PromptBatch
 from gateway.request_body import ClientRequest, read_json
@@ -434,8 +435,7 @@ def _heavy(request: ClientRequest) -> bool:
     validated on a worker thread, and other requests go on meanwhile. A compressed body always is: its size
     on the wire says nothing of what it inflated to (2 kB of gzip are a million token ids), and a hop to a
     thread costs far less than such a body."""
-    coding = request.headers.get("Content-Encoding")
-    if coding is not None and coding.strip().lower() not in ("", "identity"):
+    if is_compressed(request.headers.get("Content-Encoding")):
         return True
     return (request.content_length or 0) > THREAD_VALIDATE_BYTES
 

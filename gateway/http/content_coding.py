@@ -21,12 +21,24 @@ class UnsupportedEncoding(GatewayError):
     code = "unsupported_content_encoding"
 
 
+_IDENTITY = ("", "identity")  # (no coding)
+
+
+def _codings(content_encoding: str) -> list[str]:
+    return [c.strip().lower() for c in content_encoding.split(",")]
+
+
+def is_compressed(content_encoding: str | None) -> bool:
+    """Whether a body sent with this ``Content-Encoding`` has a coding to undo: its size on the wire then
+    says nothing of its size decoded."""
+    return content_encoding is not None and any(c not in _IDENTITY for c in _codings(content_encoding))
+
+
 def decode_body(raw: bytes, content_encoding: str, limit: int) -> bytes:
     """``raw`` with its codings undone, last applied first; PayloadTooLarge past ``limit`` decoded bytes,
     InvalidRequest for a body that is not what its coding says, UnsupportedEncoding for a coding not taken."""
-    codings = [c.strip().lower() for c in content_encoding.split(",")]
-    for coding in reversed(codings):
-        if coding in ("", "identity"):
+    for coding in reversed(_codings(content_encoding)):
+        if coding in _IDENTITY:
             continue
         if coding in ("gzip", "x-gzip"):
             raw = _inflate(raw, GZIP_WBITS, coding, limit)
