@@ -83,6 +83,17 @@ async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
     return prepared.prompt_tokens
 
 
+async def embedded_as_counted(make_cluster: ClusterFactory, model_dir: Path, extra: dict[str, Any]) -> Any:
+    """The answer of kvgate's engine (on ``model_dir``) to an embeddings request of ``extra``, through the
+    gateway, having checked that the gateway admitted it for the prompt tokens the engine reports."""
+    cluster = await make_cluster({"eu-west": 1}, real_model=model_dir, tokenizer=str(model_dir))
+    body = {"model": cluster.model, "encoding_format": "float", **extra}
+    status, answer, _ = await cluster.post("/v1/embeddings", body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == await counted(cluster, body)
+    return answer
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -100,11 +111,7 @@ async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
 async def test_the_gateway_counts_the_tokens_kvgates_engine_reports(
     make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
 ) -> None:
-    cluster = await make_cluster({"eu-west": 1}, real_model=bos_model_dir, tokenizer=str(bos_model_dir))
-    body = {"model": cluster.model, "encoding_format": "float", **extra}
-    status, answer, _ = await cluster.post("/v1/embeddings", body)
-    assert status == 200, answer
-    assert answer["usage"]["prompt_tokens"] == await counted(cluster, body)
+    answer = await embedded_as_counted(make_cluster, bos_model_dir, extra)
     inputs = extra["input"]
     count = 1 if isinstance(inputs, str) or isinstance(inputs[0], int) else len(inputs)
     assert [d["index"] for d in answer["data"]] == list(range(count))
@@ -136,11 +143,7 @@ async def test_the_gateway_counts_a_conversations_tokens_as_kvgates_engine_repor
     make_cluster: ClusterFactory, bos_model_dir: Path, extra: dict[str, Any]
 ) -> None:
     # kvgate's engine refused every chat form with a 400; it now embeds them as vLLM 0.32 does.
-    cluster = await make_cluster({"eu-west": 1}, real_model=bos_model_dir, tokenizer=str(bos_model_dir))
-    body = {"model": cluster.model, "encoding_format": "float", **extra}
-    status, answer, _ = await cluster.post("/v1/embeddings", body)
-    assert status == 200, answer
-    assert answer["usage"]["prompt_tokens"] == await counted(cluster, body)
+    answer = await embedded_as_counted(make_cluster, bos_model_dir, extra)
     conversations = extra.get("messages", extra.get("input"))
     assert isinstance(conversations, list)
     count = 1 if isinstance(conversations[0], dict) else len(conversations)
