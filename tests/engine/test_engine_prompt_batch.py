@@ -23,6 +23,7 @@ from aiohttp import web
 from engine.engine_types import StepOutput
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from tests.engine.released import assert_released
 from tests.engine_process import engine_process
 from tests.serving import serve
 
@@ -254,15 +255,7 @@ async def test_a_client_that_leaves_a_batch_aborts_every_prompt(served: Running,
         with pytest.raises(asyncio.CancelledError):
             await request
     assert most() == len(PROMPTS)
-    for _ in range(500):
-        if not llm.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
-    assert not llm.scheduler.has_work()
-    assert llm.blocks.num_free == llm.blocks.num_blocks
-    async with served.session.get(served.url + "/health") as r:
-        load = (await r.json())["load"]
-    assert load["running"] == 0 and load["kv_blocks_free"] == llm.blocks.num_blocks
+    await assert_released(llm, served.session, served.url, polls=500)
 
 
 def test_an_engine_core_process_serves_a_batch_and_refuses_one_as_the_engine_thread_does(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from aiohttp import web
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from tests.engine.released import assert_released
 from tests.serving import serve
 
 
@@ -123,16 +123,8 @@ async def test_a_client_that_leaves_aborts_the_request(served: Running) -> None:
     response = await served.session.post(served.url + "/v1/chat/completions", json=chat)
     await response.content.readany()
     response.close()
-    engine = served.server.llm
-    for _ in range(200):
-        if not engine.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
-    assert not engine.scheduler.has_work()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    async with served.session.get(served.url + "/health") as r:
-        load = (await r.json())["load"]
-    assert load["running"] == 0 and load["kv_blocks_free"] == engine.blocks.num_blocks  # no stale load
+    assert served.server.llm is not None
+    await assert_released(served.server.llm, served.session, served.url)
 
 
 async def test_a_failing_engine_turns_health_red_and_fails_cleanly(served: Running) -> None:
