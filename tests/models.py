@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,5 +33,19 @@ def make_bos_tokenizer_dir(directory: Path, *, single: str = "<s> $A") -> Path:
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     ids = [(t, tok.token_to_id(t)) for t in ("<s>", "</s>") if t in single]
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=ids)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def with_bos(model_dir: Path, directory: Path, bos: str = "<|endoftext|>") -> Path:
+    """A copy of ``model_dir`` (at ``directory``) whose tokenizer adds ``bos`` before a text, as Llama's does
+    (scripts/test-vllm's tiny model's too): what ``add_special_tokens=True`` adds."""
+    from tokenizers import processors
+
+    shutil.copytree(model_dir, directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
     tok.save(str(directory / "tokenizer.json"))
     return directory

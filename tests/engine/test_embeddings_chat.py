@@ -6,7 +6,6 @@ are not embedded by this engine")."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 from cache.tokens import Tokenizer, load_tokenizer
 from engine.embeddings_api import EmbeddingRequest, parse_embedding_request
 from engine.openai_errors import OpenAIError
+from tests.models import with_bos
 
 MAX_MODEL_LEN = 64
 QUESTION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is kv?"}]
@@ -31,18 +31,7 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 def tokenizer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """The tiny model's tokenizer and chat template, with a BOS added to a text as Llama's tokenizer adds
     one: what add_special_tokens would add."""
-    from tokenizers import Tokenizer as HfTokenizer
-    from tokenizers import processors
-
-    directory = tmp_path_factory.mktemp("chat-bos") / "tiny"
-    shutil.copytree(tiny_model_dir, directory)
-    tok = HfTokenizer.from_file(str(directory / "tokenizer.json"))
-    bos = "<|endoftext|>"
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
-    tok.save(str(directory / "tokenizer.json"))
-    loaded = load_tokenizer(str(directory))
+    loaded = load_tokenizer(str(with_bos(tiny_model_dir, tmp_path_factory.mktemp("chat-bos") / "tiny")))
     assert loaded.chat_template is not None
     return loaded
 

@@ -5,7 +5,6 @@ request of prompt tokens only; inputs the engines would refuse, and binary answe
 from __future__ import annotations
 
 import gzip
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from gateway.http.errors import InvalidRequest
 from tests.client_request import BareRequest
 from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.models import with_bos
 
 PRICE = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
 
@@ -64,17 +64,7 @@ async def test_the_sdk_gets_embeddings_through_the_gateway_and_they_are_billed(
 @pytest.fixture(scope="module")
 def bos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a tokenizer that adds a BOS to a text, as Llama's does (scripts/test-vllm's)."""
-    from tokenizers import Tokenizer, processors
-
-    directory = tmp_path_factory.mktemp("bos") / "tiny-bos"
-    shutil.copytree(tiny_model_dir, directory)
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    bos = "<|endoftext|>"
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
-    tok.save(str(directory / "tokenizer.json"))
-    return directory
+    return with_bos(tiny_model_dir, tmp_path_factory.mktemp("bos") / "tiny-bos")
 
 
 async def counted(cluster: Cluster, body: dict[str, Any]) -> int:
