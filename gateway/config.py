@@ -70,6 +70,11 @@ class PriceConfig(BaseModel):
         return Prices(self.input, self.cached_input, self.output)
 
 
+# A binding's TTL goes to Redis in milliseconds with every write: past 2**63 ms Redis refuses the write
+# ("value is not an integer or out of range"), and every session would be lost to the other gateways.
+MAX_BINDING_TTL_S = 10 * 365 * 86400.0
+
+
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,10 +152,11 @@ class GatewaySettings(BaseModel):
         ge=1,
         description="inputs in one embeddings request (OpenAI's limit); one engine embeds them all",
     )
-    session_ttl_s: float = Field(default=3600.0, gt=0)
+    session_ttl_s: float = Field(default=3600.0, gt=0, le=MAX_BINDING_TTL_S)
     response_ttl_s: float = Field(
         default=86400.0,
         gt=0,
+        le=MAX_BINDING_TTL_S,
         description="how long the gateways remember which engine keeps a stored Responses API response, "
         "restarted by each use (engines keep them until they restart or evict them)",
     )

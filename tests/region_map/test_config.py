@@ -81,6 +81,9 @@ def _base() -> dict:
         (lambda d: d.update(rtt_ms={"a.b": 5}), "a.b"),
         (lambda d: d.update(gateway={"port": "eighty"}), "gateway.port"),
         (lambda d: d.update(gateway={"routing": {"max_waiting": 0}}), "gateway.routing.max_waiting"),
+        # (a TTL Redis cannot take in milliseconds: every binding's write refused)
+        (lambda d: d.update(gateway={"response_ttl_s": 1e20}), "gateway.response_ttl_s"),
+        (lambda d: d.update(gateway={"session_ttl_s": 1e20}), "gateway.session_ttl_s"),
         (lambda d: d.update(gatewy={}), "gatewy"),
         (lambda d: d["regions"][0]["engines"].append({"name": "e0", "url": "http://x:1"}), "e0"),
         (lambda d: d["regions"][0]["engines"][0].update(kind="tgi"), "regions.0.engines.0.kind"),
