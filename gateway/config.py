@@ -70,9 +70,10 @@ class PriceConfig(BaseModel):
         return Prices(self.input, self.cached_input, self.output)
 
 
-# A binding's TTL goes to Redis in milliseconds with every write: past 2**63 ms Redis refuses the write
-# ("value is not an integer or out of range"), and every session would be lost to the other gateways.
-MAX_BINDING_TTL_S = 10 * 365 * 86400.0
+# A TTL of a session, a response or a routing record goes to Redis in milliseconds with every write: past
+# 2**63 ms Redis refuses the write ("value is not an integer or out of range"), and what it holds for the
+# other gateways would be lost. Ten years.
+MAX_TTL_S = 10 * 365 * 86400.0
 
 
 class GatewaySettings(BaseModel):
@@ -152,17 +153,22 @@ class GatewaySettings(BaseModel):
         ge=1,
         description="inputs in one embeddings request (OpenAI's limit); one engine embeds them all",
     )
-    session_ttl_s: float = Field(default=3600.0, gt=0, le=MAX_BINDING_TTL_S)
+    session_ttl_s: float = Field(default=3600.0, gt=0, le=MAX_TTL_S)
     response_ttl_s: float = Field(
         default=86400.0,
         gt=0,
-        le=MAX_BINDING_TTL_S,
+        le=MAX_TTL_S,
         description="how long the gateways remember which engine keeps a stored Responses API response, "
         "restarted by each use (engines keep them until they restart or evict them)",
     )
-    approx_ttl_s: float = Field(default=600.0, gt=0, description="residency guess for engines without events")
+    approx_ttl_s: float = Field(
+        default=600.0, gt=0, le=MAX_TTL_S, description="residency guess for engines without events"
+    )
     pending_ttl_s: float = Field(
-        default=30.0, gt=0, description="residency guess for event engines until their event arrives"
+        default=30.0,
+        gt=0,
+        le=MAX_TTL_S,
+        description="residency guess for event engines until their event arrives",
     )
     redis_max_approximate_per_engine: int = Field(
         default=200_000,

@@ -84,6 +84,8 @@ def _base() -> dict:
         # (a TTL Redis cannot take in milliseconds: every binding's write refused)
         (lambda d: d.update(gateway={"response_ttl_s": 1e20}), "gateway.response_ttl_s"),
         (lambda d: d.update(gateway={"session_ttl_s": 1e20}), "gateway.session_ttl_s"),
+        (lambda d: d.update(gateway={"approx_ttl_s": 1e20}), "gateway.approx_ttl_s"),
+        (lambda d: d.update(gateway={"pending_ttl_s": 1e20}), "gateway.pending_ttl_s"),
         (lambda d: d.update(gatewy={}), "gatewy"),
         (lambda d: d["regions"][0]["engines"].append({"name": "e0", "url": "http://x:1"}), "e0"),
         (lambda d: d["regions"][0]["engines"][0].update(kind="tgi"), "regions.0.engines.0.kind"),
