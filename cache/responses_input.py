@@ -6,7 +6,7 @@ become chat messages (``construct_input_messages``), its flat tools become chat 
 (``construct_tool_dicts``), and the chat template renders them with ``reasoning.effort``,
 ``chat_template_kwargs`` and a partial final message to continue (``should_continue_final_message``).
 :func:`responses_chat_body` makes that chat body; ``dialect.chat_inputs(chat)`` and
-``cache.tokens.render_messages(..., chat["messages"], ...)`` with the VLLM dialect render it.
+``cache.chat_template.render_messages(..., chat["messages"], ...)`` with the VLLM dialect render it.
 
 Items are taken as vLLM's request validation leaves them (openai's pydantic types): a function_call or
 reasoning item, or an assistant "message" item with output_text parts, becomes a typed object; every other

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from cache.chat_dialect import VLLM
+from cache.chat_dialect import VLLM, ChatContentError
+from cache.chat_template import render_messages
 from cache.embedding_chat import embedding_chat_body
-from cache.tokens import ChatContentError, Tokenizer, render_messages
+from cache.tokens import Tokenizer
 from engine.openai_errors import OpenAIError
 from engine.openai_params import bool_param
 

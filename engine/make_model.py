@@ -27,7 +27,7 @@ from engine.model.llama import CausalLM
 from engine.parallel.layers import checkpoint_shapes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# The same ChatML as cache.tokens.render_chat, so transformers' apply_chat_template agrees with the gateway.
+# The ChatML of cache.chat_template.render_chat: transformers' apply_chat_template agrees with the gateway.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

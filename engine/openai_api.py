@@ -18,9 +18,10 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from cache.chat_dialect import VLLM
+from cache.chat_dialect import VLLM, ChatContentError
+from cache.chat_template import render_messages
 from cache.openai_fields import tools_requested
-from cache.tokens import ChatContentError, Tokenizer, render_messages
+from cache.tokens import Tokenizer
 from engine.openai_errors import OpenAIError
 from engine.openai_params import (
     PACKED_IDS_FIELD,

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cache.chat_dialect import ChatContentError
 from cache.responses_input import responses_chat_body
-from cache.tokens import ChatContentError, Tokenizer
+from cache.tokens import Tokenizer
 from engine.openai_api import (
     DEFAULT_MAX_TOKENS,
     GenerationRequest,

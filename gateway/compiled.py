@@ -35,6 +35,7 @@ HOT_MODULES = (
     "cache/hashing.py",
     "cache/ledger.py",
     "cache/residency_memory.py",
+    "cache/chat_template.py",
     "cache/tokens.py",
     "gateway/http/answer_usage.py",
     "gateway/http/engine_body.py",

@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from cache.chat_dialect import SGLANG, VLLM, ChatDialect
+from cache.chat_dialect import SGLANG, VLLM, ChatContentError, ChatDialect
+from cache.chat_template import render_messages
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
 from cache.responses_input import responses_chat_body
-from cache.tokens import ChatContentError, Tokenizer, render_messages
+from cache.tokens import Tokenizer
 from gateway.cache_salt import request_cache_salt
 from gateway.config import GatewaySettings
 from gateway.embedding_inputs import embedding_inputs, embedding_tokens

@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cache.chat_template import render_messages
 from cache.foreign_events import ForeignRemoved, ForeignStored, decode_foreign_batch
-from cache.tokens import load_tokenizer, render_messages
+from cache.tokens import load_tokenizer
 from tests.third_party_engines import RecordingPublisher, VllmLikeEngine, vllm_block_digests, vllm_hash_id
 from tests.vllm_publisher import encode_batch
 

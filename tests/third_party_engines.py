@@ -26,8 +26,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from cache.chat_dialect import SGLANG, VLLM
-from cache.tokens import ChatContentError, Tokenizer, load_tokenizer, render_messages
+from cache.chat_dialect import SGLANG, VLLM, ChatContentError
+from cache.chat_template import render_messages
+from cache.tokens import Tokenizer, load_tokenizer
 from tests.serving import serve
 
 Kind = Literal["vllm", "sglang"]

@@ -28,8 +28,9 @@ import xxhash
 from aiohttp import web
 
 from cache.chat_dialect import VLLM
+from cache.chat_template import render_messages
 from cache.hashing import block_hashes, chain_parent, namespace_seed, namespaced_block_hashes
-from cache.tokens import load_tokenizer, render_messages
+from cache.tokens import load_tokenizer
 from engine.embeddings_api import EMBEDDINGS_PATH
 from engine.kv_publisher import KvEventPublisher
 from engine.metrics import EngineCounters, EngineGauges, metrics_handler

@@ -5,7 +5,7 @@ a ``--chat-template`` override or a template that adds a BOS token makes the two
 predicted cache hit ever happens there and a prompt sent as ids would be a different prompt. vLLM's
 ``POST /tokenize`` shows its ids for a chat (rendered with its template, as ``/v1/chat/completions`` does:
 ``add_special_tokens`` false) and for a plain prompt (as ``/v1/completions`` does: ``add_special_tokens``
-true); the gateway's are ``cache.tokens.render_messages`` then ``Tokenizer.encode``, as
+true); the gateway's are ``cache.chat_template.render_messages`` then ``Tokenizer.encode``, as
 ``gateway.prepare`` does.
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 
 import aiohttp
 
-from cache.tokens import ChatContentError, Tokenizer, render_messages
+from cache.chat_dialect import ChatContentError
+from cache.chat_template import render_messages
+from cache.tokens import Tokenizer
 from gateway.http.relay import cut_message
 from region_map.config import EngineKind
 from region_map.fleet import EngineState
@@ -54,7 +56,7 @@ async def check_tokenizer(
     tokens there) for the caller to log as an ERROR. Sets ``engine.tokenizer_agrees``: True when both agree,
     False when either differs; it stays as it was when nothing could be compared: an engine without
     ``/tokenize`` (404, logged at DEBUG) or one that cannot be reached (logged at WARNING), which return None.
-    ``render`` turns messages into prompt text as the gateway does (``cache.tokens.render_messages``).
+    ``render`` turns messages into prompt text as the gateway does (``cache.chat_template.render_messages``).
     """
     model = engine.model
     base: dict[str, Any] = {"model": model} if model else {}

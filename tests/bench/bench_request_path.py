@@ -33,7 +33,8 @@ from bench_gateway_overhead import MODEL
 from bench_routers import byte_tokenizer_dir, chat_body, start_engines
 from trace_workload import TRACE, hit_ceiling, trace_body
 
-from cache.tokens import Tokenizer, pack_token_ids, render_messages
+from cache.chat_template import render_messages
+from cache.tokens import Tokenizer, pack_token_ids
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
 from gateway.demo import stop_engines, wait_healthy

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from cache.chat_template import render_chat
 from cache.token_chunks import split_chunks
-from cache.tokens import HFTokenizer, render_chat
+from cache.tokens import HFTokenizer
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "token",
          "prefix", "model", "gateway", "engine", "12345", "3.14", "(see)", "don't", "naïve"]  # fmt: skip

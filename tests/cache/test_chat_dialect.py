@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from cache.chat_dialect import SGLANG, VLLM, ChatDialect
-from cache.tokens import ChatTemplate, load_tokenizer, render_chat, render_messages
+from cache.chat_template import ChatTemplate, render_chat, render_messages
+from cache.tokens import load_tokenizer
 from tests.models import make_tokenizer_dir
 
 # Llama 3: one string per message (messages[1:] aliased, content trimmed).

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cache.chat_template import render_chat
 from cache.token_chunks import CHUNK_CHARS
-from cache.tokens import HFTokenizer, load_tokenizer, render_chat
+from cache.tokens import HFTokenizer, load_tokenizer
 from gateway.config import GatewaySettings
 from gateway.prepare import RequestPreparer
 from gateway.tenancy.tenants import tenant_from_config

@@ -10,15 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache.tokens import (
-    ByteTokenizer,
-    ChatContentError,
-    HFTokenizer,
-    TokenizerError,
-    load_tokenizer,
-    render_chat,
-    render_messages,
-)
+from cache.chat_dialect import ChatContentError
+from cache.chat_template import TokenizerError, render_chat, render_messages
+from cache.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.models import make_tokenizer_dir
 
 

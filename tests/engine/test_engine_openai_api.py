@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache.tokens import ByteTokenizer, load_tokenizer, pack_token_ids, render_chat
+from cache.chat_template import render_chat
+from cache.tokens import ByteTokenizer, load_tokenizer, pack_token_ids
 from engine.openai_api import GenerationRequest, parse_request
 from engine.openai_errors import OpenAIError
 from engine.openai_format import SseFormatter, response_body, usage

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from cache.tokens import load_tokenizer, render_chat
+from cache.chat_template import render_chat
+from cache.tokens import load_tokenizer
 from engine.attention import KVCache, SeqSlice, build_metadata
 from engine.cli import register
 from engine.make_model import PRESETS, SPECIAL_TOKENS, count_parameters, hf_config_dict, make_model

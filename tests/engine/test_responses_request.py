@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from cache.tokens import ByteTokenizer, render_chat
+from cache.chat_template import render_chat
+from cache.tokens import ByteTokenizer
 from engine.openai_errors import OpenAIError
 from engine.responses_request import ResponsesRequest, parse_responses_request
 from engine.responses_store import ResponseStore, StoredResponse

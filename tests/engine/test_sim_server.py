@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
+from cache.chat_template import render_chat
 from cache.events import decode_snapshot
 from cache.hashing import block_hashes, namespace_seed
-from cache.tokens import ByteTokenizer, render_chat
+from cache.tokens import ByteTokenizer
 from tests.chat_templates import TOOLS_CHATML
 from tests.engine.sim_nodes import BS, StartSim, text_of, wait_for
 from tests.models import make_tokenizer_dir

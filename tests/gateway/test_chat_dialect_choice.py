@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cache.chat_dialect import SGLANG, VLLM, ChatDialect
-from cache.tokens import ByteTokenizer, render_messages
+from cache.chat_template import render_messages
+from cache.tokens import ByteTokenizer
 from gateway.prepare import chat_dialect
 from region_map.config import EngineConfig, EngineKind
 from region_map.fleet import EngineState

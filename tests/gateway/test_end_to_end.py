@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from cache.tokens import render_chat
+from cache.chat_template import render_chat
 from tests.faulty_engines import Recorder
 from tests.harness import MODEL, ClusterFactory
 from tests.models import make_tokenizer_dir

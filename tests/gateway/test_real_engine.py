@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cache.tokens import render_messages
+from cache.chat_template import render_messages
 from gateway.tenancy.tenants import create_key
 from tests.harness import ClusterFactory
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cache.tokens import render_messages
+from cache.chat_template import render_messages
 from gateway.prepare import chat_dialect
 from gateway.service import Gateway
 from tests.integration.conftest import VllmFleet, gateway_in_front, settled, until

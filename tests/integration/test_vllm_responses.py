@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from cache.chat_dialect import VLLM, ChatContentError
+from cache.chat_template import render_messages
 from cache.responses_input import responses_chat_body
-from cache.tokens import load_tokenizer, render_messages
+from cache.tokens import load_tokenizer
 from tests.cache.test_responses_input import EXPECTED, vllm_view
 from tests.chat_templates import DUMP, DUMP_PARTS, TOOLS_CHATML
 from tests.responses_cases import CASES, REFUSED

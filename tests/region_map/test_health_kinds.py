@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from cache.tokens import Tokenizer, load_tokenizer, render_messages
+from cache.chat_template import render_messages
+from cache.tokens import Tokenizer, load_tokenizer
 from gateway.http.engine_probe import SAMPLE_PROMPT, check_tokenizer
 from gateway.observability.metrics import GatewayMetrics
 from region_map.config import parse_topology
