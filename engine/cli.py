@@ -177,7 +177,8 @@ def run_engine(args: argparse.Namespace) -> int:
     from engine.model.errors import ModelLoadError
     from engine.parallel.distributed import ParallelConfigError
     from engine.parallel.executor import RankFailed
-    from engine.server import ServerConfig, serve
+    from engine.server import ServerConfig
+    from engine.server_main import serve
 
     ssl_context = tls_context(args)  # before the model loads: a bad certificate fails at once
     engine_config = EngineConfig(
