@@ -90,3 +90,19 @@ async def test_the_sdk_gets_vllms_embeddings_through_the_gateway_and_they_are_bi
             )
         assert refused.value.param == "encoding_format"  # type: ignore[attr-defined]
         await client.close()
+
+
+async def test_salted_embeddings_are_taken_by_vllm(vllm_fleet: VllmFleet) -> None:
+    """vLLM's pooling requests take ``cache_salt`` under the same rule as its completions (at most 128
+    characters, no '@', '/', '\\' or NUL): a client's salt of any form reaches it as a salt it accepts."""
+    async with gateway_in_front(vllm_fleet) as (url, gateway):
+        await until(lambda: all(e.healthy for e in gateway.fleet), 30, "engines healthy")
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        unsalted = await client.embeddings.create(model=vllm_fleet.model, input=text(9200, 20))
+        for salt in ("alice", "bob@example.com", "x" * 200):
+            salted = await client.embeddings.create(
+                model=vllm_fleet.model, input=text(9200, 20), extra_body={"cache_salt": salt}
+            )
+            assert salted.usage.prompt_tokens == unsalted.usage.prompt_tokens
+            assert np.allclose(salted.data[0].embedding, unsalted.data[0].embedding, atol=1e-5)
+        await client.close()
