@@ -250,8 +250,12 @@ class SimEngine:
         n_cached = self.cache.match(hashes)
         if req.kv_pull is not None:
             n_cached = max(n_cached, await self.kv_peer.pull(req, n_cached, hashes))
-        # The prompt's last token is always computed (its logits start the decode), as kvgate's own engine,
-        # vLLM and SGLang do: a prompt of whole blocks finds one block less in the cache.
+        return self.usable_blocks(req, n_cached)
+
+    def usable_blocks(self, req: GenerationRequest, n_cached: int) -> int:
+        """Of ``n_cached`` leading blocks cached, those the prompt takes from the cache. Its last token is
+        always computed (its logits start the decode), as kvgate's own engine, vLLM and SGLang do: a prompt
+        of whole blocks finds one block less in the cache."""
         return min(n_cached, (req.prompt_tokens - 1) // self.config.block_size)
 
     @staticmethod

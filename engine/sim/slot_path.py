@@ -32,7 +32,7 @@ class SlotQueue:
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
         self.running = 0  # requests holding a slot
-        self.waiting_tokens = 0  # prompt tokens of queued requests (their cached part is not known yet)
+        self.waiting_tokens = 0  # prefill of queued requests: their tokens past the prefix cached when queued
         self._waiters: deque[_Waiter] = deque()
 
     @property
@@ -76,10 +76,13 @@ async def generate_per_request(
 ) -> web.StreamResponse:
     """Serve one parsed request in the per-request mode of ``SimEngine``."""
     cfg = sim.config
-    await sim.slots.admit(req.prompt_tokens)
+    hashes = sim.prompt_hashes(req.prompt_token_ids, req.cache_salt, req.cache_shared_blocks)
+    # Queued, it counts the prefill it will compute (as kvgate's engine and the batching mode count it): its
+    # tokens past the prefix cached now. (A peer pull, or an eviction meanwhile, is known only once admitted.)
+    cached_now = sim.usable_blocks(req, sim.cache.match(hashes)) * cfg.block_size
+    await sim.slots.admit(req.prompt_tokens - cached_now)
     pinned: list[int] = []
     try:
-        hashes = sim.prompt_hashes(req.prompt_token_ids, req.cache_salt, req.cache_shared_blocks)
         n_cached = await sim.cached_blocks(req, hashes)
         cached_tokens = n_cached * cfg.block_size
         if cfg.prefill_s_per_token or cfg.decode_s_per_token:

@@ -416,6 +416,31 @@ async def test_requests_queue_behind_max_running(start_sim: StartSim) -> None:
     assert (load["running"], load["waiting"], load["waiting_tokens"]) == (0, 0, 0)
 
 
+async def test_a_queued_prompt_counts_only_the_prefill_past_its_cached_prefix(start_sim: StartSim) -> None:
+    # waiting_tokens is the prefill still to compute (as the batching mode and kvgate's engine report it):
+    # a queued turn whose earlier turn is cached has only its new tail to prefill. Counted whole, a busy
+    # engine holding a conversation looked loaded by every prefix it had cached, and lost its sessions.
+    sim = await start_sim(max_running=1, decode_s_per_token=0.02)
+    prompt = text_of(6 * BS)
+    await sim.complete({"prompt": prompt, "max_tokens": 1})  # cached now
+    first = asyncio.create_task(sim.complete({"prompt": "first request", "max_tokens": 12}))
+
+    async def running() -> bool:
+        return bool((await sim.health())["load"]["running"] == 1)
+
+    await wait_for(running)
+    second = asyncio.create_task(sim.complete({"prompt": prompt + "abc", "max_tokens": 1}))
+
+    async def queued() -> bool:
+        return bool((await sim.health())["load"]["waiting"] == 1)
+
+    await wait_for(queued)
+    assert (await sim.health())["load"]["waiting_tokens"] == 3 + len(prompt) - 6 * BS
+    bodies = await asyncio.gather(first, second)
+    assert bodies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
+    assert (await sim.health())["load"]["waiting_tokens"] == 0
+
+
 async def test_costs_are_paid(start_sim: StartSim) -> None:
     sim = await start_sim(prefill_s_per_token=0.002, decode_s_per_token=0.01)
     loop = asyncio.get_running_loop()
