@@ -4,16 +4,13 @@ uvloop until SIGINT/SIGTERM, and the line that says where (``kvgate engine``; th
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import ssl
-import sys
-from typing import Any
 
 from aiohttp import web
 
 from engine.core.client import EngineCoreClient
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.process_serving import event_loop_factory, serve_until_stopped
 from engine.server import ENGINE_SERVER, EngineCoreMode, ServerConfig, build_app
 
 
@@ -30,12 +27,7 @@ def serve(
     ``ssl_context`` (made of ``tls_files``, which an engine core reads to serve its KV routes the same
     way); returns the exit status. ``engine_core="process"`` loads and steps the model in an
     engine core process (``engine.core``; ``threads``: its torch CPU threads), ``"thread"`` here."""
-    try:
-        import uvloop
-
-        loop_factory: Any = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
+    loop_factory = event_loop_factory()
     if engine_core == "process":
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(_serve_core(engine_config, server_config, ssl_context, threads, tls_files))
@@ -71,29 +63,21 @@ async def _serve(
     engine: LLMEngine | EngineCoreClient, config: ServerConfig, ssl_context: ssl.SSLContext | None
 ) -> int:
     app = build_app(engine, config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context).start()
-        host, port = runner.addresses[0][:2]
-        scheme = "http" if ssl_context is None else "https"
-        info = app[ENGINE_SERVER].info
+
+    def site_for(runner: web.AppRunner) -> web.BaseSite:
+        return web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context)
+
+    def serving_line(url: str) -> str:
+        info = app[ENGINE_SERVER].info  # (known once the app has started)
         blocks = f"{info.num_kv_blocks} KV blocks of {info.block_size}"
         if info.tensor_parallel_size * info.pipeline_parallel_size > 1:
             blocks += f", tp={info.tensor_parallel_size} pp={info.pipeline_parallel_size}"
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it serves
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
         core = "engine core process" if isinstance(engine, EngineCoreClient) else "engine thread"
-        print(
+        return (
             f"kvgate engine {config.engine_id}: serving {info.model_name!r} "
-            f"({info.dtype}, {info.device}, {blocks}, {core}) on {scheme}://{host}:{port}",
-            file=sys.stderr,
-            flush=True,
+            f"({info.dtype}, {info.device}, {blocks}, {core}) on {url}"
         )
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    return 0
+
+    return await serve_until_stopped(
+        app, site_for, serving_line, tls=ssl_context is not None, shutdown_timeout_s=5
+    )

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import socket
 import ssl
-import sys
-from typing import Any
 
 from aiohttp import web
 
+from engine.process_serving import event_loop_factory, serve_until_stopped
 from engine.sim.server import SimEngineConfig, build_app
 
 _SHUTDOWN_TIMEOUT_S = 2.0  # a simulator need not let long streams finish before it stops
-
-
-def _new_event_loop_factory() -> Any:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional (and absent on Windows)
-        return None
-    return uvloop.new_event_loop
 
 
 def serve(
@@ -33,7 +22,7 @@ def serve(
     ``sock``: an already bound socket to serve on instead of ``config.host``/``config.port``;
     ``ssl_context``: serve https:// with it.
     """
-    with asyncio.Runner(loop_factory=_new_event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(_serve(config, sock, ssl_context))
 
 
@@ -41,31 +30,15 @@ async def _serve(
     config: SimEngineConfig, sock: socket.socket | None, ssl_context: ssl.SSLContext | None
 ) -> int:
     app = build_app(config)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
-    )
-    await runner.setup()
-    try:
-        site: web.BaseSite
+
+    def site_for(runner: web.AppRunner) -> web.BaseSite:
         if sock is not None:
-            site = web.SockSite(runner, sock, backlog=2048, ssl_context=ssl_context)
-        else:
-            site = web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context)
-        await site.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows loops
-                loop.add_signal_handler(sig, stop.set)
-        host, port = runner.addresses[0][:2]
-        url_host = f"[{host}]" if ":" in host else host
-        print(
-            f"kvgate sim-engine {config.engine_id}: SIMULATED engine serving {config.model!r} "
-            f"on {'http' if ssl_context is None else 'https'}://{url_host}:{port}",
-            file=sys.stderr,
-            flush=True,
-        )
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    return 0
+            return web.SockSite(runner, sock, backlog=2048, ssl_context=ssl_context)
+        return web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=ssl_context)
+
+    def serving_line(url: str) -> str:
+        return f"kvgate sim-engine {config.engine_id}: SIMULATED engine serving {config.model!r} on {url}"
+
+    return await serve_until_stopped(
+        app, site_for, serving_line, tls=ssl_context is not None, shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S
+    )
