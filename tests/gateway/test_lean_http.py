@@ -184,6 +184,17 @@ async def test_expect_100_continue(client: Client) -> None:
     assert replies[1].status == 200
 
 
+async def test_an_http_1_0_client_gets_no_100_continue(client: Client) -> None:
+    """RFC 9110 10.1.1 and 15.2: a server MUST ignore a 100-continue expectation in an HTTP/1.0 request and
+    MUST NOT send a 1xx to an HTTP/1.0 client, which has no interim responses: it would take the 100 for
+    the answer and the real one for garbage. The first response is the 200, and the only one."""
+    body = json.dumps(CHAT).encode()
+    await client.send(post("/v1/chat/completions", body, "Expect: 100-continue", version="1.0"))
+    assert await client.is_closed_by_server()  # (HTTP/1.0 without keep-alive: everything is in)
+    assert [r.status for r in client.replies.done] == [200]
+    assert client.replies.done[0].json()["object"] == "chat.completion"
+
+
 async def test_expect_100_continue_behind_a_stream_gets_its_100_once_the_stream_is_answered(
     client: Client,
 ) -> None:
