@@ -357,6 +357,19 @@ async def test_an_upgrade_with_a_chunked_body_is_refused(client: Client) -> None
     assert await client.is_closed_by_server()
 
 
+async def test_an_upgrade_with_a_body_over_the_limit_gets_its_413_not_a_reset(client: Client) -> None:
+    """curl --http2 asks for h2c on a POST too. Its body over the limit was left unread (httptools leaves an
+    Upgrade's body to the server), parsed as a request, found malformed, and the connection closed with the
+    rest unread: a reset, in which the client may lose its 413. It is read and dropped, as any refused
+    body is, and the connection closes once it is in."""
+    body = b'{"model": "' + b"x" * (32 * MAX_BODY) + b'"}'
+    await client.send(post("/v1/chat/completions", body, "Connection: Upgrade", "Upgrade: h2c"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 413 and replies[0].json()["error"]["code"] == "request_too_large"
+    assert await client.is_closed_by_server()  # (a reset raises ConnectionResetError)
+    assert len(client.replies.done) == 1
+
+
 BOTH_FRAMINGS = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
