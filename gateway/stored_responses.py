@@ -110,7 +110,10 @@ class StoredResponses:
         """The answer to ``request`` (an id in ``match_info["response"]``, maybe with an action) for a
         caller of ``tenant``: the engine's, or NotFound/Unavailable; ``rid`` names it to the engine."""
         response_id, _, action = request.match_info["response"].partition("/")
-        if (request.method, action) not in _ROUTES:
+        # A HEAD is the GET's answer without its body (the lean server drops the body), as on every route
+        # whose 405 says HEAD: the engine is asked with a GET.
+        method = "GET" if request.method == "HEAD" else request.method
+        if (method, action) not in _ROUTES:
             raise NotFound(f"no route for {request.method} /v1/responses/{response_id}/{action[:64]}")
         query = request.query
         if query.get("stream", "false").lower() not in ("false", "0"):
@@ -120,7 +123,7 @@ class StoredResponses:
         path = "/v1/responses/" + quote(response_id, safe="") + ("/" + action if action else "")
         if query:
             path += "?" + urlencode(list(query.items()))
-        return await self.forward(tenant, request.method, response_id, path, rid)
+        return await self.forward(tenant, method, response_id, path, rid)
 
     async def forward(self, tenant: str, method: str, response_id: str, path: str, rid: str) -> web.Response:
         """Send a request about a stored response to the engine holding it, and relay its answer: a 200's

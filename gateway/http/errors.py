@@ -9,8 +9,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway import json_text
+from gateway.http.retry_after import retry_after_headers
 
 E = TypeVar("E", bound="GatewayError")
+UNAVAILABLE_RETRY_AFTER_S = 1  # the wait a 503 raised without one of its own says
 
 
 class GatewayError(Exception):
@@ -47,11 +49,17 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
+        headers = self.headers
+        if self.status == 503 and not any(name.lower() == "retry-after" for name in headers):
+            # Every 503 says when to come back, those raised without a wait of their own too (an engine
+            # holding a stored response down, the ledger unreadable): a client without a backoff of its
+            # own retried at once. A copy: the error may be shared (see ``with_headers``).
+            headers = {**retry_after_headers(UNAVAILABLE_RETRY_AFTER_S), **headers}
         return web.Response(
             status=self.status,
             body=json_text.dumps(self.body()),  # (a message may quote a client's bytes that are not UTF-8)
             content_type="application/json",
-            headers=self.headers,
+            headers=headers,
         )
 
     def sse_event(self) -> bytes:

@@ -360,7 +360,9 @@ class LeanConnection(LeanAnswering):
         if not length.isdigit():
             self._refusal = (UNMATCHED, bad_http(400, f"invalid Content-Length: {length[:40]!r}"))
             raise StopParsing
-        self._upgrade_body_left = int(length) if int(length) <= self._max_body else 0  # (413: refused)
+        # All of it, even past the limit: a body refused (413, 401) is read and dropped like any other, since
+        # left unread it would be parsed as the next request and the connection reset under the refusal.
+        self._upgrade_body_left = int(length)
         tokens = {t.strip().lower() for t in (self._header("connection") or "").split(",")}
         self._keep_alive = "keep-alive" in tokens if self._version == "1.0" else "close" not in tokens
 

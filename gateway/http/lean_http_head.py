@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from gateway.http.errors import GatewayError, InvalidRequest, PayloadTooLarge
 
+HTTP_1_0_OR_OLDER = frozenset({"0.9", "1.0"})  # httptools' versions of clients that take no 1xx
+
 
 def bad_http(status: int, message: str) -> GatewayError:
     """An OpenAI-shaped error for a request this server cannot take as HTTP (code ``bad_http_request``)."""
@@ -19,9 +21,9 @@ def bad_http(status: int, message: str) -> GatewayError:
 def head_refusal(
     headers: Sequence[tuple[str, str]], version: str, max_body: int
 ) -> tuple[GatewayError | None, str | None]:
-    """(the refusal of a request with these headers, or None; its ``Expect``, or None), in one pass over the
-    headers. Host and Transfer-Encoding lines are counted and joined: a second line must not hide what the
-    first said (httptools reads the framing off them all)."""
+    """(the refusal of a request with these headers, or None; its ``Expect`` to answer with a 100, or None),
+    in one pass over the headers. Host and Transfer-Encoding lines are counted and joined: a second line
+    must not hide what the first said (httptools reads the framing off them all)."""
     hosts = 0
     expect = length = None
     codings: list[str] = []
@@ -45,6 +47,10 @@ def head_refusal(
         return bad_http(501, message + "Content-Length (compressed: Content-Encoding)"), expect
     if expect is not None and expect.lower() != "100-continue":
         return bad_http(417, f"unsupported Expect: {expect[:40]!r} (only 100-continue is)"), expect
+    if version in HTTP_1_0_OR_OLDER:
+        # RFC 9110 10.1.1 and 15.2: ignored, and no 1xx sent: an HTTP/1.0 client has no interim responses
+        # and would take the 100 for its answer.
+        expect = None
     if length is not None and length.isdigit() and int(length) > max_body:
         return PayloadTooLarge(f"request body of {length} bytes exceeds the {max_body}-byte limit"), expect
     return None, expect

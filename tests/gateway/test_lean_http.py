@@ -184,6 +184,17 @@ async def test_expect_100_continue(client: Client) -> None:
     assert replies[1].status == 200
 
 
+async def test_an_http_1_0_client_gets_no_100_continue(client: Client) -> None:
+    """RFC 9110 10.1.1 and 15.2: a server MUST ignore a 100-continue expectation in an HTTP/1.0 request and
+    MUST NOT send a 1xx to an HTTP/1.0 client, which has no interim responses: it would take the 100 for
+    the answer and the real one for garbage. The first response is the 200, and the only one."""
+    body = json.dumps(CHAT).encode()
+    await client.send(post("/v1/chat/completions", body, "Expect: 100-continue", version="1.0"))
+    assert await client.is_closed_by_server()  # (HTTP/1.0 without keep-alive: everything is in)
+    assert [r.status for r in client.replies.done] == [200]
+    assert client.replies.done[0].json()["object"] == "chat.completion"
+
+
 async def test_expect_100_continue_behind_a_stream_gets_its_100_once_the_stream_is_answered(
     client: Client,
 ) -> None:
@@ -344,6 +355,19 @@ async def test_an_upgrade_with_a_chunked_body_is_refused(client: Client) -> None
     replies = await client.replies_until(1)
     assert replies[0].status == 400 and "Upgrade" in replies[0].json()["error"]["message"]
     assert await client.is_closed_by_server()
+
+
+async def test_an_upgrade_with_a_body_over_the_limit_gets_its_413_not_a_reset(client: Client) -> None:
+    """curl --http2 asks for h2c on a POST too. Its body over the limit was left unread (httptools leaves an
+    Upgrade's body to the server), parsed as a request, found malformed, and the connection closed with the
+    rest unread: a reset, in which the client may lose its 413. It is read and dropped, as any refused
+    body is, and the connection closes once it is in."""
+    body = b'{"model": "' + b"x" * (32 * MAX_BODY) + b'"}'
+    await client.send(post("/v1/chat/completions", body, "Connection: Upgrade", "Upgrade: h2c"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 413 and replies[0].json()["error"]["code"] == "request_too_large"
+    assert await client.is_closed_by_server()  # (a reset raises ConnectionResetError)
+    assert len(client.replies.done) == 1
 
 
 BOTH_FRAMINGS = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -163,6 +163,45 @@ async def test_requests_about_stored_responses_count_against_the_request_limit(
     await client.close()
 
 
+async def test_head_of_a_stored_response_is_its_gets_head(make_cluster: ClusterFactory) -> None:
+    # The route's 405 says HEAD is allowed (every GET route answers HEAD), but a HEAD of a response that
+    # exists was a 404 "no route for HEAD": the head of the GET's answer now, the engine asked with a GET.
+    cluster, [engine], client = await fleet(make_cluster)
+    made = await client.responses.create(model=MODEL, input="hi")
+    assert cluster.session is not None
+    async with cluster.session.get(f"{cluster.url}/v1/responses/{made.id}") as got:
+        body = await got.read()
+    async with cluster.session.head(f"{cluster.url}/v1/responses/{made.id}") as head:
+        assert head.status == 200 and await head.read() == b""
+        assert head.headers["Content-Length"] == str(len(body)) and head.headers["x-request-id"]
+    assert engine.asked == [("GET", f"/v1/responses/{made.id}")] * 2
+    async with cluster.session.head(f"{cluster.url}/v1/responses/resp_unknown") as head:
+        assert head.status == 404
+    await client.close()
+
+
+async def test_a_response_whose_engine_is_down_is_a_503_that_says_when_to_retry(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The engine that keeps it failing, then declared unhealthy: 503s that said nothing of when to come back,
+    # where every other 503 of the gateway does (Retry-After, and OpenAI's retry-after-ms).
+    cluster, _, client = await fleet(make_cluster)
+    made = await client.responses.create(model=MODEL, input="hi")
+    await cluster.stop_engine("eu-west/e0")
+    engine = cluster.gateway.fleet.engines["eu-west/e0"]
+    for _ in ("failing", "unhealthy"):
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client.responses.retrieve(made.id)
+        error = raised.value
+        assert error.status_code == 503 and "eu-west/e0" in error.message and error.request_id
+        assert (error.response.headers.get("retry-after"), error.response.headers.get("retry-after-ms")) == (
+            "1",
+            "1000",
+        )
+        await cluster.wait_for(lambda: not engine.healthy)
+    await client.close()
+
+
 async def test_kvgate_engines_behind_the_gateway_list_a_responses_input_items(
     make_cluster: ClusterFactory, tiny_model_dir: Path
 ) -> None:

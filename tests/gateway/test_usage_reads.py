@@ -22,6 +22,7 @@ from tests.gateway.test_tenants_billing import (
     seconds,
 )
 from tests.harness import MODEL, Cluster, ClusterFactory
+from tests.redis_process import RedisProcess
 
 
 async def test_usage_endpoints_add_up_to_what_clients_were_billed(make_cluster: ClusterFactory) -> None:
@@ -236,3 +237,17 @@ async def test_two_keys_sharing_one_failed_read_each_get_their_own_allowance(
     assert (status_1, status_2) == (503, 503) and body_1 == body_2
     assert "cannot be read" in body_1["error"]["message"]
     assert allowance(headers_1) == ("5", "3") and allowance(headers_2) == ("5", "4")
+
+
+async def test_a_ledger_that_cannot_be_read_is_a_503_that_says_when_to_retry(
+    make_cluster: ClusterFactory, private_redis: RedisProcess
+) -> None:
+    # Every other 503 of the gateway says when to come back (Retry-After, and OpenAI's retry-after-ms); this
+    # one said nothing, and a client without a backoff of its own retried at once.
+    cluster = await make_cluster({"eu-west": 1}, redis_url=private_redis.url)
+    private_redis.stop()
+    assert cluster.session is not None
+    async with cluster.session.get(cluster.url + "/v1/usage") as r:
+        error = (await r.json())["error"]
+        assert r.status == 503 and error["type"] == "server_error" and "ledger" in error["message"]
+        assert (r.headers.get("Retry-After"), r.headers.get("retry-after-ms")) == ("1", "1000")
