@@ -53,6 +53,7 @@ HOT_MODULES = (
     "gateway/observability/loop_metrics.py",
     "gateway/observability/metrics.py",
     "gateway/prepare.py",
+    "gateway/prepared.py",
     "gateway/request_body.py",
     "gateway/request_limits.py",
     "gateway/routing/base.py",

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from gateway.http.batch_stream import BatchStream, merge_headers, sum_usage
 from gateway.http.http_wire import Answer, WholeAnswer
 from gateway.http.relay import StreamClient
-
-if TYPE_CHECKING:
-    from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 
 # Serves one prepared request to a client: the gateway's ``_serve``.
 Serve = Callable[[StreamClient, float, "Prepared"], Awaitable[Answer]]

@@ -39,7 +39,8 @@ from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamConnectError, UpstreamError
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import Prepared, RequestPreparer
+from gateway.prepare import RequestPreparer
+from gateway.prepared import Prepared
 from gateway.prompt_batch import PromptBatch, serve_batch
 from gateway.request_limits import RESPONSES_PATH
 from gateway.routing import RoutingPolicy

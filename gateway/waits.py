@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from gateway.config import GatewaySettings
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from gateway.routing.route import Route
 
 

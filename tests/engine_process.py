@@ -20,7 +20,8 @@ def engine_process(
     host: str = "127.0.0.1",
 ) -> Iterator[str]:
     """The engine on ``model_dir`` (CPU, 4-token blocks, its core on a thread unless ``engine_core`` is
-    "process"), on a free port of ``host``: the URL its serving line says, once it says it; stopped on exit."""
+    "process"), on a free port of ``host``: the URL its serving line says, once it says it; stopped on
+    exit."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         port = int(s.getsockname()[1])

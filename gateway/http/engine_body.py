@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from cache.tokens import pack_token_ids
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from gateway.request_limits import EMBEDDINGS_PATH, RESPONSES_PATH
 from region_map.config import EngineKind
 from region_map.fleet import EngineState

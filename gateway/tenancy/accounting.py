@@ -18,7 +18,7 @@ from cache.journal import Dispatched
 from cache.ledger import UsageRecord
 from gateway.http.relay import Outcome
 from gateway.observability.metrics import GatewayMetrics
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from gateway.tenancy.billing import Billing, usage_counts
 from region_map.fleet import EngineState
 

@@ -42,7 +42,7 @@ from gateway.http.engine_body import engine_body
 from gateway.http.lean_request import LeanRequest
 from gateway.http.loop import install_best_loop
 from gateway.http.upstream import UpstreamPool
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from gateway.routing import RouteRequest
 from gateway.routing.base import route_key
 from gateway.schemas import parse_chat

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway.http.engine_body import engine_body, prefill_only
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from region_map.config import EngineConfig
 from region_map.fleet import EngineState
 

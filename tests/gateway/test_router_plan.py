@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.app import GATEWAY, build_app
 from gateway.config import parse_config
-from gateway.prepare import Prepared
+from gateway.prepared import Prepared
 from gateway.service import Gateway
 from tests.client_request import BareRequest
 
