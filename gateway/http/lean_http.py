@@ -316,6 +316,7 @@ class LeanConnection(LeanAnswering):
         if self._verdict_parsing and self._verdict is not None:
             caller = self._verdict  # the body came whole before the key's verdict: the handler awaits it
             self._verdict_parsing = self._continue_pending = False
+        keep_alive = self._parser.should_keep_alive() if self._keep_alive is None else self._keep_alive
         request = LeanRequest(
             self,
             self._method,
@@ -327,8 +328,8 @@ class LeanConnection(LeanAnswering):
             target=self._url,
             match_info=found.match_info,
             version=self._version,
+            keep_alive=keep_alive,
         )
-        keep_alive = self._parser.should_keep_alive() if self._keep_alive is None else self._keep_alive
         self._queue.append((found, request, keep_alive))
         self._queued_bytes += len(body)
         if self._task is None:

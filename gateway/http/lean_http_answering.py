@@ -32,11 +32,17 @@ class LeanStream(web.StreamResponse):
     meant to be used, which is all the gateway's relay does."""
 
     def __init__(
-        self, connection: LeanConnectionState, headers: Mapping[str, str], *, chunked: bool = True
+        self,
+        connection: LeanConnectionState,
+        headers: Mapping[str, str],
+        *,
+        chunked: bool = True,
+        closes: bool = False,
     ) -> None:
         super().__init__(status=200, headers=headers)
         self._connection = connection
         self.chunked_encoding = chunked
+        self._closes = closes or not chunked  # (unframed, only the connection's end ends it)
         self.started = False
         self.finished = False
 
@@ -44,8 +50,10 @@ class LeanStream(web.StreamResponse):
         if self.started:
             return
         self.started = True
-        framing = b"Transfer-Encoding: chunked\r\n" if self.chunked_encoding else b"Connection: close\r\n"
-        self._connection.write(head(self, framing))
+        framing = [b"Transfer-Encoding: chunked\r\n"] if self.chunked_encoding else []
+        if self._closes:  # (RFC 9112 9.6: the last answer on a connection says so)
+            framing.append(b"Connection: close\r\n")
+        self._connection.write(head(self, *framing))
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:

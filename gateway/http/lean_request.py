@@ -32,6 +32,7 @@ class LeanRequest:
         "_target",
         "caller",
         "headers",
+        "keep_alive",
         "match_info",
         "method",
         "path",
@@ -52,6 +53,7 @@ class LeanRequest:
         target: bytes = b"",
         match_info: Mapping[str, str] | None = None,
         version: str = "1.1",
+        keep_alive: bool = True,
     ) -> None:
         self._connection = connection
         self.method = method
@@ -64,6 +66,7 @@ class LeanRequest:
         self._query: MultiDictProxy[str] | None = None
         self.match_info: Mapping[str, str] = match_info if match_info is not None else {}
         self.version = version
+        self.keep_alive = keep_alive  # the connection serves another request after this one's answer
 
     @property
     def content_length(self) -> int:
@@ -86,5 +89,8 @@ class LeanRequest:
 
     def stream_response(self, headers: Mapping[str, str]) -> LeanStream:
         """A 200 stream to this request's client (``prepare``, ``write``, ``write_eof`` as aiohttp's):
-        chunked, or to an HTTP/1.0 client unframed, ending with the connection."""
-        return LeanStream(self._connection, headers, chunked=self.version != "1.0")
+        chunked, or to an HTTP/1.0 client unframed, ending with the connection; saying ``Connection:
+        close`` when the connection ends after it."""
+        return LeanStream(
+            self._connection, headers, chunked=self.version != "1.0", closes=not self.keep_alive
+        )

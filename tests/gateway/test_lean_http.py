@@ -459,6 +459,18 @@ async def test_a_streamed_answer_is_chunked_and_the_connection_stays_usable(clie
     assert replies[1].status == 200
 
 
+async def test_a_stream_to_a_client_that_asked_to_close_says_it_closes(client: Client) -> None:
+    # RFC 9112 9.6: the answer to a request with "Connection: close" says so, streamed ones too; then the
+    # connection closes after the stream's last chunk.
+    stream = {**CHAT, "stream": True, "max_tokens": 3}
+    await client.send(post("/v1/chat/completions", json.dumps(stream).encode(), "Connection: close"))
+    replies = await client.replies_until(1)
+    assert replies[0].status == 200 and replies[0].headers["transfer-encoding"] == "chunked"
+    assert replies[0].headers.get("connection") == "close"
+    assert replies[0].body.decode().endswith("data: [DONE]\n\n")
+    assert await client.is_closed_by_server()
+
+
 async def test_a_client_that_leaves_mid_stream_aborts_the_engine_and_is_billed(cluster: Cluster) -> None:
     host, port = cluster.url.removeprefix("http://").split(":")
     client = Client(*await asyncio.open_connection(host, int(port)))
