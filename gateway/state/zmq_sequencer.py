@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 import xxhash
 import zmq
@@ -76,6 +75,16 @@ def _epoch(topic: bytes) -> bytes | None:
 
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def _answer(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """A replay answer's ``(seq, payload)``, or None for its end marker. Its frames are
+    ``[b"", seq, payload]`` (older vLLM, SGLang) or ``[b"", topic, seq, payload]`` (vLLM 0.32)."""
+    if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+        raise ReplayUnavailable(f"malformed replay answer ({len(frames)} frames)")
+    if frames[-2] == END_SEQ:
+        return None
+    return int.from_bytes(frames[-2], "big"), frames[-1]
 
 
 @dataclass(slots=True)
@@ -281,19 +290,28 @@ class ZmqEventSequencer:
                     if watch.monitor in ready and await watch.read():
                         # The ROUTER forgets a peer that disconnects: the rest of the answer will never
                         # come, so the request fails now rather than at its timeout. Whether the next
-                        # batch was over the size limit shows within the grace period.
-                        await self._dropped(state, last)
+                        # batch was over the size limit shows within the grace period, and so do the
+                        # batches that came before it but were not readable yet.
+                        oversized, queued = await self._dropped(state)
+                        for frames in queued:
+                            answer = _answer(frames)
+                            if answer is None:
+                                complete = state.heard = True  # (the drop came after the answer)
+                                return
+                            last = answer[0]
+                            yield answer
+                        endpoint = str(state.replay_endpoint)
+                        if oversized:
+                            raise ReplayOversized(endpoint, last)
+                        raise ReplayDropped(f"{endpoint} dropped the connection")
                     if loop.time() >= deadline:
                         raise ReplayUnavailable(f"no answer from {state.replay_endpoint}")
-                frames = await dealer.recv_multipart()
-                # [b"", seq, payload] (older vLLM, SGLang) or [b"", topic, seq, payload] (vLLM 0.32).
-                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
-                    raise ReplayUnavailable(f"malformed replay answer ({len(frames)} frames)")
-                if frames[-2] == END_SEQ:
+                answer = _answer(await dealer.recv_multipart())
+                if answer is None:
                     complete = state.heard = True
                     return
-                last = int.from_bytes(frames[-2], "big")
-                yield last, frames[-1]
+                last = answer[0]
+                yield answer
         finally:
             if not complete:
                 # The rest of an unfinished answer would be read as the answer to the next request.
@@ -311,22 +329,28 @@ class ZmqEventSequencer:
         dealer.connect(endpoint)
         state.dealer = dealer
 
-    async def _dropped(self, state: RankState, last: int | None) -> NoReturn:
-        """The replay socket's connection dropped during an answer whose last batch was ``last``: close
-        the socket once it shows why, and raise ``ReplayOversized`` (counted) or ``ReplayDropped``."""
+    async def _dropped(self, state: RankState) -> tuple[bool, list[list[bytes]]]:
+        """The replay socket's connection dropped during an answer: close the socket once it shows why.
+        Returns whether a message over the size limit dropped it (counted here), and the answer's messages
+        that came before the drop, read only now: libzmq reports the drop on the monitor before it hands
+        the socket the batches it read in the same go as the large message, so a poll in between sees the
+        drop alone. (Put on the answer's first batch, the drop made a replay from our last batch seem not
+        to hold it: the rank was taken for restarted and replayed from 0, dropping on the same message
+        again.) They are handed over at once, well within the grace period that ``settle`` waits."""
         dealer, watch = state.dealer, state.dealer_watch
         assert dealer is not None and watch is not None
         state.dealer = state.dealer_watch = None
+        queued: list[list[bytes]] = []
         try:
             oversized = await watch.settle()
+            while await dealer.poll(0):
+                queued.append(await dealer.recv_multipart())
         finally:
             watch.close()
             dealer.close(linger=0)
-        endpoint = str(state.replay_endpoint)
         if oversized:
             self._count_oversized(state, "replay")
-            raise ReplayOversized(endpoint, last)
-        raise ReplayDropped(f"{endpoint} dropped the connection")
+        return oversized, queued
 
     def _close_dealer(self, state: RankState) -> None:
         dealer, watch = state.dealer, state.dealer_watch
