@@ -116,7 +116,7 @@ def join_whole(answers: Sequence[Answer], choices: int, request_id: str) -> Whol
     bodies: list[dict[str, Any]] = []
     for answer in answers:
         assert isinstance(answer, WholeAnswer)
-        bodies.append(orjson.loads(answer.body))
+        bodies.append(orjson.loads(answer.content()))
     joined = dict(bodies[0])
     joined_choices: list[Any] = []
     for i, body in enumerate(bodies):

@@ -27,10 +27,12 @@ class TailUsage:
     def __init__(self, body: bytes, start: int, end: int, usage: dict[str, Any]) -> None:
         self.body, self.start, self.end, self.usage = body, start, end, usage
 
-    def replaced(self, usage: dict[str, Any]) -> bytes:
-        """The answer with ``usage`` in place of its own."""
-        view = memoryview(self.body)  # (slices of a view are not copies: the join copies the body once)
-        return b"".join((view[: self.start], orjson.dumps(usage), view[self.end :]))
+    def replaced(self, usage: dict[str, Any]) -> list[bytes | memoryview]:
+        """The answer with ``usage`` in place of its own, as the parts to write one after the other: views of
+        the engine's bytes around the new usage. Nothing of the body is copied (joined, a 160 MB answer took
+        0.12 s of the event loop to copy)."""
+        view = memoryview(self.body)  # (slices of a view are not copies)
+        return [view[: self.start], orjson.dumps(usage), view[self.end :]]
 
 
 def tail_usage(body: bytes) -> TailUsage | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from gateway.http.errors import Unavailable
-from gateway.http.http_wire import whole_response
+from gateway.http.http_wire import response_bytes
 from gateway.http.retry_after import retry_after_headers
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class ConnectionLimits:
             error = Unavailable(
                 message, code="too_many_connections", headers=retry_after_headers(REFUSAL_RETRY_AFTER_S)
             )
-            status, end, rest = whole_response(error.response(), keep_alive=False).partition(b"\r\n")
+            status, end, rest = response_bytes(error.response(), keep_alive=False).partition(b"\r\n")
             answer = self._answers[reason] = (now, status + end, rest)
         _, status_line, rest = answer
         if self._request_id is not None:

@@ -211,7 +211,8 @@ class LeanAnswering(LeanDeadlines):
         # An HTTP/1.0 client keeps the connection only when told so; a HEAD gets the head alone.
         data = whole_response(response, keep_alive, announce_keep_alive=request.version == "1.0")
         if request.method == "HEAD":
-            data = data[: data.index(b"\r\n\r\n") + 4]
+            head = data if isinstance(data, bytes) else bytes(data[0])  # (parts: the head whole, first)
+            data = head[: head.index(b"\r\n\r\n") + 4]
         self.write(data)
 
     def _read_timed_out(self) -> None:

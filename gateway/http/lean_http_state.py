@@ -14,6 +14,7 @@ import httptools
 
 from gateway.http.edge import Edge
 from gateway.http.errors import GatewayError
+from gateway.http.http_wire import Buffer
 from gateway.http.lean_routes import UNMATCHED, Found, Routes
 
 if TYPE_CHECKING:
@@ -114,10 +115,14 @@ class LeanConnectionState(asyncio.Protocol):
             self._drain.set_result(None)
         self._drain = None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | list[Buffer]) -> None:
+        """Write ``data``: bytes, or parts written one after the other as they are (a large answer's)."""
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
-        self.transport.write(data)
+        if isinstance(data, bytes):
+            self.transport.write(data)
+        else:
+            self.transport.writelines(data)
 
     async def write_and_drain(self, data: bytes) -> None:
         self.write(data)

@@ -120,10 +120,8 @@ async def relay_whole(
     tail = tail_usage(data) if len(data) > TAIL_USAGE_BYTES and on_answer is None else None
     if tail is not None:  # (a large answer, embeddings above all: its usage read at its end)
         added = accounting.annotate(tail.usage)
-        if added:
-            data = tail.replaced({**tail.usage, **added})
         accounting.done(tail.usage, None, "completed", 0)
-        return WholeAnswer(data, headers)
+        return WholeAnswer(tail.replaced({**tail.usage, **added}) if added else data, headers)
     answer = answer_object(engine_id, data, metrics)
     noted = on_answer(answer) if on_answer is not None else None
     usage = answer.get("usage")

@@ -1,7 +1,8 @@
 """How long the gateway holds its event loop to bill a large whole answer: an embeddings answer of
 ``--inputs`` vectors of ``--dims`` floats (vLLM's shape), its usage read and the cost added (a) by parsing the
 answer whole and writing it out again (what every answer got before gateway.http.answer_usage), and (b) at
-its end (gateway.http.answer_usage.tail_usage). Interleaved rounds, medians, and (b)/(a) in the same run.
+its end (gateway.http.answer_usage.tail_usage), written out as views of the engine's bytes. Interleaved
+rounds, medians, and (b)/(a) in the same run.
 
     python tests/bench/bench_answer_usage.py [--inputs 2048] [--dims 4096] [--rounds 5]
 """
@@ -34,7 +35,8 @@ def whole(body: bytes) -> bytes:
     return orjson.dumps(parsed)
 
 
-def at_end(body: bytes) -> bytes:
+def at_end(body: bytes) -> list[bytes | memoryview]:
+    """The parts the gateway writes (views of the engine's bytes around the new usage): nothing copied."""
     tail = tail_usage(body)
     assert tail is not None
     return tail.replaced({**tail.usage, **COST})
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     body = answer(args.inputs, args.dims)
-    assert orjson.loads(at_end(body)) == orjson.loads(whole(body))
+    assert orjson.loads(b"".join(at_end(body))) == orjson.loads(whole(body))
     times: dict[str, list[float]] = {"whole": [], "at_end": []}
     for _ in range(args.rounds):
         for name, fn in (("whole", whole), ("at_end", at_end)):
