@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cache.journal import UsageJournal
-from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
+from cache.ledger import MAX_USAGE_TOKENS, Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
 from gateway.http.errors import AuthenticationFailed, RateLimited, Unavailable
 from gateway.http.retry_after import retry_after_headers
@@ -267,12 +267,6 @@ def reset_duration(seconds: float) -> str:
     secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
     head = f"{hours}h{minutes}m" if hours else f"{minutes}m" if minutes else ""
     return f"{head}{secs}s"
-
-
-# More tokens than any model's context holds, in one count of one request's usage: an engine reporting more
-# is wrong (an unset or wrapped counter). The bound also keeps a record's cost, at any price the config takes,
-# far inside the ledger's signed 64-bit sums.
-MAX_USAGE_TOKENS = 10**8
 
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
