@@ -280,10 +280,12 @@ def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
 
 
 def usage_is_credible(usage: dict[str, Any]) -> bool:
-    """Whether every count an engine's usage gives (absent or null ones aside) is a whole number of tokens
-    from 0 to ``MAX_USAGE_TOKENS``. One that is not (negative, fractional, a string, past any context) makes
-    the whole usage no measure of the request: it is billed by the gateway's own counts instead."""
-    return all(value is None or _is_count(value) for value in _raw_counts(usage))
+    """Whether an engine's usage gives its prompt tokens, and every count it gives (absent or null ones
+    aside) is a whole number of tokens from 0 to ``MAX_USAGE_TOKENS``. One that is not (no prompt count,
+    negative, fractional, a string, past any context) is no measure of the request: it is billed by the
+    gateway's own counts instead, not as zero tokens."""
+    counts = _raw_counts(usage)
+    return counts[0] is not None and all(value is None or _is_count(value) for value in counts)
 
 
 def _raw_counts(usage: dict[str, Any]) -> tuple[Any, Any, Any]:

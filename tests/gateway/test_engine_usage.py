@@ -23,6 +23,8 @@ MADE_UP = {
     "past_any_context": '{"prompt_tokens": 10000000000000, "completion_tokens": 1, "total_tokens": 5}',
     "negative": '{"prompt_tokens": -5, "completion_tokens": 1, "total_tokens": -4}',
     "fractional": '{"prompt_tokens": 9, "completion_tokens": 1.5, "total_tokens": 10.5}',
+    "no_prompt_count": '{"total_tokens": 7}',
+    "empty": "{}",
 }
 
 
@@ -92,7 +94,16 @@ def test_a_usage_is_credible_only_with_whole_token_counts_any_context_can_hold()
     good: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None}
     assert usage_is_credible(good)
     assert usage_is_credible({"input_tokens": 5, "output_tokens": 0, "input_tokens_details": {}})
+    assert usage_is_credible({"prompt_tokens": 0, "total_tokens": 0})  # (an empty prompt, as counted)
     junk_cached = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": "2"}}
-    bad: list[dict[str, Any]] = [{"prompt_tokens": 10**13}, {"completion_tokens": -1}, {"prompt_tokens": 1.0},
-                                 {"prompt_tokens": True}, junk_cached, {"input_tokens": "5"}]  # fmt: skip
+    bad: list[dict[str, Any]] = [
+        {"prompt_tokens": 10**13},
+        {"prompt_tokens": 5, "completion_tokens": -1},
+        {"prompt_tokens": 1.0},
+        {"prompt_tokens": True},
+        junk_cached,
+        {"input_tokens": "5"},
+        {"total_tokens": 7},
+        {},
+    ]
     assert [usage_is_credible(usage) for usage in bad] == [False] * len(bad)
