@@ -19,6 +19,13 @@ from typing import Any, Protocol
 
 PICODOLLARS_PER_DOLLAR = 10**12
 PRICE_DECIMALS = 6  # finer prices would make costs fractional pico-dollars
+# More tokens than any model's context holds, in one count of one request's usage: an engine that reports
+# more is wrong (an unset or wrapped counter), and its usage is not billed as it says.
+MAX_USAGE_TOKENS = 10**8
+# Dollars per million tokens, at most (a cent a token). With MAX_USAGE_TOKENS, a record costs at most
+# 2·10^8 tokens x 10^4 $/M = 2·10^18 pico-dollars: inside the signed 64 bits of the ledger's sums, which
+# a larger cost overflowed (the record then neither journaled nor written: its request a 500).
+MAX_PRICE = Decimal(10_000)
 
 
 @dataclass(frozen=True)

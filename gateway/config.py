@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cache.ledger import PRICE_DECIMALS, Prices
+from cache.ledger import MAX_PRICE, PRICE_DECIMALS, Prices
 from gateway.config_tables import AuthSettings, EdgeSettings, ResilienceSettings
 from gateway.routing.base import RoutingSettings
 from gateway.routing.home import HomeSettings
@@ -62,9 +62,10 @@ class PriceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    input: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
-    cached_input: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
-    output: Decimal = Field(ge=0, decimal_places=PRICE_DECIMALS)
+    # (At most MAX_PRICE: a request's cost must fit the ledger's sums.)
+    input: Decimal = Field(ge=0, le=MAX_PRICE, decimal_places=PRICE_DECIMALS)
+    cached_input: Decimal = Field(ge=0, le=MAX_PRICE, decimal_places=PRICE_DECIMALS)
+    output: Decimal = Field(ge=0, le=MAX_PRICE, decimal_places=PRICE_DECIMALS)
 
     def prices(self) -> Prices:
         return Prices(self.input, self.cached_input, self.output)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cache.journal import UsageJournal
-from cache.ledger import Prices, UsageLedger, UsageRecord, dollars
+from cache.ledger import MAX_USAGE_TOKENS, Prices, UsageLedger, UsageRecord, dollars
 from gateway.config import KvgateConfig
 from gateway.http.errors import AuthenticationFailed, RateLimited, Unavailable
 from gateway.http.retry_after import retry_after_headers
@@ -205,8 +205,8 @@ class Billing:
         """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention) when the model
         has a price; nothing otherwise (and the engine's answer then passes through untouched)."""
         prices = self.prices(model)
-        if prices is None:
-            return {}
+        if prices is None or not usage_is_credible(usage):
+            return {}  # (no cost for made-up counts: the request is billed by the gateway's, see accounting)
         prompt, cached, completion = usage_counts(usage)
         return {"cost": dollars(prices.cost_picodollars(prompt, cached, completion))}
 
@@ -271,23 +271,40 @@ def reset_duration(seconds: float) -> str:
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
     """(prompt, cached, completion) tokens of an OpenAI usage object, a completion's or (``input_tokens``,
-    ``output_tokens``) a Responses API one's; ``prompt`` includes the cached ones."""
+    ``output_tokens``) a Responses API one's; ``prompt`` includes the cached ones. A count that is not one
+    (see ``usage_is_credible``) reads as zero."""
     if not usage:
         return 0, 0, 0
+    prompt, cached, completion = (_count(value) for value in _raw_counts(usage))
+    return prompt, min(cached, prompt), completion
+
+
+def usage_is_credible(usage: dict[str, Any]) -> bool:
+    """Whether an engine's usage gives its prompt tokens, and every count it gives (absent or null ones
+    aside) is a whole number of tokens from 0 to ``MAX_USAGE_TOKENS``. One that is not (no prompt count,
+    negative, fractional, a string, past any context) is no measure of the request: it is billed by the
+    gateway's own counts instead, not as zero tokens."""
+    counts = _raw_counts(usage)
+    return counts[0] is not None and all(value is None or _is_count(value) for value in counts)
+
+
+def _raw_counts(usage: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(prompt, cached, completion) as the usage object gives them (None where it gives none)."""
     if "prompt_tokens" not in usage and "input_tokens" in usage:
-        prompt = _count(usage.get("input_tokens"))
-        details = usage.get("input_tokens_details")
-        completion = _count(usage.get("output_tokens"))
+        prompt, details, completion = "input_tokens", "input_tokens_details", "output_tokens"
     else:
-        prompt = _count(usage.get("prompt_tokens"))
-        details = usage.get("prompt_tokens_details")
-        completion = _count(usage.get("completion_tokens"))
-    cached = min(_count(details.get("cached_tokens")), prompt) if isinstance(details, dict) else 0
-    return prompt, cached, completion
+        prompt, details, completion = "prompt_tokens", "prompt_tokens_details", "completion_tokens"
+    cached = usage.get(details)
+    cached = cached.get("cached_tokens") if isinstance(cached, dict) else None
+    return usage.get(prompt), cached, usage.get(completion)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USAGE_TOKENS
 
 
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return value if _is_count(value) else 0
 
 
 def spool_path(config: KvgateConfig) -> Path:

@@ -209,6 +209,10 @@ def test_unreadable_or_invalid_files_say_why(tmp_path: Path) -> None:
         ({"prices": {"m": {"input": 1, "output": 2}}}, "prices.m.cached_input"),
         ({"prices": {"m": {"input": "0.0000001", "cached_input": 0, "output": 1}}}, "prices.m.input"),
         ({"prices": {"m": {"input": -1, "cached_input": 0, "output": 1}}}, "prices.m.input"),
+        # Past $10,000 per million tokens a request's cost could overflow the ledger's 64-bit sums (a price
+        # of $10^12 made every request a 500 that was never billed).
+        ({"prices": {"m": {"input": 1, "cached_input": 0, "output": "10000.000001"}}}, "prices.m.output"),
+        ({"prices": {"m": {"input": 10**12, "cached_input": 0, "output": 1}}}, "prices.m.input"),
         ({"tenants": "acme"}, "tenants"),
     ],
 )

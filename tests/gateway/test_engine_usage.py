@@ -1,0 +1,109 @@
+"""What an engine reports as its usage, checked before it is billed: counts no engine can mean (negative,
+fractional, past any context) bill the request by the gateway's own counts instead (real gateway, engines on
+real sockets, the Redis ledger and its journal)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from cache.ledger import day_of
+from gateway.tenancy.billing import usage_is_credible
+from tests.faulty_engines import Scripted, answers, chat_chunk
+from tests.gateway.test_tenants_billing import PRICE, PRICES, chat
+from tests.harness import MODEL, ClusterFactory
+
+# Each an engine's usage as it writes it (raw JSON: one of them is past what a JSON encoder here writes).
+MADE_UP = {
+    "past_int64_costs": '{"prompt_tokens": 4611686018427387904, "completion_tokens": 1, "total_tokens": 5}',
+    "past_any_context": '{"prompt_tokens": 10000000000000, "completion_tokens": 1, "total_tokens": 5}',
+    "negative": '{"prompt_tokens": -5, "completion_tokens": 1, "total_tokens": -4}',
+    "fractional": '{"prompt_tokens": 9, "completion_tokens": 1.5, "total_tokens": 10.5}',
+    "no_prompt_count": '{"total_tokens": 7}',
+    "empty": "{}",
+}
+
+
+def _usage_event(usage: str) -> bytes:
+    head = orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL})
+    return b"data: " + head[:-1] + b',"choices":[],"usage":' + usage.encode() + b"}\n\n"
+
+
+def _whole(usage: str) -> bytes:
+    message = {"role": "assistant", "content": "x"}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    head = orjson.dumps(
+        {"id": "c", "object": "chat.completion", "created": 1, "model": MODEL, "choices": [choice]}
+    )
+    return head[:-1] + b',"usage":' + usage.encode() + b"}"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("usage", list(MADE_UP.values()), ids=list(MADE_UP))
+async def test_usage_an_engine_made_up_is_billed_by_the_gateways_own_counts(
+    make_cluster: ClusterFactory, redis_url: str, usage: str, stream: bool
+) -> None:
+    if stream:
+        events = [chat_chunk(role=True), chat_chunk("x"), _usage_event(usage), b"data: [DONE]\n\n"]
+        engine = Scripted(events).app
+    else:
+        engine = answers(_whole(usage))
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/liar": engine},
+        engine_options={"eu-west/liar": {"kv_events": False}},
+        prices={MODEL: PRICE},
+        redis_url=redis_url,
+    )
+    assert cluster.session is not None
+    answered: list[tuple[int, bytes]] = []
+    for i in range(2):  # (two: costs past 2**63 between them overflow the day's sums)
+        body = chat(f"question {i}", stream=stream)
+        try:
+            async with cluster.session.post(cluster.url + "/v1/chat/completions", json=body) as r:
+                answered.append((r.status, await r.read()))
+        except aiohttp.ClientError as exc:  # (a stack trace's 500 written inside a started stream)
+            answered.append((0, repr(exc).encode()))
+    for status, body in answered:
+        assert status == 200, body[-300:]
+        assert body.endswith(b"data: [DONE]\n\n") if stream else b'"content":"x"' in body
+    writer = cluster.gateway.billing.writer
+    await writer.flush()
+    assert writer.state == "ok" and writer.spooled == 0
+    ledger = cluster.gateway.billing.ledger
+    records = await ledger.records()
+    assert len(records) == 2
+    for rec in records:
+        # The engine's numbers are no counts: billed as a request that came without usage.
+        assert (rec.status, rec.estimated) == ("completed", True)
+        assert 0 < rec.prompt_tokens < 1000
+        assert rec.completion_tokens == (1 if stream else 0)  # (a whole answer's tokens are not counted)
+        assert rec.cost_picodollars == PRICES.cost_picodollars(
+            rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens
+        )
+    today = day_of(time.time())
+    [day] = await ledger.daily("default", today, today)
+    assert (day.requests, day.cost_picodollars) == (2, sum(r.cost_picodollars for r in records))
+
+
+def test_a_usage_is_credible_only_with_whole_token_counts_any_context_can_hold() -> None:
+    good: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None}
+    assert usage_is_credible(good)
+    assert usage_is_credible({"input_tokens": 5, "output_tokens": 0, "input_tokens_details": {}})
+    assert usage_is_credible({"prompt_tokens": 0, "total_tokens": 0})  # (an empty prompt, as counted)
+    junk_cached = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": "2"}}
+    bad: list[dict[str, Any]] = [
+        {"prompt_tokens": 10**13},
+        {"prompt_tokens": 5, "completion_tokens": -1},
+        {"prompt_tokens": 1.0},
+        {"prompt_tokens": True},
+        junk_cached,
+        {"input_tokens": "5"},
+        {"total_tokens": 7},
+        {},
+    ]
+    assert [usage_is_credible(usage) for usage in bad] == [False] * len(bad)
