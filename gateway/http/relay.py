@@ -9,6 +9,7 @@ at all; except when the engine failed before anything reached the client: then t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
@@ -17,11 +18,13 @@ import orjson
 from aiohttp import web
 
 from gateway.http.answer_usage import TAIL_USAGE_BYTES, tail_usage
-from gateway.http.errors import UpstreamFailed, UpstreamTimedOut
+from gateway.http.errors import GatewayError, UpstreamFailed, UpstreamTimedOut
 from gateway.http.http_wire import WholeAnswer
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
+
+log = logging.getLogger("kvgate.gateway")
 
 # completed: the whole answer reached the client; aborted: the client left after tokens streamed;
 # failed: the engine broke off a stream that had started.
@@ -159,6 +162,7 @@ async def relay_stream(
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     first_byte: float | None = None
+    head_sent = False
     outcome: Outcome = "completed"
     timeout = read_timeout_s  # (a prompt may wait in the engine's queue; its health covers a dead engine)
     try:
@@ -168,6 +172,7 @@ async def relay_stream(
                 if on_first_byte is not None:
                     on_first_byte()
                 await response.prepare(cast(web.Request, request))
+                head_sent = True
                 timeout = stall_timeout_s
             out = tap.feed(data)
             if tap.final_usage is not None:
@@ -218,6 +223,19 @@ async def relay_stream(
         upstream.abort()  # the client went away: stop the engine's work too
         accounting.done(tap.usage, first_byte, "aborted", tap.token_events)
         raise
+    except Exception:
+        if not head_sent:
+            raise  # (nothing reached the client: the handler answers with a whole error)
+        # A fault of the gateway's own once the stream began: a whole 500 now would be read inside the
+        # started 200 as a chunk. It ends as a broken-off stream does, with the error as an event, and is
+        # billed as failed for what it had.
+        log.exception("internal error while relaying the stream of engine %s", engine_id)
+        upstream.abort()
+        await _try_write(
+            response, GatewayError("internal error in the gateway; it has been logged").sse_event()
+        )
+        accounting.done(tap.usage, first_byte, "failed", tap.token_events)
+        return response
     accounting.done(tap.usage, first_byte, outcome, tap.token_events)
     return response
 

@@ -23,6 +23,7 @@ from gateway.tenancy.billing import Billing, usage_counts, usage_is_credible
 from region_map.fleet import EngineState
 
 access_log = logging.getLogger("kvgate.access")
+log = logging.getLogger("kvgate.ledger")
 
 
 PROGRESS_EVERY_S = 1.0  # how often a running stream notes its completion tokens in the journal
@@ -177,7 +178,11 @@ class RequestAccount:
             # client, the relay raised instead and the request is voided: ``void``.)
             record = self._record(len(p.token_ids), self.predicted, streamed_tokens, outcome, estimated=True)
         if record is not self._final and self.billing.journal is not None:
-            self.billing.journal.finished(record)  # (a whole answer's body leaves only after this returns)
+            try:
+                self.billing.journal.finished(record)  # (a whole answer leaves after this)
+            except Exception:
+                # The journal only guards against a crash; the record still goes to the ledger below.
+                log.exception("the usage journal could not take record %s", record.record_id)
         self._log(outcome, now, first_byte, record.prompt_tokens, record.cached_tokens,
                   record.completion_tokens, record.cost_picodollars)  # fmt: skip
         self.billing.record(record)

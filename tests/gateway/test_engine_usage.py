@@ -107,3 +107,43 @@ def test_a_usage_is_credible_only_with_whole_token_counts_any_context_can_hold()
         {},
     ]
     assert [usage_is_credible(usage) for usage in bad] == [False] * len(bad)
+
+
+async def test_an_internal_error_mid_stream_ends_the_stream_with_an_error_and_is_billed(
+    make_cluster: ClusterFactory, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fault in the gateway itself once tokens reached the client (here its crash journal refusing the
+    # final record, as an overflow once did): the client's stream ends with an error event, never a 500
+    # written inside the started 200, and the request is billed as failed for the usage it had.
+    events = [chat_chunk(role=True), chat_chunk("x"), _usage_event('{"prompt_tokens": 9, "completion_tokens'
+              '": 1, "total_tokens": 10}'), b"data: [DONE]\n\n"]  # fmt: skip
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/e": Scripted(events).app},
+        engine_options={"eu-west/e": {"kv_events": False}},
+        prices={MODEL: PRICE},
+        redis_url=redis_url,
+    )
+    journal = cluster.gateway.billing.journal
+    assert journal is not None and cluster.session is not None
+
+    def refuse(record: Any) -> None:
+        raise RuntimeError("the journal refuses the record")
+
+    monkeypatch.setattr(journal, "finished", refuse)
+    async with cluster.session.post(
+        cluster.url + "/v1/chat/completions", json=chat("q", stream=True)
+    ) as answer:
+        assert answer.status == 200
+        raw = await answer.read()
+    assert raw.startswith(b"data: {") and b"HTTP/1.1" not in raw
+    last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+    assert b'"error"' in last and b"internal error" in last, raw[-300:]
+    await cluster.gateway.billing.writer.flush()
+    [record] = await cluster.gateway.billing.ledger.records()
+    assert (record.status, record.estimated, record.prompt_tokens, record.completion_tokens) == (
+        "failed",
+        False,
+        9,
+        1,
+    )
