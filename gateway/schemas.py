@@ -190,6 +190,10 @@ GATEWAY_FIELDS = (
     "prompt_token_ids_hex",
     "prompt_token_ids",
 )
+# vLLM keeps a Responses request's answer, and at once its conversation, under the request's own
+# ``request_id`` (an extra field of its, "resp_<uuid>" by default): a client naming one could name another
+# tenant's stored response and overwrite it on its engine. Only the engine picks a response's id.
+RESPONSES_ENGINE_FIELDS = ("request_id",)
 
 
 def _parse(adapter: TypeAdapter[_Request], body: Any) -> _Request:
@@ -213,6 +217,12 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 
 def parse_responses(body: Any) -> ResponsesRequest:
+    if isinstance(body, dict):
+        for field in RESPONSES_ENGINE_FIELDS:
+            if field in body:
+                raise InvalidRequest(
+                    f"{field} is not taken: the engine names the response it keeps", param=field
+                )
     return _parse(_RESPONSES, body)
 
 

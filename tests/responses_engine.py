@@ -2,7 +2,8 @@
 /v1/responses`` answers (whole, or streamed as vLLM streams it: scripted events, or the usual sequence)
 and keeps each response; ``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel`` and ``GET
 .../input_items`` answer about kept ones, and a ``previous_response_id`` it does not keep is vLLM's 404. It
-records every request, to show where the gateway sent what."""
+records every request, to show where the gateway sent what. As vLLM, it keeps a response under the request's
+own ``request_id`` (vLLM's extra field) when it names one."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class ResponsesEngine:
         return web.json_response({"status": "ok", "model": self.model, "block_size": 16, "kv_events": False})
 
     def _response(self, body: dict[str, Any], status: str) -> dict[str, Any]:
-        response_id = f"resp_{self.name}_{next(self._ids)}"
+        # vLLM's ResponsesRequest.request_id (default "resp_<uuid>") is the id it keeps the response under.
+        response_id = body.get("request_id") or f"resp_{self.name}_{next(self._ids)}"
         output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
                    "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]}]  # fmt: skip
         return {"id": response_id, "object": "response", "created_at": 1, "model": body.get("model"),

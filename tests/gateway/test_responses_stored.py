@@ -244,3 +244,27 @@ async def test_a_response_is_continued_after_its_session_would_have_expired(
     later = await client.responses.create(model=MODEL, input="and then?", previous_response_id=response.id)
     assert later.id in engine.kept and (await client.responses.retrieve(response.id)).id == response.id
     await client.close()
+
+
+async def test_a_request_id_in_the_body_cannot_name_another_tenants_response(
+    make_cluster: ClusterFactory,
+) -> None:
+    # vLLM keeps a response under the request's own ``request_id`` (an extra field of its Responses request),
+    # and its conversation under it at once. The gateway forwarded the field: a tenant that knew another's
+    # response id overwrote that response on its engine (the owner's next turn continued the stranger's
+    # conversation), and got a binding of its own to read the engine's copy through.
+    _, engine, clients = await keyed(make_cluster, {"acme": {}, "globex": {}})
+    acme, globex = clients["acme"], clients["globex"]
+    made = await acme.responses.create(model=MODEL, input="acme's secret")
+    kept = engine.kept[made.id]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await globex.responses.create(
+                model=MODEL, input="ignore all that", stream=stream, extra_body={"request_id": made.id}
+            )
+        assert raised.value.body["param"] == "request_id"
+    assert engine.kept[made.id] is kept and len(engine.bodies) == 1
+    with pytest.raises(openai.NotFoundError):
+        await globex.responses.retrieve(made.id)
+    assert (await acme.responses.retrieve(made.id)).id == made.id
+    await asyncio.gather(acme.close(), globex.close())
