@@ -38,6 +38,19 @@ def not_found(response_id: str, param: str = "response_id") -> NotFound:
     return NotFound(f"Response with id '{response_id[:MAX_RESPONSE_ID]}' not found.", param=param)
 
 
+def nameable(response_id: str) -> bool:
+    """Whether ``response_id`` could name a stored response: an engine's ids are short text. A longer one,
+    or one a path's bytes decoded to lone surrogates (``%FF``), which neither the engine's URL nor a Redis
+    key can encode (a 500 before), is nobody's: the 404 of any id nobody made, asked of nothing."""
+    if len(response_id) > MAX_RESPONSE_ID:
+        return False
+    try:
+        response_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class StoredResponses:
     def __init__(
         self,
@@ -120,6 +133,8 @@ class StoredResponses:
             raise InvalidRequest(
                 "streaming a stored response is not supported by this gateway", param="stream"
             )
+        if not nameable(response_id):
+            raise not_found(response_id)
         path = "/v1/responses/" + quote(response_id, safe="") + ("/" + action if action else "")
         if query:
             path += "?" + urlencode(list(query.items()))
@@ -130,7 +145,7 @@ class StoredResponses:
         JSON object, or its error as an OpenAI error (``relay.engine_error``: a 5xx becomes a 502).
         NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked,
         UpstreamFailed for a 200 that is no JSON object (a proxy's page)."""
-        if len(response_id) > MAX_RESPONSE_ID:
+        if not nameable(response_id):
             raise not_found(response_id)
         engine = await self.engine_of(tenant, response_id)
         if engine is None:

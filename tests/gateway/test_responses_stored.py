@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from yarl import URL
 
 from gateway.tenancy.tenants import create_key
 from tests.gateway.test_responses_api import fleet, keyed
@@ -268,3 +269,29 @@ async def test_a_request_id_in_the_body_cannot_name_another_tenants_response(
         await globex.responses.retrieve(made.id)
     assert (await acme.responses.retrieve(made.id)).id == made.id
     await asyncio.gather(acme.close(), globex.close())
+
+
+@pytest.mark.parametrize("redis", [False, True])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/responses/%FF%FE"),
+        ("DELETE", "/v1/responses/%C3%28"),
+        ("POST", "/v1/responses/%ED%A0%80/cancel"),
+        ("GET", "/v1/responses/resp_%FF/input_items"),
+    ],
+)
+async def test_an_id_that_is_no_utf8_text_is_not_found(
+    make_cluster: ClusterFactory, redis: bool, method: str, path: str
+) -> None:
+    # The path's bytes decode to lone surrogates, which neither the engine's URL (quote) nor a Redis key
+    # could encode: the request about it was a 500 "internal error in the gateway" instead of the 404 of any
+    # id nobody made.
+    cluster, [engine], client = await fleet(make_cluster, **({"redis_url": REDIS_URL} if redis else {}))
+    assert cluster.session is not None
+    async with cluster.session.request(method, URL(cluster.url + path, encoded=True)) as r:
+        body = await r.json()
+    assert r.status == 404, body
+    assert body["error"]["param"] == "response_id" and body["error"]["type"] == "invalid_request_error"
+    assert r.headers["x-request-id"] and engine.asked == []
+    await client.close()
