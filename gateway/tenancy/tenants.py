@@ -110,16 +110,20 @@ class FileKeyStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._mtime = -1.0
+        self._seen: tuple[int, int, int] | None = None  # (inode, size, mtime in ns) of the file last read
         self._by_digest: dict[str, KeyRecord] = {}
 
     def _load(self) -> None:
         try:
-            mtime = self.path.stat().st_mtime
+            stat = self.path.stat()
         except FileNotFoundError:
-            self._by_digest, self._mtime = {}, -1.0
+            self._by_digest, self._seen = {}, None
             return
-        if mtime == self._mtime:
+        # Not the modification time alone: where the file system's clock ticks in whole seconds, a key
+        # revoked (the file replaced: a new inode) or created (appended: a new size) within the tick of the
+        # last read went unseen for good.
+        seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if seen == self._seen:
             return
         entries: dict[str, KeyRecord] = {}
         for number, line in enumerate(self.path.read_bytes().splitlines(), start=1):
@@ -133,7 +137,7 @@ class FileKeyStore:
                 entries[raw["sha256"]] = record
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("%s line %d is not a key and is ignored: %r", self.path, number, exc)
-        self._by_digest, self._mtime = entries, mtime
+        self._by_digest, self._seen = entries, seen
 
     async def add(self, key_digest: str, record: KeyRecord) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from cache.redis_keys import RedisKeys
 from gateway.prepare import _cache_salt
 from gateway.schemas import parse_completion
 from gateway.tenancy.billing import reset_duration, usage_counts
-from gateway.tenancy.tenants import Tenant, create_key, tenant_from_config
+from gateway.tenancy.tenants import FileKeyStore, Tenant, create_key, digest, tenant_from_config
 from tests.conftest import ThirdPartyFleet
 from tests.faulty_engines import Scripted, answers, chat_chunk, cut_stream, usage_of
 from tests.harness import MODEL, Cluster, ClusterFactory
@@ -153,6 +153,25 @@ async def test_a_malformed_line_in_the_keys_file_costs_only_that_line(
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     listed = kvgate("keys", "list", "--keys-file", str(keys_file))
     assert "globex" in listed.stdout and "acme" in listed.stdout
+
+
+async def test_a_key_revoked_or_created_within_the_keys_files_clock_tick_takes_effect(tmp_path: Path) -> None:
+    """The keys file was read again only when its modification time changed. A file system whose clock
+    ticks in whole seconds (ext4 with small inodes, many NFS mounts) gives a file written twice within a
+    second one time: a key revoked (or created) within the second the gateway last read the file was never
+    seen to go (or come), however long after."""
+    keys_file = tmp_path / "keys.jsonl"
+    key = kvgate("keys", "create", "--tenant", "globex", "--keys-file", str(keys_file)).stdout.strip()
+    store = FileKeyStore(keys_file)
+    assert await store.get(digest(key)) is not None
+    tick = keys_file.stat().st_mtime_ns
+    kvgate("keys", "revoke", digest(key)[:12], "--keys-file", str(keys_file))
+    os.utime(keys_file, ns=(tick, tick))  # (the revocation came within the same tick)
+    assert await store.get(digest(key)) is None
+    tick = keys_file.stat().st_mtime_ns
+    new = kvgate("keys", "create", "--tenant", "acme", "--keys-file", str(keys_file)).stdout.strip()
+    os.utime(keys_file, ns=(tick, tick))
+    assert await store.get(digest(new)) is not None
 
 
 # -- isolation ------------------------------------------------------------------------------------------
