@@ -9,7 +9,6 @@ what is refused) by :mod:`engine.openai_sampling`. Engines own only the generati
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -117,20 +116,19 @@ class GenerationRequest:
         return replace(self.params, seed=self.params.seed + index)
 
 
-# Ids are a random per-process prefix plus a counter: unique across processes and restarts without a
-# system call per request.
-_ID_PREFIX = os.urandom(8).hex()
-_id_counter = itertools.count(1)
+# Ids are random (128 bits), not a per-process prefix and a counter as they were: the ids an engine shared
+# by tenants gives one of them told it how many requests the others sent in between.
 
 
 def new_request_id() -> str:
     """32 hex digits, for requests that arrive without an x-request-id."""
-    return f"{_ID_PREFIX}{next(_id_counter):016x}"
+    return os.urandom(16).hex()
 
 
 def new_id(prefix: str) -> str:
-    """``<prefix><hex>``: the id of a response (``cmpl-``, ``chatcmpl-``, ``resp_``) or an item (``msg_``)."""
-    return f"{prefix}{_ID_PREFIX}{next(_id_counter):016x}"
+    """``<prefix><32 hex digits>``: the id of a response (``cmpl-``, ``chatcmpl-``, ``resp_``) or an item
+    (``msg_``)."""
+    return prefix + os.urandom(16).hex()
 
 
 def new_response_id(kind: RequestKind) -> str:

@@ -282,7 +282,7 @@ class RequestPreparer:
         shared_tokens = self._shared_tokens(token_ids) if cache_salt else 0
         record_id = self._new_record_id()
         return Prepared(
-            request_id=request_id(request.headers.get("x-request-id"), record_id),
+            request_id=request_id(request.headers.get("x-request-id")),
             tenant=tenant.name,
             session_id=session_id(request.headers.get(SESSION_HEADER), body, s.max_session_id_length),
             model=model,
@@ -323,7 +323,7 @@ class RequestPreparer:
     def new_request_id(self, raw: str | None) -> str:
         """The id of a request with this ``x-request-id`` header (None: without one): the client's when it is
         sane, else a new one. The HTTP layer names what no handler named with it (``gateway.http.edge``)."""
-        return request_id(raw, self._new_record_id())
+        return request_id(raw)
 
     def _shared_tokens(self, token_ids: np.ndarray) -> int:
         """Length of the longest declared shared prefix this prompt starts with."""
@@ -387,9 +387,10 @@ def _choices(body: dict[str, Any]) -> int:
     return max(counts, default=1)
 
 
-def request_id(raw: str | None, record_id: str) -> str:
-    """The client's ``x-request-id`` when it is a sane token, else one made of the request's ledger record
-    id (unique across gateways and restarts, and made without the system call a fresh random id costs)."""
+def request_id(raw: str | None) -> str:
+    """The client's ``x-request-id`` when it is a sane token, else a random one. Not the ledger record's id
+    (a prefix per process and a counter, as it was): two ids a client got told it how many requests
+    everybody else sent in between. (The random bytes cost 0.4 us more.)"""
     if raw and len(raw) <= 128 and all("!" <= ch <= "~" for ch in raw):
         return raw
-    return "req-" + record_id
+    return "req-" + os.urandom(16).hex()

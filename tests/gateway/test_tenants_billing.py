@@ -193,6 +193,28 @@ async def test_tenants_never_share_cached_tokens(make_cluster: ClusterFactory) -
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+async def test_the_ids_a_tenant_is_shown_say_nothing_of_other_tenants_requests(
+    make_cluster: ClusterFactory,
+) -> None:
+    # The gateway's request ids (x-request-id) and the engine's answer ids (chatcmpl-...) were a prefix per
+    # process and a counter: two ids a tenant got told it how many requests the others sent in between.
+    cluster, keys = await billed_cluster(make_cluster)
+    seen: list[tuple[str, str]] = []
+    for _ in range(2):
+        status, body, headers = await cluster.post(
+            "/v1/chat/completions", chat("hi"), headers=bearer(keys["globex"])
+        )
+        assert status == 200, body
+        seen.append((headers["x-request-id"], body["id"]))
+        for _ in range(3):
+            await cluster.post("/v1/chat/completions", chat("busy"), headers=bearer(keys["acme"]))
+    for first, second in zip(*seen, strict=True):
+        kind = first[: first.index("-") + 1]  # ("req-", "chatcmpl-")
+        assert second.startswith(kind)
+        shared = next(i for i, (a, b) in enumerate(zip(first + "\0", second, strict=False)) if a != b)
+        assert shared < len(kind) + 8, (first, second)  # (8 more equal hex digits by chance: 2**-32)
+
+
 async def test_session_ids_are_scoped_per_tenant(make_cluster: ClusterFactory) -> None:
     cluster = await make_cluster(
         {"eu-west": 2}, auth={"enabled": True}, tenants=TENANTS, routing={"policy": "session"}
