@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class AuthSettings(BaseModel):
@@ -84,6 +85,17 @@ class ResilienceSettings(BaseModel):
         gt=0,
         description="when an engine is declared unhealthy, its requests silent this long fail over at once",
     )
+
+    @model_validator(mode="after")
+    def _cooldowns(self) -> Self:
+        # A failed trial doubles the cool-down up to the maximum: a first one above it would shrink instead.
+        if self.breaker_cooldown_s > self.breaker_max_cooldown_s:
+            raise ValueError(
+                f"breaker_cooldown_s ({self.breaker_cooldown_s}) exceeds breaker_max_cooldown_s "
+                f"({self.breaker_max_cooldown_s}): a failed trial would shorten the cool-down; raise "
+                "breaker_max_cooldown_s too"
+            )
+        return self
 
 
 class EdgeSettings(BaseModel):

@@ -31,14 +31,30 @@ class HealthReport:
             return "off"
         return "failing" if journal.failing else "ok"
 
+    def degraded(self) -> list[str]:
+        """What of the gateway's own does not work as it should (it still serves): Redis away (sessions not
+        shared, unknown keys refused), usage records spooled or held in memory, the crash journal refused."""
+        reasons = []
+        if self.redis_status() == "unreachable":
+            reasons.append("redis_unreachable")
+        if (ledger := self.billing.writer.state) != "ok":
+            reasons.append(f"ledger_{ledger}")
+        if self.journal_status() == "failing":
+            reasons.append("journal_failing")
+        return reasons
+
     def response(self, details: bool) -> web.Response:
-        """200 while an engine is healthy, else 503; with ``details``, the engines' health and load too."""
+        """200 while an engine is healthy, else 503: a load balancer keeps a gateway that can serve, degraded
+        or not. The status says "degraded" (with ``details``, why) while one of its own parts fails."""
         healthy = sum(1 for e in self.fleet if e.healthy)
         status = 200 if healthy else 503
+        degraded = self.degraded()
+        said = "no_healthy_engine" if not healthy else "degraded" if degraded else "ok"
         if not details:
-            return json_response({"status": "ok" if healthy else "no_healthy_engine"}, status=status)
+            return json_response({"status": said}, status=status)
         body = {
-            "status": "ok" if healthy else "no_healthy_engine",
+            "status": said,
+            "degraded": degraded,
             "gateway_id": self.state.gateway_id,
             "region": self.fleet.region,
             "redis": self.redis_status(),

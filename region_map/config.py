@@ -140,6 +140,10 @@ class EngineConfig(_Strict):
     @classmethod
     def _http_or_https(cls, url: Any) -> Any:
         # Said before pydantic's own parse, whose message for ftp://, unix:// ... does not say what to write.
+        if isinstance(url, str) and "://" not in url and not url.lower().startswith(("http:", "https:")):
+            # host:port, the commonest slip: pydantic says "relative URL without a base", or reads the host
+            # as a scheme ("URL scheme should be 'http' or 'https'").
+            raise ValueError(f"{url!r} has no scheme: write http://{url} (or https://{url} for TLS)")
         if isinstance(url, str) and "://" in url and url.split("://", 1)[0].lower() not in ("http", "https"):
             raise ValueError(
                 f"an engine URL is http://host[:port] or https://host[:port] (TLS), not {url.split('://')[0]}://"

@@ -67,6 +67,7 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     private redis-server (``gateway.state.private_redis``) that lives as long as the workers. Stops all
     when one stops or on SIGINT/SIGTERM; a worker that stopped unasked makes the status non-zero."""
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
+    check_operator_ports(config, workers)
     _check_state_directory(config)
     gateway_tokenizer(config)  # (once here, not one configuration error per worker)
     if not config.gateway.operator_port:
@@ -81,6 +82,28 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
         return _run_children(dataclasses.replace(config, gateway=gateway), workers)
     finally:
         private.stop()
+
+
+def check_operator_ports(config: KvgateConfig, workers: int) -> None:
+    """Worker i's operator port is ``operator_port + i``: all of them must be ports, and none the public
+    port. Unchecked, one that was the public port took it from the workers (which then failed with "another
+    process listens there"), and one past 65535 wrapped round to a random port nobody scrapes."""
+    first, public = config.gateway.operator_port, config.gateway.port
+    if not first:  # (none, or 0: each worker's own ephemeral port)
+        return
+    last = first + workers - 1
+    ports = f"operator_port + 0..{workers - 1}, here {first}..{last}"
+    if last > 65535:
+        raise ConfigError(
+            f"gateway.operator_port: {workers} workers listen for the operator on {ports}, past 65535: "
+            f"choose an operator_port of at most {65536 - workers}"
+        )
+    if first <= public <= last:
+        raise ConfigError(
+            f"gateway.operator_port: worker {public - first}'s operator port would be the public port "
+            f"{public} ({workers} workers listen for the operator on {ports}): choose an operator_port "
+            f"outside {public - workers + 1}..{public}"
+        )
 
 
 def _check_state_directory(config: KvgateConfig) -> None:

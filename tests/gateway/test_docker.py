@@ -79,6 +79,26 @@ def test_each_gateway_config_loads_and_names_compose_services(region: str) -> No
     assert config.gateway.tokenizer == "/models/model"
 
 
+def _compose_duration_s(text: str) -> float:
+    """A compose duration (``1m30s``, ``40s``, ``500ms``) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("region", ["eu-west", "us-east"])
+def test_docker_stop_lets_each_gateway_drain_and_flush_its_ledger(region: str) -> None:
+    """``docker compose stop``/``down`` sends SIGTERM, then SIGKILL after the service's stop_grace_period
+    (10 s when unset). A gateway lets its streams finish for drain_timeout_s (30 s) and then flushes its
+    ledger: with the default grace, streams longer than 10 s were cut by the SIGKILL and the flush never
+    ran."""
+    config = load_config(DOCKER / "config" / f"{region}.toml", environ={})
+    service = compose()["services"][f"{region}-gateway"]
+    grace = _compose_duration_s(str(service.get("stop_grace_period", "10s")))
+    assert grace >= config.gateway.resilience.drain_timeout_s + 5, (grace, region)
+
+
 def test_prometheus_scrapes_every_gateway_and_engine() -> None:
     config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     targets = {

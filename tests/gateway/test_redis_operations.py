@@ -125,3 +125,44 @@ async def test_a_redis_that_may_evict_the_ledger_is_named_at_start(
         assert status == 200 and cluster.gateway.health_report.redis_status() == "on"
     finally:
         server.stop()
+
+
+async def test_health_says_degraded_while_redis_is_away_and_ok_once_it_is_back(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """A gateway whose Redis is away still serves (200: a load balancer keeps it), but its sessions are not
+    shared, its usage goes to the spool and unknown keys get 503. /health's status said "ok" all along, so
+    a check of that field (or a glance at it) saw nothing wrong; it says "degraded", and why, until Redis
+    is back."""
+    server = RedisProcess(tmp_path)
+    server.start()
+    try:
+        cluster = await make_cluster({"eu-west": 1}, redis_url=server.url)
+        assert cluster.session is not None
+
+        async def health() -> tuple[int, dict[str, object]]:
+            async with cluster.session.get(cluster.url + "/health") as r:  # type: ignore[union-attr]
+                return r.status, await r.json()
+
+        status, body = await health()
+        assert (status, body["status"], body["redis"]) == (200, "ok", "on"), body
+        server.stop()
+        assert (await cluster.post("/v1/chat/completions", chat("while Redis is away")))[0] == 200
+        await cluster.wait_for(lambda: cluster.gateway.health_report.redis_status() == "unreachable")
+        await cluster.wait_for(lambda: cluster.gateway.billing.writer.state == "spooling")
+        status, body = await health()
+        assert status == 200, body
+        assert body["status"] == "degraded", body
+        assert body["degraded"] == ["redis_unreachable", "ledger_spooling"], body
+        server.start()
+        await cluster.wait_for(
+            lambda: (
+                cluster.gateway.health_report.redis_status() == "on"
+                and cluster.gateway.billing.writer.state == "ok"
+            ),
+            within_s=30,
+        )
+        status, body = await health()
+        assert (status, body["status"], body["degraded"]) == (200, "ok", []), body
+    finally:
+        server.stop()

@@ -358,3 +358,39 @@ def test_workers_with_a_spool_path_they_cannot_use_stop_in_one_line(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("kvgate: configuration error: gateway.spool_path:"), line
     assert str(in_the_way) in line and "Traceback" not in line
+
+
+@pytest.mark.parametrize(
+    ("operator_port", "said"),
+    [
+        (-1, "would be the public port"),  # operator_port = port - 1: worker 1's is the public port
+        (65535, "past 65535"),
+    ],
+    ids=["overlaps-the-public-port", "past-the-last-port"],
+)
+def test_workers_whose_operator_ports_cannot_all_be_opened_stop_in_one_line(
+    tmp_path: Path, operator_port: int, said: str
+) -> None:
+    """Worker i listens for the operator on operator_port + i. With operator_port one below the public
+    port, worker 1's operator port was the public port: it took it, and a worker then failed to open the
+    public port with "another process (another kvgate?) listens there", stopping the service. Past 65535,
+    a worker could not listen either. Both are configuration errors said once, before any worker starts."""
+    _, port, _ = _distinct_ports()
+    operator = port + operator_port if operator_port < 0 else operator_port
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\nengines = [{{ name = "e0", url = "http://127.0.0.1:9" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "ledger.spool"}"\n'
+        f"operator_port = {operator}\n"
+    )
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvgate: configuration error: gateway.operator_port:"), line
+    assert said in line, line
+    assert not _port_open(port)

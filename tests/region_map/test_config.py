@@ -288,3 +288,31 @@ def test_a_rule_across_keys_reads_as_its_own_sentence() -> None:
     assert str(info.value).startswith("gateway: default_max_tokens (100) exceeds max_output_tokens (10)")
     with pytest.raises(ConfigError, match=r"default_chat_max_tokens \(100\) exceeds max_output_tokens"):
         parse_config(_base() | {"gateway": {"default_chat_max_tokens": 100, "max_output_tokens": 20}})
+
+
+@pytest.mark.parametrize("url", ["10.0.0.5:8000", "localhost:8000", "engine-0.internal:8000", "10.0.0.5"])
+def test_an_engine_url_without_its_scheme_says_to_add_it(url: str) -> None:
+    """An engine written as host:port, the commonest slip, was refused as "Input should be a valid URL,
+    relative URL without a base", or, for a host name, as "URL scheme should be 'http' or 'https'" (the
+    host read as the scheme): neither says what to write."""
+    data = _base()
+    data["regions"][0]["engines"][0]["url"] = url
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value) == (
+        f"regions.0.engines.0.url: {url!r} has no scheme: write http://{url} (or https://{url} for TLS)"
+    )
+
+
+def test_a_breaker_cooldown_longer_than_its_maximum_is_refused() -> None:
+    """A failed trial doubles an open breaker's cool-down, up to breaker_max_cooldown_s. With
+    breaker_cooldown_s raised past that maximum (120 against the default 60), the cool-down instead fell
+    to the maximum after a failed trial: the engine that kept failing was tried again sooner."""
+    data = _base()
+    data["gateway"] = {"resilience": {"breaker_cooldown_s": 120}}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value).startswith("gateway.resilience: breaker_cooldown_s (120.0) exceeds "), info.value
+    assert "breaker_max_cooldown_s (60.0)" in str(info.value)
+    data["gateway"] = {"resilience": {"breaker_cooldown_s": 120, "breaker_max_cooldown_s": 120}}
+    assert parse_config(data).gateway.resilience.breaker_cooldown_s == 120
