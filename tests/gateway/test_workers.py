@@ -348,6 +348,13 @@ def test_workers_with_a_spool_path_they_cannot_use_stop_in_one_line(
         + (f"operator_port = {operator_port}\n" if operator else "")
         + (f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n' if redis else "")
     )
+    line = _the_one_configuration_error(config, "gateway.spool_path")
+    assert str(in_the_way) in line and "Traceback" not in line
+
+
+def _the_one_configuration_error(config: Path, key: str) -> str:
+    """``kvgate serve --workers 2`` on ``config`` exits 2 with one line, a configuration error naming ``key``:
+    that line."""
     result = subprocess.run(
         [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
         capture_output=True,
@@ -356,8 +363,8 @@ def test_workers_with_a_spool_path_they_cannot_use_stop_in_one_line(
     )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("kvgate: configuration error: gateway.spool_path:"), line
-    assert str(in_the_way) in line and "Traceback" not in line
+    assert line.startswith(f"kvgate: configuration error: {key}:"), line
+    return line
 
 
 @pytest.mark.parametrize(
@@ -383,14 +390,6 @@ def test_workers_whose_operator_ports_cannot_all_be_opened_stop_in_one_line(
         f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "ledger.spool"}"\n'
         f"operator_port = {operator}\n"
     )
-    result = subprocess.run(
-        [*KVGATE, "serve", "--config", str(config), "--workers", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("kvgate: configuration error: gateway.operator_port:"), line
+    line = _the_one_configuration_error(config, "gateway.operator_port")
     assert said in line, line
     assert not _port_open(port)
