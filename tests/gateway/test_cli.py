@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,6 +40,24 @@ def test_a_bad_deployment_file_is_named_and_refused(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "regions.0.engines.0.url" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _the_printed_gets_answer(printed: str, api_key: str) -> None:
+    """Each one-line GET the demo prints (`curl -s URL ...`) is answered 200, sent as printed: with the key
+    where the line sends ``$KVGATE_API_KEY``, without one where it does not."""
+    gets = [line.split()[2:] for line in printed.splitlines() if line.startswith("  curl -s http")]
+    assert len(gets) >= 4, printed
+    for url, *rest in gets:
+        if url.endswith("/completions"):
+            continue  # (the POSTs: sent with the SDK below)
+        headers = {"Authorization": f"Bearer {api_key}"} if "$KVGATE_API_KEY" in " ".join(rest) else {}
+        request = urllib.request.Request(url, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                status = r.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == 200, (url, rest, status)
 
 
 def _port_open(port: int) -> bool:
@@ -84,6 +103,9 @@ def test_demo_serves_and_stops_everything_on_ctrl_c(tmp_path: Path, engines: str
             )
             with urllib.request.urlopen(request, timeout=5) as r:  # acme's key is an admin's
                 health = json.loads(r.read())
+            while "Ctrl-C stops" not in printed:
+                printed += demo.stdout.readline()
+            _the_printed_gets_answer(printed, api_key)
             anonymous = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="kvg-nope", max_retries=0
             )
