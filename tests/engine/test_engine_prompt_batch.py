@@ -18,14 +18,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from engine.engine_types import StepOutput
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from engine.llm_engine import LLMEngine
+from engine.server import EngineServer
 from tests.engine.released import assert_released
+from tests.engine.served_engine import served_engine
 from tests.engine_process import engine_process
-from tests.serving import serve
 
 KV_BLOCKS = 512
 BLOCK = 4
@@ -56,16 +55,9 @@ class Running:
 
 
 async def running(model_dir: Path, kv_blocks: int, **config_fields: Any) -> AsyncIterator[Running]:
-    config = EngineConfig(
-        str(model_dir), block_size=BLOCK, num_kv_blocks=kv_blocks, device="cpu", **config_fields
-    )
-    engine = LLMEngine(config)
-    app = build_app(engine, ServerConfig(engine_id="test/e0"))
-    runner = web.AppRunner(app, handler_cancellation=True)
-    url = await serve(runner)
-    async with aiohttp.ClientSession() as session:
-        yield Running(app[ENGINE_SERVER], url, session)
-    await runner.cleanup()
+    fields = {"block_size": BLOCK, "num_kv_blocks": kv_blocks, **config_fields}
+    async with served_engine(model_dir, **fields) as (server, url, session):
+        yield Running(server, url, session)
 
 
 @pytest.fixture

@@ -10,12 +10,10 @@ from typing import Any
 import aiohttp
 import msgpack
 import pytest
-from aiohttp import web
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.server import ENGINE_SERVER, EngineServer, ServerConfig, build_app
+from engine.server import EngineServer
 from tests.engine.released import assert_released
-from tests.serving import serve
+from tests.engine.served_engine import served_engine
 
 
 class Running:
@@ -29,13 +27,8 @@ class Running:
 
 @pytest.fixture
 async def served(tiny_model_dir: Path) -> AsyncIterator[Running]:
-    engine = LLMEngine(EngineConfig(str(tiny_model_dir), block_size=4, num_kv_blocks=512, device="cpu"))
-    app = build_app(engine, ServerConfig(engine_id="test/e0"))
-    runner = web.AppRunner(app, handler_cancellation=True)
-    url = await serve(runner)
-    async with aiohttp.ClientSession() as session:
-        yield Running(app[ENGINE_SERVER], url, session)
-    await runner.cleanup()
+    async with served_engine(tiny_model_dir, block_size=4, num_kv_blocks=512) as (server, url, session):
+        yield Running(server, url, session)
 
 
 def model_name(served: Running) -> str:
