@@ -144,9 +144,8 @@ class StoredResponses:
         """Send a request about a stored response to the engine holding it, and relay its answer: a 200's
         JSON object, or its error as an OpenAI error (``relay.engine_error``: a 5xx becomes a 502).
         NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked,
-        UpstreamFailed for a 200 that is no JSON object (a proxy's page)."""
-        if not nameable(response_id):
-            raise not_found(response_id)
+        UpstreamFailed for a 200 that is no JSON object (a proxy's page). ``response_id`` is ``nameable``
+        (``answer`` checked it before quoting it into ``path``)."""
         engine = await self.engine_of(tenant, response_id)
         if engine is None:
             raise self._unknown(response_id, "response_id")
