@@ -278,7 +278,7 @@ The dashboard (live hit ratio, latency and load per region and engine), in a bro
 Models, health and metrics (the hit ratio is cached_prompt_tokens / prompt_tokens):
   curl -s {base}/v1/models{auth}
   curl -s {base}/health
-  curl -s {base}/metrics{auth} | grep -E '^kvgate_(cached_)?prompt_tokens_total|^kvgate_routing_decisions_total'
+  curl -s {base}/metrics{auth} | grep -E '^kvgate_((cached_)?prompt_tokens|routing_decisions)_total'
 
 Ctrl-C stops the gateway and every engine.
 """
