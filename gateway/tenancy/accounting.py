@@ -19,7 +19,7 @@ from cache.ledger import UsageRecord
 from gateway.http.relay import Outcome
 from gateway.observability.metrics import GatewayMetrics
 from gateway.prepared import Prepared
-from gateway.tenancy.billing import Billing, usage_counts, usage_is_credible
+from gateway.tenancy.billing import Billing, credible_counts
 from region_map.fleet import EngineState
 
 access_log = logging.getLogger("kvgate.access")
@@ -106,10 +106,11 @@ class RequestAccount:
         """The engine's final usage is in hand and about to be forwarded: the record is fixed (and
         journaled) now, before the last byte reaches the client. An engine that sends its usage chunk twice
         with other counts is billed for the last one (the journal's replay takes the last entry too)."""
-        if not usage_is_credible(usage):
+        counts = credible_counts(usage)
+        if counts is None:
             self._final = None  # (``done`` bills the request by the gateway's own counts)
             return
-        prompt, cached, completion = counts = usage_counts(usage)
+        prompt, cached, completion = counts
         final = self._final
         if (
             final is not None
@@ -144,12 +145,13 @@ class RequestAccount:
         self.closed = True
         self.settle()
         p, engine = self.p, self.engine
-        if usage is not None and not usage_is_credible(usage):
+        counts = credible_counts(usage) if usage is not None else None
+        if usage is not None and counts is None:
             # Counts no engine can mean (negative, fractional, past any context) are no measure of what it
             # did, and could not be priced into the ledger's sums: billed as an answer without usage.
             self.metrics.upstream_error(engine.id, "malformed_usage")
             usage = None
-        prompt, cached, completion = usage_counts(usage)
+        prompt, cached, completion = counts or (0, 0, 0)
         now = time.perf_counter()
         itl = (now - first_byte) / (completion - 1) if first_byte is not None and completion > 1 else None
         self.metrics.finished(

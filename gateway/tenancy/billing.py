@@ -205,10 +205,10 @@ class Billing:
         """What the client's ``usage`` gains: ``cost`` in dollars (OpenRouter's convention) when the model
         has a price; nothing otherwise (and the engine's answer then passes through untouched)."""
         prices = self.prices(model)
-        if prices is None or not usage_is_credible(usage):
+        counts = credible_counts(usage) if prices is not None else None
+        if prices is None or counts is None:
             return {}  # (no cost for made-up counts: the request is billed by the gateway's, see accounting)
-        prompt, cached, completion = usage_counts(usage)
-        return {"cost": dollars(prices.cost_picodollars(prompt, cached, completion))}
+        return {"cost": dollars(prices.cost_picodollars(*counts))}
 
     @property
     def journal(self) -> UsageJournal | None:
@@ -284,8 +284,16 @@ def usage_is_credible(usage: dict[str, Any]) -> bool:
     aside) is a whole number of tokens from 0 to ``MAX_USAGE_TOKENS``. One that is not (no prompt count,
     negative, fractional, a string, past any context) is no measure of the request: it is billed by the
     gateway's own counts instead, not as zero tokens."""
-    counts = _raw_counts(usage)
-    return counts[0] is not None and all(value is None or _is_count(value) for value in counts)
+    return credible_counts(usage) is not None
+
+
+def credible_counts(usage: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``usage_counts`` of a credible usage (see ``usage_is_credible``), None for any other: the check and
+    the counts in one reading of the usage (the request path reads each usage two or three times)."""
+    prompt, cached, completion = _raw_counts(usage)
+    if prompt is None or not all(value is None or _is_count(value) for value in (prompt, cached, completion)):
+        return None
+    return prompt, min(cached or 0, prompt), completion or 0
 
 
 def _raw_counts(usage: dict[str, Any]) -> tuple[Any, Any, Any]:
