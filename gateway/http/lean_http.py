@@ -330,7 +330,7 @@ class LeanConnection(LeanAnswering):
             version=self._version,
             keep_alive=keep_alive,
         )
-        self._queue.append((found, request, keep_alive))
+        self._queue.append((found, request))
         self._queued_bytes += len(body)
         if self._task is None:
             self._task = self._loop.create_task(self._answer_queue())

@@ -80,7 +80,8 @@ class LeanAnswering(LeanDeadlines):
     async def _answer_queue(self) -> None:
         try:
             while self._queue and self.transport is not None:
-                found, request, keep_alive = self._queue.popleft()
+                found, request = self._queue.popleft()
+                keep_alive = request.keep_alive
                 self._queued_bytes -= request.content_length
                 response = await self._answer(found, request)
                 if isinstance(response, LeanStream):

@@ -79,7 +79,7 @@ class LeanConnectionState(asyncio.Protocol):
         self._refusal_sent = False
         self._discarding = 0  # > 0: the body of a refused request is read and dropped, this many bytes so far
         # Answering.
-        self._queue: collections.deque[tuple[Found, LeanRequest, bool]] = collections.deque()
+        self._queue: collections.deque[tuple[Found, LeanRequest]] = collections.deque()
         self._queued_bytes = 0
         # What was read while the queue was full, parsed once it has been answered (gateway.http.lean_http).
         self._parked: list[bytes] = []
