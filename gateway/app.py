@@ -5,7 +5,6 @@ whose runner and cleanup context hold them)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -15,6 +14,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from cache.cancelling import cancel_and_wait
 from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
 from cache.ledger_redis import RedisLedger
@@ -341,11 +341,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         )
         yield
     finally:
-        for task in consumers:
-            task.cancel()
-        for task in consumers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*consumers)
         await poller.stop()
         if operator is not None:
             await operator.close(gateway.resilience.drain_timeout_s)

@@ -12,6 +12,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.redis_sending import connection_class
 from gateway.state.shared_state import SharedState
 from gateway.user_errors import without_credentials
 from region_map.config import ConfigError
@@ -35,6 +36,7 @@ def redis_client(url: str, max_connections: int) -> aioredis.Redis:
         socket_timeout=REDIS_TIMEOUT_S,
         socket_connect_timeout=REDIS_TIMEOUT_S,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        connection_class=connection_class(url),  # (cancellable sends: gateway.redis_sending)
     )
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 

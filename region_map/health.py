@@ -24,12 +24,12 @@ refuse is never reported healthy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import aiohttp
 
+from cache.cancelling import cancel_and_wait
 from region_map.config import EngineKind
 from region_map.discovery import (
     DiscoveryError,
@@ -123,9 +123,7 @@ class HealthPoller:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     # -- per kind ------------------------------------------------------------------------------------------

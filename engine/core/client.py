@@ -6,7 +6,6 @@ process goes away; a request left early (its client gone, a stop string) is abor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import socket
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from cache.cancelling import cancel_and_wait
 from cache.events import KvEvent
 from cache.tokens import Tokenizer, load_tokenizer
 from engine.async_engine import EngineDead
@@ -119,9 +119,7 @@ class EngineCoreClient:
             self._writer.close()
         await _reap(self.process)
         if self._reading is not None:
-            self._reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reading
+            await cancel_and_wait(self._reading)
         self._fail_all(EngineDead("the engine is shutting down"))
 
     @property

@@ -21,13 +21,13 @@ its handler just stops listening.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from cache.cancelling import cancel_and_wait
 from engine.metrics import EngineCounters
 from engine.openai_api import GenerationRequest
 from engine.openai_errors import OpenAIError, json_response
@@ -145,9 +145,7 @@ class BatchingLoop:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     # ---- the loop --------------------------------------------------------------------------------------
 

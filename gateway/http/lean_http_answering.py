@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from cache.cancelling import cancel_and_wait
 from gateway.http.edge import REQUEST_ID
 from gateway.http.errors import GatewayError, InvalidRequest, RequestTimedOut
 from gateway.http.http_wire import Answer, head, whole_response
@@ -248,6 +250,6 @@ class LeanAnswering(LeanDeadlines):
         if task is not None:
             done, _ = await asyncio.wait({task}, timeout=grace_s)
             if not done:
-                task.cancel()
-                await asyncio.wait({task})
+                with contextlib.suppress(Exception):  # (its errors are answered and logged where it runs)
+                    await cancel_and_wait(task)
         self._close()

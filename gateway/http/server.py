@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from http import HTTPStatus
 from typing import Any
@@ -148,9 +149,14 @@ def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
     """On cleanup the runner stops accepting, lets open requests and streams finish for the gateway's
     ``drain_timeout_s`` (then cancels them: each still gets its usage record), and only then closes the
     app, whose lifespan flushes the ledger."""
+    return GatewayRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=_drain_s(app), **kwargs
+    )
+
+
+def _drain_s(app: web.Application) -> float:
     gateway = app.get(GATEWAY)
-    drain_s = gateway.resilience.drain_timeout_s if gateway is not None else SHUTDOWN_TIMEOUT_S
-    return GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s, **kwargs)
+    return gateway.resilience.drain_timeout_s if gateway is not None else SHUTDOWN_TIMEOUT_S
 
 
 async def serve_until_signal(
@@ -180,8 +186,41 @@ async def serve_until_signal(
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        drain_s = _drain_s(app)
+        loop.call_later(drain_s + STILL_STOPPING_AFTER_S, _say_what_stopping_waits_on, drain_s)
     finally:
         await runner.cleanup()
+
+
+def _innermost_line(awaitable: object) -> str:
+    """The file and line where a suspended coroutine chain waits: its innermost coroutine outside asyncio
+    itself (an Event's or a Queue's own line says nothing of who waits)."""
+    at = "?"
+    while awaitable is not None:
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "ag_frame", None)
+        if frame is not None and not frame.f_code.co_filename.startswith(ASYNCIO_DIR):
+            at = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "ag_await", None)
+    return at
+
+
+ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+STILL_STOPPING_AFTER_S = 5.0  # past the drain, when the rest of a stop (ledger, Redis, followers) is late
+
+
+def _say_what_stopping_waits_on(drain_s: float) -> None:
+    """A stop late past its drain says what it still waits on: each task and the line it waits at (the
+    tasks of a stop that hung in CI could only be guessed at)."""
+    current = asyncio.current_task()
+    waiting = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    where = [f"{task.get_name()} at {_innermost_line(task.get_coro())}" for task in waiting]
+    log.warning(
+        "still stopping %.0f s after the drain of %.0f s began, waiting on %d tasks: %s",
+        STILL_STOPPING_AFTER_S,
+        drain_s,
+        len(where),
+        "; ".join(sorted(where)) or "none",
+    )
 
 
 def run_gateway(config: KvgateConfig, *, reuse_port: bool = False) -> None:

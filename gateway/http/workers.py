@@ -11,6 +11,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,9 @@ def _run_children(config: KvgateConfig, workers: int) -> int:
         signal.signal(sig, stop)
     first_ended: BaseProcess | None = None
     try:
-        while all(child.is_alive() for child in children):
-            multiprocessing.connection.wait([child.sentinel for child in children])
+        # (Woken each second to see whether it was asked to stop: the signal handler cannot end the wait.)
+        while all(child.is_alive() for child in children) and not asked_to_stop:
+            multiprocessing.connection.wait([child.sentinel for child in children], timeout=1.0)
         first_ended = next((child for child in children if not child.is_alive()), None)
         if first_ended is not None and not asked_to_stop:  # (said now: the others may drain for a while)
             log.error(
@@ -174,9 +176,34 @@ def _run_children(config: KvgateConfig, workers: int) -> int:
             )
     finally:
         forward(signal.SIGTERM, None)  # one ended: the service is not whole, stop the rest
-        for child in children:
+        killed = _join_or_kill(children, config.gateway.resilience.drain_timeout_s + STOP_MARGIN_S)
+    return 1 if killed else _exit_status(children, first_ended, asked_to_stop)
+
+
+STOP_MARGIN_S = 10.0  # past the drain: the ledger's last write (5 s at most), Redis and the engines' sessions
+
+
+def _join_or_kill(children: list[BaseProcess], within_s: float) -> bool:
+    """Wait for the workers told to stop; kill any still running ``within_s`` seconds later (the drain and
+    the ledger's last write), saying so. A worker stuck for good (a task that never ended, a stopped
+    process) held ``kvgate serve`` for ever, and a supervisor's stop only ended it by its own SIGKILL.
+    Whether one had to be killed."""
+    deadline = time.monotonic() + within_s
+    killed = False
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive() and child.pid is not None:
+            log.error(
+                "worker %s (pid %s) did not stop within %.0f s of SIGTERM: killing it (the usage records it "
+                "still held are in its journal, billed at the next start)",
+                child.name,
+                child.pid,
+                within_s,
+            )
+            os.kill(child.pid, signal.SIGKILL)
             child.join()
-    return _exit_status(children, first_ended, asked_to_stop)
+            killed = True
+    return killed
 
 
 def _exit_status(children: list[BaseProcess], first_ended: BaseProcess | None, asked_to_stop: bool) -> int:

@@ -10,7 +10,6 @@ window, off the request path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from cache.cancelling import cancel_and_wait
 from gateway.http.errors import NotFound
 from gateway.http.lean_request import LeanRequest
 from gateway.http.lean_routes import LeanHandler
@@ -109,9 +109,7 @@ class DashboardSampler:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
 

@@ -31,6 +31,8 @@ import orjson
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from cache.cancelling import cancel_and_wait
+
 log = logging.getLogger("kvgate.metrics")
 
 SUMMED = ("counter", "histogram", "summary", "gaugehistogram")
@@ -135,9 +137,7 @@ class WorkerMetrics:
     async def stop(self) -> None:
         """Stop writing, with a last snapshot: what this worker counted stays in the others' answers."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         self._try_write()
 

@@ -9,12 +9,13 @@ between them (whether Redis still holds what was written: it may have lost it wi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from cache.cancelling import cancel_and_wait
 
 log = logging.getLogger("kvgate.background")
 
@@ -125,7 +126,5 @@ class BackgroundWriter:
         if self._task is None:
             return
         await self.flush(flush_timeout_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
         self._task = None

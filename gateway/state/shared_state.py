@@ -20,7 +20,6 @@ time. Hearing the other gateways on the channel, and catching up after losing it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -33,6 +32,7 @@ import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from cache.cancelling import cancel_and_wait
 from cache.events import KvEventBatch
 from cache.redis_keys import RedisKeys
 from cache.residency_memory import MemoryResidencyIndex
@@ -124,14 +124,7 @@ class SharedState:
 
     async def stop(self) -> None:
         await self.follower.stop()
-        for task in list(self._claiming):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await cancel_and_wait(*self._claiming, self._sweeper)
         self._sweeper = None
         await self.writer.stop()
 

@@ -19,6 +19,7 @@ import msgpack
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
+from cache.cancelling import cancel_and_wait
 from cache.sessions import SessionBinding
 
 if TYPE_CHECKING:
@@ -65,11 +66,7 @@ class GatewaysFollower:
         self._follower = asyncio.create_task(self._follow(), name="kvgate-follower")
 
     async def stop(self) -> None:
-        for task in (self._follower, self._resyncing):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._follower, self._resyncing)
         self._follower = self._resyncing = None
 
     def _on_update(self, raw: bytes) -> None:

@@ -34,6 +34,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from cache.cancelling import cancel_and_wait
 from cache.events import EventDecodeError, KvEventBatch
 from cache.foreign_chain import ForeignChain
 from cache.foreign_events import ForeignBatch, decode_foreign_batch
@@ -377,10 +378,7 @@ class ZmqEventSequencer:
 
     async def _stop_settling(self) -> None:
         """Close the dropped replay sockets still settling (the follower stops)."""
-        for task in list(self._settling):
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._settling)
 
     def _count_oversized(self, state: RankState, socket: str) -> None:
         self.oversized_messages += 1

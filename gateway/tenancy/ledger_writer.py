@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from cache.cancelling import cancel_and_wait
 from cache.journal import CostFn, JournalLocked, UsageJournal
 from cache.ledger import UsageLedger, UsageRecord
 from cache.spool import Spool
@@ -282,9 +283,7 @@ class LedgerWriter:
         with contextlib.suppress(TimeoutError):
             await self.flush(timeout_s)
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         rest, self._unsaved = self._unsaved, []
         while not self._queue.empty():

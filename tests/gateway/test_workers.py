@@ -3,6 +3,7 @@ without it (the workers' private redis-server)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -103,8 +104,7 @@ def test_the_next_turn_on_another_worker_follows_the_session(
                 assert time.monotonic() < deadline, "the workers outlived kvgate serve"
                 time.sleep(0.1)
         else:  # stopped: the private redis-server is gone with the workers, its socket too
-            gateway.terminate()
-            assert gateway.wait(30) == 0, log_path.read_text()
+            assert _stopped(gateway, log_path) == 0, log_path.read_text()
             assert not list((tmp_path / f"workers-r-{port}").glob("*.sock"))
     finally:
         if gateway.poll() is None:
@@ -173,8 +173,7 @@ def test_a_response_made_on_one_worker_is_found_at_once_on_another(tmp_path: Pat
             assert _responses(port, "POST", "", body)["previous_response_id"] == made["id"], n
         assert _routed(operator) > 0 and _routed(operator + 1) > 0  # both workers answered
     finally:
-        gateway.terminate()
-        gateway.wait(30)
+        _stopped(gateway, log_path)
         for engine in engines:
             engine.kill()
             engine.wait()
@@ -274,8 +273,16 @@ def test_the_public_metrics_of_workers_count_every_workers_requests(
                 workers.add(dict(labels)["worker"])
         assert len(workers) == 2, workers
     finally:
-        gateway.terminate()
-        gateway.wait(30)
+        _stopped(gateway, log_path)
+
+
+def _stopped(gateway: subprocess.Popen[bytes], log_path: Path) -> int:
+    """SIGTERM to kvgate serve, and its exit status once it stopped, with its log if it did not in 30 s."""
+    gateway.terminate()
+    try:
+        return gateway.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"kvgate serve did not stop in 30 s:\n{log_path.read_text()[-20000:]}") from None
 
 
 def _children(pid: int) -> list[int]:
@@ -327,6 +334,57 @@ def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait()
+
+
+def test_a_worker_that_does_not_stop_is_killed_once_its_drain_is_over(
+    tmp_path: Path, two_sim_engines: list[int]
+) -> None:
+    """A worker stuck for good (here stopped by SIGSTOP; in CI once, a task that never ended) held kvgate
+    serve for ever after SIGTERM: a supervisor's stop ended only with its own SIGKILL, of everything. It is
+    killed once its drain and the ledger's last write are over, named, and the exit status says so."""
+    _, port, operator = _distinct_ports()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{two_sim_engines[0]}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
+        f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n'
+        "[gateway.resilience]\ndrain_timeout_s = 1\n"
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log_file:
+        gateway = subprocess.Popen(
+            [*KVGATE, "--log-format", "text", "serve", "--config", str(config), "--workers", "2"],
+            stderr=log_file,
+        )
+    stuck = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_port_open(p) for p in (port, operator, operator + 1)):
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        for p in (operator, operator + 1):  # each serving (its SIGTERM handler is in place once it answers)
+            while _engines_healthy(p) != 1:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        stuck = _children(gateway.pid)[0]
+        os.kill(stuck, signal.SIGSTOP)
+        gateway.terminate()
+        try:
+            status = gateway.wait(60)  # (1 s of drain and 10 of margin)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("kvgate serve waited on its stuck worker") from None
+        assert status == 1
+        assert not _port_open(port)
+        log = log_path.read_text()
+        assert f"(pid {stuck}) did not stop within 11 s of SIGTERM: killing it" in log, log
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+        if stuck:  # (a stopped process ignores the SIGTERM its parent's death sends it)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("operator", [False, True], ids=["shared-metrics", "operator-port"])
