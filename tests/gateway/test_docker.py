@@ -99,6 +99,25 @@ def test_docker_stop_lets_each_gateway_drain_and_flush_its_ledger(region: str) -
     assert grace >= config.gateway.resilience.drain_timeout_s + 5, (grace, region)
 
 
+@pytest.mark.parametrize("region", ["eu-west", "us-east"])
+def test_compose_stops_each_gateway_before_the_engines_and_redis_it_uses(region: str) -> None:
+    """Compose stops a service before the services it depends on, and the others all at once: the engines
+    stopped beside a draining gateway, cutting the streams its drain was for, and its ledger's Redis could
+    go before its last write."""
+    config = load_config(DOCKER / "config" / f"{region}.toml", environ={})
+    depends_on = set(compose()["services"][f"{region}-gateway"]["depends_on"])
+    engines = {str(e.url).split("//")[1].split(":")[0] for r in config.topology.regions for e in r.engines}
+    assert engines and engines | {"redis"} <= depends_on, (region, engines - depends_on)
+
+
+def test_every_kvgate_process_runs_under_an_init() -> None:
+    """As PID 1 a process gets no default signal actions and must reap every orphan: the engine's core
+    process and the workers' processes and private Redis are children of kvgate."""
+    services = compose()["services"]
+    kvgate = [n for n, s in services.items() if str(s.get("image", "")).startswith("kvgate")]
+    assert len(kvgate) >= 7 and all(services[n].get("init") is True for n in kvgate), kvgate
+
+
 def test_prometheus_scrapes_every_gateway_and_engine() -> None:
     config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     targets = {
