@@ -49,6 +49,7 @@ from gateway.routing.router import Router
 from gateway.state.shared_state import SharedState
 from gateway.stored_responses import StoredResponses
 from gateway.tenancy.accounting import RequestAccount
+from gateway.tenancy.answer_tokens import own_completion_count
 from gateway.tenancy.billing import Billing, Caller
 from gateway.tenancy.tenants import Tenant
 from gateway.waits import Waits
@@ -81,6 +82,7 @@ class Gateway:
         self.policy = policy
         self.billing = billing
         self.prepare = RequestPreparer(config.gateway, fleet, tokenizer)
+        self._own_count = functools.partial(own_completion_count, tokenizer)
         self.router = Router(config.gateway, fleet, state, policy, metrics=metrics)
         s = self.settings
         self.health_report = HealthReport(fleet, state, billing)
@@ -365,6 +367,7 @@ class Gateway:
                         metrics=self.metrics,
                         accounting=account,
                         on_answer=bind,
+                        own_count=self._own_count,
                     )
                 tap: StreamTap = (
                     ResponsesStreamTap(annotate=account.annotate, on_response=bind)

@@ -62,9 +62,15 @@ class Accounting(Protocol):
         self, usage: dict[str, Any] | None, first_byte: float | None, outcome: Outcome, streamed_tokens: int
     ) -> None:
         """Called once per relayed answer: the engine's usage (None if it never came), the perf_counter
-        of the first streamed byte, how it ended, and how many completion tokens streamed to the client (by
-        its events: the estimate when the usage never came)."""
+        of the first streamed byte, how it ended, and the gateway's own count of its completion tokens (a
+        stream's events; a whole answer's generated text when its usage cannot bill it): the estimate billed
+        when the usage never came."""
         ...
+
+
+# The gateway's own count of a whole answer's completion tokens, given the answer and its usage: None when
+# the usage bills it (gateway.tenancy.answer_tokens).
+OwnCount = Callable[[dict[str, Any], dict[str, Any] | None], Awaitable[int] | None]
 
 
 class StreamClient(Protocol):
@@ -101,11 +107,13 @@ async def relay_whole(
     metrics: GatewayMetrics,
     accounting: Accounting,
     on_answer: Callable[[dict[str, Any]], Awaitable[Any] | None] | None = None,
+    own_count: OwnCount | None = None,
 ) -> WholeAnswer | web.Response:
     """Relay a whole answer (its usage annotated with the cost); an engine's error as ``engine_error``.
     An answer that breaks off, or a 200 that is no JSON object, raises ``UpstreamFailed`` or
     ``UpstreamTimedOut``: nothing reached the client, another engine may answer. ``on_answer`` sees a 200's
-    answer before it is relayed; what it returns, if anything, is awaited before the answer goes out."""
+    answer before it is relayed; what it returns, if anything, is awaited before the answer goes out.
+    ``own_count`` counts the completion tokens of an answer whose usage cannot bill it."""
     try:
         data = await read_answer(upstream, read_timeout_s)
     except UpstreamTimeout:
@@ -134,7 +142,8 @@ async def relay_whole(
     if usage is not None and extras:
         answer["usage"] = {**usage, **extras}
         data = orjson.dumps(answer)
-    accounting.done(usage, None, "completed", 0)
+    counting = own_count(answer, usage) if own_count is not None else None
+    accounting.done(usage, None, "completed", await counting if counting is not None else 0)
     if noted is not None:
         await asyncio.shield(noted)  # (shared: a client that leaves does not cancel it for others)
     return WholeAnswer(data, headers)

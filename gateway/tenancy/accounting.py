@@ -174,9 +174,9 @@ class RequestAccount:
             record = self._record(prompt, cached, completion, outcome, estimated=False)
         elif record is None:
             # It ended without the engine's usage: bill what the engine did by the gateway's own counts (the
-            # prompt it sent, the cache it predicted, one token per streamed event) — also when the client
-            # left before the first byte, and for a whole answer that came without usage (its tokens are not
-            # counted): the engine took the prompt. (Where the engine failed before anything reached the
+            # prompt it sent, the cache it predicted, one token per streamed event or a whole answer's
+            # generated text tokenized: gateway.tenancy.answer_tokens) — also when the client left before
+            # the first byte: the engine took the prompt. (Where the engine failed before anything reached the
             # client, the relay raised instead and the request is voided: ``void``.)
             record = self._record(len(p.token_ids), self.predicted, streamed_tokens, outcome, estimated=True)
         if record is not self._final and self.billing.journal is not None:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from cache.ledger import day_of
+from gateway.tenancy.answer_tokens import generated_texts
 from gateway.tenancy.billing import usage_is_credible
 from tests.faulty_engines import Scripted, answers, chat_chunk
 from tests.gateway.test_tenants_billing import PRICE, PRICES, chat
@@ -33,8 +34,11 @@ def _usage_event(usage: str) -> bytes:
     return b"data: " + head[:-1] + b',"choices":[],"usage":' + usage.encode() + b"}\n\n"
 
 
+ANSWER = "a whole answer of a few more words than one"
+
+
 def _whole(usage: str) -> bytes:
-    message = {"role": "assistant", "content": "x"}
+    message = {"role": "assistant", "content": ANSWER}
     choice = {"index": 0, "message": message, "finish_reason": "stop"}
     head = orjson.dumps(
         {"id": "c", "object": "chat.completion", "created": 1, "model": MODEL, "choices": [choice]}
@@ -70,18 +74,22 @@ async def test_usage_an_engine_made_up_is_billed_by_the_gateways_own_counts(
             answered.append((0, repr(exc).encode()))
     for status, body in answered:
         assert status == 200, body[-300:]
-        assert body.endswith(b"data: [DONE]\n\n") if stream else b'"content":"x"' in body
+        assert body.endswith(b"data: [DONE]\n\n") if stream else f'"content":"{ANSWER}"'.encode() in body
     writer = cluster.gateway.billing.writer
     await writer.flush()
     assert writer.state == "ok" and writer.spooled == 0
     ledger = cluster.gateway.billing.ledger
     records = await ledger.records()
     assert len(records) == 2
+    whole_tokens = len(cluster.gateway.prepare.tokenizer.encode_public(ANSWER))
+    assert whole_tokens > 1
     for rec in records:
         # The engine's numbers are no counts: billed as a request that came without usage.
         assert (rec.status, rec.estimated) == ("completed", True)
         assert 0 < rec.prompt_tokens < 1000
-        assert rec.completion_tokens == (1 if stream else 0)  # (a whole answer's tokens are not counted)
+        # A stream's tokens counted by its events; a whole answer's by tokenizing what it generated (they
+        # were not counted: 0, however long the answer).
+        assert rec.completion_tokens == (1 if stream else whole_tokens), (rec.completion_tokens, whole_tokens)
         assert rec.cost_picodollars == PRICES.cost_picodollars(
             rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens
         )
@@ -147,3 +155,30 @@ async def test_an_internal_error_mid_stream_ends_the_stream_with_an_error_and_is
         9,
         1,
     )
+
+
+def test_the_text_a_whole_answer_generated_is_read_from_every_api_shape() -> None:
+    completions = {"choices": [{"text": "one"}, {"text": "two"}]}
+    chat_answer = {
+        "choices": [
+            {
+                "message": {
+                    "content": None,
+                    "reasoning_content": "think",
+                    "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}],
+                }
+            }
+        ]
+    }
+    responses = {
+        "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "why"}]},
+            {"type": "message", "content": [{"type": "output_text", "text": "said"}]},
+            {"type": "function_call", "name": "g", "arguments": "{}"},
+        ]
+    }
+    assert generated_texts(completions) == ["one", "two"]
+    assert generated_texts(chat_answer) == ["think", "f", '{"a": 1}']
+    assert generated_texts(responses) == ["why", "said", "g", "{}"]
+    assert generated_texts({"data": [{"embedding": [0.1]}]}) == []  # (embeddings generate nothing)
+    assert generated_texts({"choices": "junk", "output": [3, None]}) == []
