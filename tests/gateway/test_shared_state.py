@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -523,4 +524,30 @@ async def test_every_gateway_writes_its_view_back_after_a_flush_whichever_notice
             assert time.monotonic() < deadline, "a gateway did not write its view back"
             await asyncio.sleep(0.05)
         assert a.data_losses == b.data_losses == 1
+        await client.aclose()
+
+
+# -- stopping ------------------------------------------------------------------------------------------------
+
+
+async def test_a_gateways_shared_state_stops_while_its_writer_is_busy_with_redis(
+    redis_url: str, redis_keys: RedisKeys
+) -> None:
+    """The writer checks Redis now and then while it is idle (every second; here without pause, so that a
+    stop comes while a command is under way). A cancellation that came as a command was sent was dropped
+    (redis-py sent under Python 3.11's ``asyncio.wait_for``): the writer went on checking, and ``stop``, so a
+    gateway's shutdown after its drain, waited for it for ever."""
+    client = redis_client(redis_url, 16)
+    try:
+        for n in range(40):
+            state = SharedState(gateway_id=f"gw-{n}", redis=client, keys=redis_keys)
+            state.writer.check_interval_s = 0.0
+            await state.start([ENGINE])
+            await asyncio.sleep(0.01 + random.random() * 0.01)
+            try:
+                async with asyncio.timeout(5):
+                    await state.stop()
+            except TimeoutError:
+                raise AssertionError(f"stop {n} did not end in 5 s") from None
+    finally:
         await client.aclose()
