@@ -12,12 +12,12 @@ import argparse
 import asyncio
 import statistics
 import time
+import uuid
 
 import redis.asyncio as aioredis
 
 from gateway.redis_connection import REDIS_TIMEOUT_S
 from gateway.redis_sending import connection_class
-from tests.redis_prefixes import new_prefix
 
 
 def client(url: str, cancellable: bool) -> aioredis.Redis:
@@ -40,7 +40,7 @@ async def per_command_us(redis: aioredis.Redis, key: str, commands: int) -> floa
 
 
 async def main(url: str, commands: int, rounds: int) -> None:
-    key = f"{new_prefix()}:bench"
+    key = f"kvgate-bench-{uuid.uuid4().hex}"
     clients = {"wait_for (redis-py)": client(url, False), "asyncio.timeout (kvgate)": client(url, True)}
     times: dict[str, list[float]] = {name: [] for name in clients}
     for redis in clients.values():
