@@ -294,19 +294,18 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
-def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
-    tmp_path: Path, two_sim_engines: list[int]
-) -> None:
-    """A worker that dies (kill -9, the OOM killer) takes the others down, as documented; kvgate serve
-    must then exit non-zero and say which worker died and how, so that a supervisor (systemd
-    Restart=on-failure, a container's restart policy) restarts it. It used to exit 0 without a word."""
+def _two_workers_serving(
+    tmp_path: Path, engine_port: int, more_config: str = ""
+) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """``kvgate serve --workers 2`` in front of one engine, each worker with its operator port and serving
+    (its SIGTERM handler is in place once it answers): the process, its log and the public port."""
     _, port, operator = _distinct_ports()
     config = tmp_path / "deploy.toml"
     config.write_text(
         f'region = "r"\n[[regions]]\nname = "r"\n'
-        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{two_sim_engines[0]}" }}]\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{engine_port}" }}]\n'
         f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
-        f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n'
+        f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n{more_config}'
     )
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log_file:
@@ -319,10 +318,25 @@ def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
         while not all(_port_open(p) for p in (port, operator, operator + 1)):
             assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
-        for p in (operator, operator + 1):  # each serving (its SIGTERM handler is in place once it answers)
+        for p in (operator, operator + 1):
             while _engines_healthy(p) != 1:
                 assert time.monotonic() < deadline, log_path.read_text()
                 time.sleep(0.1)
+    except BaseException:
+        gateway.kill()
+        gateway.wait()
+        raise
+    return gateway, log_path, port
+
+
+def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
+    tmp_path: Path, two_sim_engines: list[int]
+) -> None:
+    """A worker that dies (kill -9, the OOM killer) takes the others down, as documented; kvgate serve
+    must then exit non-zero and say which worker died and how, so that a supervisor (systemd
+    Restart=on-failure, a container's restart policy) restarts it. It used to exit 0 without a word."""
+    gateway, log_path, port = _two_workers_serving(tmp_path, two_sim_engines[0])
+    try:
         workers = _children(gateway.pid)
         assert len(workers) == 2, workers
         os.kill(workers[0], signal.SIGKILL)
@@ -342,31 +356,11 @@ def test_a_worker_that_does_not_stop_is_killed_once_its_drain_is_over(
     """A worker stuck for good (here stopped by SIGSTOP; in CI once, a task that never ended) held kvgate
     serve for ever after SIGTERM: a supervisor's stop ended only with its own SIGKILL, of everything. It is
     killed once its drain and the ledger's last write are over, named, and the exit status says so."""
-    _, port, operator = _distinct_ports()
-    config = tmp_path / "deploy.toml"
-    config.write_text(
-        f'region = "r"\n[[regions]]\nname = "r"\n'
-        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{two_sim_engines[0]}" }}]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\noperator_port = {operator}\n'
-        f'redis_url = "{REDIS_URL}"\nredis_prefix = "{new_prefix()}"\n'
-        "[gateway.resilience]\ndrain_timeout_s = 1\n"
+    gateway, log_path, port = _two_workers_serving(
+        tmp_path, two_sim_engines[0], "[gateway.resilience]\ndrain_timeout_s = 1\n"
     )
-    log_path = tmp_path / "gateway.log"
-    with log_path.open("wb") as log_file:
-        gateway = subprocess.Popen(
-            [*KVGATE, "--log-format", "text", "serve", "--config", str(config), "--workers", "2"],
-            stderr=log_file,
-        )
     stuck = 0
     try:
-        deadline = time.monotonic() + 60
-        while not all(_port_open(p) for p in (port, operator, operator + 1)):
-            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        for p in (operator, operator + 1):  # each serving (its SIGTERM handler is in place once it answers)
-            while _engines_healthy(p) != 1:
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)
         stuck = _children(gateway.pid)[0]
         os.kill(stuck, signal.SIGSTOP)
         gateway.terminate()
