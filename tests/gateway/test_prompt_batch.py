@@ -61,12 +61,14 @@ async def test_each_prompt_goes_to_the_engine_holding_its_prefix_and_the_answers
         assert status == 200
         singles.append(single["usage"]["prompt_tokens"])
 
-    body = {"model": cluster.model, "prompt": [second, first], "max_tokens": 3, "n": 2}
+    # (ignore_eos: a random model's sampled token may be its EOS, which ended a choice early now and then;
+    # and the text of three random tokens may be empty, a partial UTF-8 character held back)
+    body = {"model": cluster.model, "prompt": [second, first], "max_tokens": 3, "n": 2, "ignore_eos": True}
     status, answer, headers = await cluster.post("/v1/completions", body)
     assert status == 200, answer
     assert headers["x-kvgate-engine"] == f"{engine_b}, {engine_a}"
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
-    assert all(c["finish_reason"] == "length" and c["text"] for c in answer["choices"])
+    assert all(c["finish_reason"] == "length" and isinstance(c["text"], str) for c in answer["choices"])
     usage = answer["usage"]
     assert usage["completion_tokens"] == 2 * 2 * 3
     assert usage["prompt_tokens"] == sum(singles)
