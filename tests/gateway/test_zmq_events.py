@@ -138,6 +138,19 @@ async def following(engine: EngineState, state: SharedState, **kw: Any) -> Async
         assert consumer.errors == 0
 
 
+@contextlib.asynccontextmanager
+async def holding(
+    engine: FakeVllm, engine_: EngineState, state: SharedState, a: list[int], **kw: Any
+) -> AsyncIterator[ZmqKvEventConsumer]:
+    """Following with a 1 MiB message limit, subscribed, and ``a`` prefilled and held: where the tests of
+    messages over the limit start."""
+    async with following(engine_, state, max_message_bytes=1 << 20, **kw) as consumer:
+        await subscribed(engine.pub, consumer)
+        engine.prefill(a)
+        await until(holds(state, kv(a), 2))
+        yield consumer
+
+
 async def subscribed(pub: vp.VllmPublisher, consumer: ZmqKvEventConsumer, rank: int = 0) -> None:
     """Publish empty batches until one arrives live: ZMQ's subscription reaches a PUB socket a moment after
     the subscriber connects (the "slow joiner"), and what is sent before is lost to it."""
@@ -790,10 +803,7 @@ async def test_a_message_over_the_size_limit_is_not_read_and_later_events_still_
     ):
         engine = FakeVllm(pub)
         engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
-        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
-            await subscribed(pub, c)
-            engine.prefill(a)
-            await until(holds(state, kv(a), 2))
+        async with holding(engine, engine_, state, a, replay_timeout_s=30) as c:
             pub.publish([], payload=b"\x00" * OVER)
             await until(lambda: c.oversized_messages >= 1, 3, "the dropped connection")
             await subscribed(pub, c)  # the socket was reopened
@@ -847,10 +857,7 @@ async def test_a_message_over_the_size_limit_in_the_replay_buffer_is_skipped_not
     ):
         engine = FakeVllm(pub)
         engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
-        async with following(engine_, state, max_message_bytes=1 << 20, probe_interval_s=0.2) as c:
-            await subscribed(pub, c)
-            engine.prefill(a)
-            await until(holds(state, kv(a), 2))
+        async with holding(engine, engine_, state, a, probe_interval_s=0.2) as c:
             pub.publish([], payload=b"\x00" * OVER)
             pub.publish([], payload=b"\x01" * OVER, drop=True)
             engine.prefill(b, drop=True)
@@ -879,10 +886,7 @@ async def test_a_message_over_the_size_limit_sent_to_the_gateways_bound_socket_i
         vp.VllmPublisher(f"tcp://127.0.0.1:{ports}", f"tcp://*:{ports + 1}") as pub,
     ):
         engine = FakeVllm(pub)
-        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
-            await subscribed(pub, c)
-            engine.prefill(a)
-            await until(holds(state, kv(a), 2))
+        async with holding(engine, engine_, state, a, replay_timeout_s=30) as c:
             pub.publish([], payload=b"\x00" * OVER)
             engine.prefill(b)
             await subscribed(pub, c)  # (live or replayed, b comes before the batch that ends this)
@@ -927,10 +931,7 @@ async def test_a_replay_drop_shown_before_the_batch_ahead_of_it_is_put_after_tha
     with vp.VllmPublisher(f"tcp://*:{ports}", f"tcp://*:{ports + 1}") as pub:
         engine = FakeVllm(pub)
         engine_ = engine_state(f"tcp://127.0.0.1:{ports}", f"tcp://127.0.0.1:{ports + 1}")
-        async with following(engine_, state, max_message_bytes=1 << 20, replay_timeout_s=30) as c:
-            await subscribed(pub, c)
-            engine.prefill(a)
-            await until(holds(state, kv(a), 2))
+        async with holding(engine, engine_, state, a, replay_timeout_s=30) as c:
             monkeypatch.setattr(zmq.asyncio, "Poller", DropShownFirst)  # (for the replays from here on)
             pub.publish([], payload=b"\x00" * OVER, drop=True)  # in the replay buffer only: no live drop
             engine.prefill(b)  # a gap: the replay from a's batch drops on the large batch
