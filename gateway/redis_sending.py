@@ -3,10 +3,11 @@
 redis-py bounds each send by its socket timeout with ``asyncio.wait_for``. On Python 3.11 that drops a
 cancellation which arrives in the loop turn the send completes in (CPython gh-86296, mended in 3.12); a
 task looping on commands is in that turn most of the time: of 300 such tasks cancelled at random instants,
-208 carried on past the first cancellation. A gateway's writer or follower then outlived its stop, and a
-request whose client had left went on. Here the same bound is kept, with the socket timeout unset for the
-send's duration so that redis-py takes its path without a timeout, and ``asyncio.timeout`` applied around
-it, which passes cancellations on; a send past the bound is redis-py's own "Timeout writing to socket"."""
+246 carried on past the cancellation (tests/gateway/test_redis_sending.py, before this module). A gateway's
+writer or follower then outlived its stop, and a request whose client had left went on. Here the same bound
+is kept, with the socket timeout unset for the send's duration so that redis-py takes its path without a
+timeout, and ``asyncio.timeout`` applied around it, which passes cancellations on; a send past the bound is
+redis-py's own "Timeout writing to socket"."""
 
 from __future__ import annotations
 

@@ -192,6 +192,10 @@ async def serve_until_signal(
         await runner.cleanup()
 
 
+ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+STILL_STOPPING_AFTER_S = 5.0  # past the drain, when the rest of a stop (ledger, Redis, followers) is late
+
+
 def _innermost_line(awaitable: object) -> str:
     """The file and line where a suspended coroutine chain waits: its innermost coroutine outside asyncio
     itself (an Event's or a Queue's own line says nothing of who waits)."""
@@ -202,10 +206,6 @@ def _innermost_line(awaitable: object) -> str:
             at = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "ag_await", None)
     return at
-
-
-ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
-STILL_STOPPING_AFTER_S = 5.0  # past the drain, when the rest of a stop (ledger, Redis, followers) is late
 
 
 def _say_what_stopping_waits_on(drain_s: float) -> None:
