@@ -5,8 +5,10 @@ whose runner and cleanup context hold them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -269,6 +271,23 @@ def _metrics_handler(scraped: Collector) -> LeanHandler:
     return handler
 
 
+def _for_life(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """A task meant to run as long as the gateway does. One that ends on an error is said at once, with
+    its traceback: from then on what it did (following an engine's KV events, checking tokenizers) is not
+    done until a restart, and an operator learns it from the log rather than from stale routing."""
+    task = asyncio.create_task(work, name=name)
+    task.add_done_callback(_say_if_it_failed)
+    return task
+
+
+def _say_if_it_failed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error(
+            "%s stopped on an error: %s: %s (it runs again at the next start)",
+            task.get_name(), type(error).__name__, error, exc_info=error,
+        )  # fmt: skip
+
+
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     settings = gateway.settings
@@ -312,7 +331,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                     engine, session, state, max_message_bytes=settings.kv_event_max_message_bytes
                 )
                 gateway.metrics.own_event_followers.append(consumer)
-                consumers.append(asyncio.create_task(consumer.run(), name=f"kv-events-{engine.id}"))
+                consumers.append(_for_life(consumer.run(), f"kv-events-{engine.id}"))
             elif engine.kv_events and engine.config.kv_events_endpoint is not None:
                 # vLLM and SGLang publish over ZMQ (their events carry the token ids kvgate hashes).
                 follower = ZmqKvEventConsumer(
@@ -322,13 +341,13 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
                     max_message_bytes=settings.kv_event_max_message_bytes,
                 )
                 gateway.metrics.event_followers.append(follower)
-                consumers.append(asyncio.create_task(follower.run(), name=f"zmq-kv-events-{engine.id}"))
+                consumers.append(_for_life(follower.run(), f"zmq-kv-events-{engine.id}"))
         consumers.append(
-            asyncio.create_task(
+            _for_life(
                 check_tokenizers_forever(
                     fleet, session, gateway.prepare.tokenizer, settings.health_interval_s
                 ),
-                name="kvgate-tokenizer-checks",
+                "kvgate-tokenizer-checks",
             )
         )
         log.info(
@@ -341,7 +360,10 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         )
         yield
     finally:
-        await cancel_and_wait(*consumers)
+        # A follower's error was said when it ended (_say_if_it_failed); raised here, it would skip the
+        # rest of the stop: the ledger's flush among it.
+        with contextlib.suppress(Exception):
+            await cancel_and_wait(*consumers)
         await poller.stop()
         if operator is not None:
             await operator.close(gateway.resilience.drain_timeout_s)

@@ -82,6 +82,7 @@ def test_a_small_bomb_is_refused_at_the_body_limit(gw: BackgroundCluster) -> Non
         (gzip.compress(BODY)[:-12], "cut short"),
         (gzip.compress(BODY) + b"junk!", "not valid gzip"),  # (read as a second member)
     ],
+    ids=["plain", "cut-short", "trailing-junk"],  # (gzip's header holds the time: ids must not)
 )
 def test_bodies_that_are_not_what_their_coding_says_are_400(
     gw: BackgroundCluster, body: bytes, said: str

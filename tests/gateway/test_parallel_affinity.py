@@ -136,7 +136,11 @@ async def test_a_client_that_leaves_while_its_sessions_claim_travels_leaves_no_l
         engine = gateway.fleet.engines["eu-west/e0"]
         await cluster.wait_for(lambda: engine.healthy)
         assert server.process is not None
-        server.process.send_signal(signal.SIGSTOP)  # the claim gets no answer (it gives up after 0.25 s)
+        # The claim gets no answer; it gives up after 0.25 s by default, which a loaded machine can spend
+        # before the client below leaves (the request then goes on to the engine, and its binding rightly
+        # stays): the test needs the client to leave while the claim still waits.
+        gateway.state._read_timeout_s = 2.0
+        server.process.send_signal(signal.SIGSTOP)
         try:
             request = asyncio.ensure_future(ask(cluster, prefix("gone"), session="s-gone", stream=False))
             await cluster.wait_for(lambda: bool(gateway.state.claims))
@@ -144,7 +148,8 @@ async def test_a_client_that_leaves_while_its_sessions_claim_travels_leaves_no_l
             request.cancel()  # the client leaves
             with contextlib.suppress(asyncio.CancelledError):
                 await request
-            await cluster.wait_for(lambda: not gateway.state.claims)  # the claim gave up
+            assert gateway.state.claims  # (it left while the claim waited)
+            await cluster.wait_for(lambda: not gateway.state.claims, within_s=10)  # the claim gave up
         finally:
             server.process.send_signal(signal.SIGCONT)
         await cluster.wait_for(lambda: engine.inflight == 0)
