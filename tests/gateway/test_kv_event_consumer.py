@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
@@ -11,6 +10,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
+from cache.cancelling import cancel_and_wait
 from cache.events import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from gateway.state.kv_events import KvEventConsumer
 from region_map.config import EngineConfig
@@ -74,9 +74,7 @@ async def test_an_event_kind_it_does_not_know_is_skipped_and_the_rest_of_its_bat
         try:
             await asyncio.wait_for(sink.applied.wait(), 5)
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
     await runner.cleanup()
     (applied,) = sink.batches
     assert applied.seq == 1 and applied.events == (BlockStored((5,), 1), BlockRemoved((1,)))
@@ -157,9 +155,7 @@ async def test_a_message_that_never_ends_is_refused_at_the_size_limit_and_follow
                     assert asyncio.get_running_loop().time() < deadline, (streams, streamed)
                     await asyncio.sleep(0.01)
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
     finally:
         await runner.cleanup()
     assert consumer.resyncs >= 2  # back to a snapshot each time

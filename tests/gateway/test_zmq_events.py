@@ -21,6 +21,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from cache.cancelling import cancel_and_wait
 from cache.hashing import block_hashes, namespace_seed
 from gateway.state.shared_state import SharedState
 from gateway.state.zmq_drops import GRACE_S
@@ -132,9 +133,7 @@ async def following(engine: EngineState, state: SharedState, **kw: Any) -> Async
             await asyncio.wait_for(consumer.ready.wait(), 3)
         yield consumer
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
         assert consumer.errors == 0
 
 
@@ -670,9 +669,7 @@ async def test_recorded_vllm_0_32_replay_answer(ports: int, state: SharedState) 
             assert state.lookup(tiny(requests["long_prompt_token_ids"])) == {EID: 15}
             assert c.unknown_parent_blocks == 0 and c.batches == 7
     finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
+        await cancel_and_wait(server)
         router.close(linger=0)
         context.term()
 
