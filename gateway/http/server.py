@@ -171,6 +171,7 @@ async def serve_until_signal(
     """Serve ``app`` until SIGINT or SIGTERM, then stop accepting, drain, and clean up."""
     runner = runner_for(app)
     await runner.setup()
+    late: asyncio.TimerHandle | None = None
     try:
         site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None)
         try:
@@ -187,9 +188,11 @@ async def serve_until_signal(
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         drain_s = _drain_s(app)
-        loop.call_later(drain_s + STILL_STOPPING_AFTER_S, _say_what_stopping_waits_on, drain_s)
+        late = loop.call_later(drain_s + STILL_STOPPING_AFTER_S, _say_what_stopping_waits_on, drain_s)
     finally:
         await runner.cleanup()
+        if late is not None:  # (stopped in time; the loop may run on: `kvgate demo` stops its engines)
+            late.cancel()
 
 
 ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
