@@ -11,6 +11,7 @@ from cache.cancelling import cancel_and_wait
 
 
 async def test_a_task_that_dropped_a_cancellation_is_cancelled_again() -> None:
+    """As Python 3.11's ``asyncio.wait_for`` does (redis-py's sends were under it: gateway.redis_sending)."""
     dropped = 0
 
     async def drops_the_first() -> None:
@@ -23,7 +24,6 @@ async def test_a_task_that_dropped_a_cancellation_is_cancelled_again() -> None:
                     raise
                 dropped += 1  # (as wait_for did) and on it goes
 
-    """As Python 3.11's ``asyncio.wait_for`` does (redis-py's sends were under it: gateway.redis_sending)."""
     task = asyncio.create_task(drops_the_first())
     await asyncio.sleep(0)
     async with asyncio.timeout(5):

@@ -17,7 +17,7 @@ from tests.redis_prefixes import new_prefix
 
 async def test_a_task_looping_on_commands_ends_at_the_first_cancellation(redis_url: str) -> None:
     """redis-py sent each command under ``asyncio.wait_for``, which on Python 3.11 drops a cancellation that
-    arrives as the send completes: 220 of 300 tasks cancelled at random instants carried on, and a gateway's
+    arrives as the send completes: 246 of 300 tasks cancelled at random instants carried on, and a gateway's
     stop waited on such a task for ever."""
     client = redis_client(redis_url, 4)
     key = f"{new_prefix()}:cancelled"

@@ -293,7 +293,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
 def _two_workers_serving(
     tmp_path: Path, engine_port: int, more_config: str = ""
 ) -> tuple[subprocess.Popen[bytes], Path, int]:
@@ -329,6 +328,7 @@ def _two_workers_serving(
     return gateway, log_path, port
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
 def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
     tmp_path: Path, two_sim_engines: list[int]
 ) -> None:
@@ -350,6 +350,7 @@ def test_a_worker_killed_stops_kvgate_serve_with_a_failure_that_names_it(
             gateway.wait()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
 def test_a_worker_that_does_not_stop_is_killed_once_its_drain_is_over(
     tmp_path: Path, two_sim_engines: list[int]
 ) -> None:
