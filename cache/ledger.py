@@ -54,11 +54,12 @@ def dollars(picodollars: int) -> float:
 
 def day_of(ts: float) -> str:
     """The UTC day of a Unix time, ``2026-11-30``."""
-    return _day_name(int(ts // 86_400))
+    return day_name(int(ts // 86_400))
 
 
 @functools.lru_cache(maxsize=64)
-def _day_name(day_number: int) -> str:
+def day_name(day_number: int) -> str:
+    """The UTC day ``day_number`` days after 1970-01-01, ``2026-11-30``."""
     return (dt.date(1970, 1, 1) + dt.timedelta(days=day_number)).isoformat()
 
 

@@ -1,6 +1,11 @@
 """The usage ledger in Redis: a Stream of records plus per-tenant/day counters, written by one Lua script
 that first claims the record id, so a record delivered twice (a retry, a spool replay) counts once.
 
+Record ids are remembered per day (a set per day, expiring), and one request's records may name two days: a
+record takes its completion's time, an estimate replayed from the usage journal its dispatch's. So an id is
+also looked for in the day before and the day after its own: a request that runs across midnight counts
+once (one that runs for more than a day could still count twice; no timeout lets one run that long).
+
 Every key carries the hash tag ``{<prefix>:ledger}``: the script's keys share a Redis Cluster slot.
 """
 
@@ -11,14 +16,18 @@ from typing import Any, cast
 import msgpack
 from redis.asyncio import Redis
 
-from cache.ledger import COUNTER_FIELDS, DayTotals, UsageRecord, days_between
+from cache.ledger import COUNTER_FIELDS, DayTotals, UsageRecord, day_name, days_between
 
 SEEN_TTL_S = 14 * 24 * 3600  # how long a record id is remembered (spools are replayed long before)
 STREAM_MAXLEN = 10_000_000
 
-# KEYS: seen set of the record's day, stream, the tenant/day counters, the day's tenant set
+# KEYS: seen set of the record's day, stream, the tenant/day counters, the day's tenant set, the seen sets
+#       of the day before and the day after
 # ARGV: record id, payload, tenant, prompt, cached, completion, cost in pico-dollars, seen ttl, stream maxlen
 _RECORD = """
+if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 or redis.call('SISMEMBER', KEYS[6], ARGV[1]) == 1 then
+  return 0
+end
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', 'id', ARGV[1], 'tenant', ARGV[3], 'r', ARGV[2])
@@ -46,8 +55,10 @@ class RedisLedger:
         return f"{self._tag}:stream"
 
     def _call(self, rec: UsageRecord, client: Any = None) -> Any:
+        day_number = int(rec.ts // 86_400)
         keys = [f"{self._tag}:seen:{rec.day}", self.stream_key, self._sum_key(rec.tenant, rec.day),
-                f"{self._tag}:tenants:{rec.day}"]  # fmt: skip
+                f"{self._tag}:tenants:{rec.day}", f"{self._tag}:seen:{day_name(day_number - 1)}",
+                f"{self._tag}:seen:{day_name(day_number + 1)}"]  # fmt: skip
         args = [rec.record_id, msgpack.packb(rec.to_dict()), rec.tenant, rec.prompt_tokens, rec.cached_tokens,
                 rec.completion_tokens, rec.cost_picodollars, SEEN_TTL_S, STREAM_MAXLEN]  # fmt: skip
         return self._record(keys=keys, args=args, client=client)

@@ -112,6 +112,26 @@ async def test_a_record_counts_once_however_often_it_is_delivered(ledger: UsageL
     assert [r.record_id for r in await ledger.records()] == ["r1"]
 
 
+@pytest.mark.parametrize("first", ["completed", "estimated"])
+async def test_a_request_that_ran_across_midnight_counts_once_whichever_day_its_records_name(
+    ledger: UsageLedger, first: str
+) -> None:
+    """A record's day is the day its time names: the gateway's record takes the completion's time, an
+    estimate replayed from the journal (its ``final`` entry lost) the dispatch's. Across midnight they name
+    two days, and the Redis ledger's record ids were remembered per day, so both counted."""
+    midnight = 1_790_035_200.0  # 2026-09-22T00:00:00Z
+    assert midnight % 86_400 == 0
+    completed = record(7, ts=midnight + 5)
+    estimated = record(7, ts=midnight - 5, estimated=True, completion_tokens=0)
+    one, other = (completed, estimated) if first == "completed" else (estimated, completed)
+    assert await ledger.record(one) is True
+    assert await ledger.record(other) is False
+    assert await ledger.record_many([other, one]) == 0
+    days = await ledger.daily("acme", day_of(midnight - 5), day_of(midnight + 5))
+    assert [(d.day, d.requests, d.cost_picodollars) for d in days] == [(one.day, 1, one.cost_picodollars)]
+    assert [r.record_id for r in await ledger.records()] == ["r7"]
+
+
 async def test_sums_per_tenant_and_day_are_exact(ledger: UsageLedger) -> None:
     day1, day2 = 1_790_000_000.0, 1_790_000_000.0 + 86_400
     recs = [record(i, tenant="acme" if i % 3 else "globex", ts=day1 if i < 40 else day2) for i in range(60)]
