@@ -4,6 +4,7 @@ entry-point group, so the gateway never imports the engine (or the reverse)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -196,12 +197,31 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _check_simulate_numbers(args: argparse.Namespace) -> None:
+    """Each number out of range is said with its flag before the trace is read: a prefill rate of 0 used to
+    divide by zero deep in the model, and negative times and rates ran and printed figures."""
+    counts = {"--regions": args.regions, "--engines-per-region": args.engines_per_region,
+              "--capacity-blocks": args.capacity_blocks, "--limit": args.limit}  # fmt: skip
+    for flag, count in counts.items():
+        if count is not None and count < 1:
+            raise ConfigError(f"{flag} {count}: must be a whole number of at least 1")
+    if not 0 < args.prefill_tokens_per_s < math.inf:  # (also refuses NaN)
+        rate = args.prefill_tokens_per_s
+        raise ConfigError(f"--prefill-tokens-per-s {rate}: must be a finite number above 0")
+    costs = {"--decode-s-per-token": args.decode_s_per_token, "--rtt-ms": args.rtt_ms,
+             "--kv-pull-tokens-per-s": args.kv_pull_tokens_per_s}  # fmt: skip
+    for flag, value in costs.items():
+        if not 0 <= value < math.inf:
+            raise ConfigError(f"{flag} {value}: must be a finite number of at least 0")
+    if not 0 <= args.max_remote_share <= 1:
+        raise ConfigError(f"--max-remote-share {args.max_remote_share}: must lie in [0, 1]")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from gateway.simulate import main as simulate_main
     from region_map.simulation.trace import TraceError
 
-    if args.regions < 1 or args.engines_per_region < 1 or args.capacity_blocks < 1:
-        raise ConfigError("--regions, --engines-per-region and --capacity-blocks must be at least 1")
+    _check_simulate_numbers(args)
     try:
         return simulate_main(args)
     except (OSError, TraceError, ValueError) as exc:

@@ -58,9 +58,14 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
                 raise TraceError(f"{p}:{number}: not a Mooncake request ({exc})") from None
             if not isinstance(item[3], list) or not item[3] or not all(isinstance(h, int) for h in item[3]):
                 raise TraceError(f"{p}:{number}: hash_ids must be a non-empty list of integers")
+            if inputs < 1 or outputs < 0:
+                message = "input_length must be at least 1 and output_length at least 0"
+                raise TraceError(f"{p}:{number}: {message}")
             raw.append(item)
             if limit is not None and len(raw) >= limit:
                 break
+    if not raw:  # (its figures would all be 0: a mistaken path or an empty file, not a workload)
+        raise TraceError(f"{p} holds no request")
     buckets: dict[int, list[int]] = defaultdict(list)
     for i, (ts, *_rest) in enumerate(raw):
         buckets[ts].append(i)

@@ -208,6 +208,50 @@ def test_simulate_help_shows_the_defaults() -> None:
     assert "(default: 8)" in result.stdout and "(default: 85000.0)" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--regions", "0"), "--regions 0: must be a whole number of at least 1"),
+        (("--engines-per-region", "-2"), "--engines-per-region -2: must be a whole number of at least 1"),
+        (("--capacity-blocks", "0"), "--capacity-blocks 0: must be a whole number of at least 1"),
+        (("--limit", "0"), "--limit 0: must be a whole number of at least 1"),
+        (("--prefill-tokens-per-s", "0"), "--prefill-tokens-per-s 0.0: must be a finite number above 0"),
+        (("--prefill-tokens-per-s", "nan"), "--prefill-tokens-per-s nan: must be a finite number above 0"),
+        (("--decode-s-per-token", "-1"), "--decode-s-per-token -1.0: must be a finite number of at least 0"),
+        (("--rtt-ms", "-5"), "--rtt-ms -5.0: must be a finite number of at least 0"),
+        (("--kv-pull-tokens-per-s", "inf"), "--kv-pull-tokens-per-s inf: must be a finite number"),
+        (("--max-remote-share", "2"), "--max-remote-share 2.0: must lie in [0, 1]"),
+    ],
+)
+def test_simulate_numbers_out_of_range_are_said_with_their_flag(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    """Each was taken: a prefill rate of 0 was 'unexpected error: ZeroDivisionError ... please report it',
+    a negative --rtt-ms a pydantic report of several lines, --max-remote-share 2 named the router's internal
+    max_share, and a negative decode time, pull rate or --limit ran and printed figures."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n')
+    said_in_one_line(run("simulate", "--trace", str(trace), *args), "configuration error", said)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("", "t.jsonl holds no request"),
+        ("\n\n", "t.jsonl holds no request"),
+        ('{"timestamp": 0, "input_length": -10, "output_length": 5, "hash_ids": [1]}\n', "t.jsonl:1"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": -5, "hash_ids": [1]}\n', "t.jsonl:1"),
+    ],
+)
+def test_simulate_refuses_a_trace_with_nothing_to_replay(tmp_path: Path, text: str, said: str) -> None:
+    """An empty trace printed TTFT 0.000 s and load max/mean 0.00, and negative token counts were replayed."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(text)
+    result = run("simulate", "--trace", str(trace))
+    said_in_one_line(result, said)
+    assert result.returncode == 2
+
+
 def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 20) -> str:
     """stderr of ``process`` up to and including the line holding ``text``."""
     assert process.stderr is not None
