@@ -39,15 +39,28 @@ def input_items(raw_input: str | Sequence[Mapping[str, Any]], previous: StoredRe
     earlier turn is left out, as the prompt leaves it out (vLLM carries no system message into the next
     turn). The earlier items are shared with the earlier responses, not copied: each stored response adds
     only its own input, and every item goes when the last response that lists it leaves the store.
-    ``raw_input`` was checked when the request was parsed (a string, or items that are objects)."""
+    ``raw_input`` was checked when the request was parsed (a string, or items that are objects).
+
+    Ids are unique within the list: an item sent with an id already listed (the same item twice, or an
+    earlier turn's output sent again after its ``previous_response_id``) gets a new one. OpenAI refuses
+    such input and vLLM takes it. Listed twice, an id sent ``after`` (the SDK's cursor) back to the first of
+    them, and the SDK's pagination went round the same items forever."""
     items: list[dict[str, Any]] = []
     if previous is not None:
         items.extend(i for i in previous.input_items if not _is_system_message(i))
         items.extend(previous.response["output"])
-    if isinstance(raw_input, str):
-        items.append(_item({"type": "message", "role": "user", "content": raw_input}))
-    else:
-        items.extend(_item(i) for i in raw_input)
+    listed = {item.get("id") for item in items}
+    given = (
+        [{"type": "message", "role": "user", "content": raw_input}]
+        if isinstance(raw_input, str)
+        else raw_input
+    )
+    for one in given:
+        item = _item(one)
+        if item["id"] in listed:
+            item["id"] = new_id(_ID_PREFIXES.get(item["type"], "item_"))
+        listed.add(item["id"])
+        items.append(item)
     return tuple(items)
 
 

@@ -4,6 +4,7 @@ and the 404 and 400s it answers."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,33 @@ def test_a_continued_response_lists_the_items_of_the_turns_before_it(
     assert [i.id for i in client.responses.input_items.list(second.id, order="asc")] == [
         i.id for i in items[:3]
     ]
+
+
+def test_items_sent_with_an_id_already_listed_are_paged_once_each(client: openai.OpenAI, model: str) -> None:
+    """A client may send an id twice (the same message item twice, or an earlier turn's output again with
+    its ``previous_response_id``). The SDK pages with ``after=<last id>``, so a repeated id in one listing
+    sent it back to the first of them: its auto-pagination went round the same items forever."""
+    twice: list[Any] = [
+        {"type": "message", "role": "user", "content": "x"},
+        {"type": "message", "id": "msg_twice", "role": "user", "content": "a"},
+        {"type": "message", "role": "user", "content": "y"},
+        {"type": "message", "id": "msg_twice", "role": "user", "content": "b"},
+    ]
+    made = client.responses.create(model=model, input=twice, max_output_tokens=1)
+    pages = client.responses.input_items.list(made.id, limit=1)
+    texts = [i.model_dump()["content"][0]["text"] for i in itertools.islice(pages, 6)]  # (bounded: it looped)
+    assert texts == ["b", "y", "a", "x"]
+    ids = [i["id"] for i in listed(client, made.id, order="asc")["data"]]
+    assert len(set(ids)) == 4 and ids[1] == "msg_twice"  # (the first keeps the id it was sent with)
+    # An earlier turn's output sent again as input, with its id, after the previous_response_id.
+    again = client.responses.create(
+        model=model,
+        previous_response_id=made.id,
+        input=[made.output[0].model_dump(exclude_none=True), {"role": "user", "content": "z"}],
+        max_output_tokens=1,
+    )
+    listed_again = [i.id for i in itertools.islice(client.responses.input_items.list(again.id, limit=2), 9)]
+    assert len(listed_again) == len(set(listed_again)) == 7
 
 
 def test_an_unknown_or_unstored_response_is_vllms_404(client: openai.OpenAI, model: str) -> None:
