@@ -43,8 +43,8 @@ def input_items(raw_input: str | Sequence[Mapping[str, Any]], previous: StoredRe
 
     Ids are unique within the list: an item sent with an id already listed (the same item twice, or an
     earlier turn's output sent again after its ``previous_response_id``) gets a new one. OpenAI refuses
-    such input and vLLM takes it. Listed twice, an id sent ``after`` (the SDK's cursor) back to the first of
-    them, and the SDK's pagination went round the same items forever."""
+    such input and vLLM takes it. Listed twice, an id the SDK sent as ``after`` (its cursor) led back to the
+    first of them, and its pagination went round the same items forever."""
     items: list[dict[str, Any]] = []
     if previous is not None:
         items.extend(i for i in previous.input_items if not _is_system_message(i))
