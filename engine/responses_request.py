@@ -198,6 +198,11 @@ def _reject_unsupported(data: dict[str, Any]) -> None:
         fmt = text.get("format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise OpenAIError('only text.format {"type": "text"} is supported', param="text.format")
+    metadata = data.get("metadata")  # (kept and echoed back: OpenAI's and vLLM's, a map of strings)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise OpenAIError("metadata must be an object whose values are strings", param="metadata")
     # As the chat path: this engine calls no tools, and an answer that ignored them would be a different one.
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):

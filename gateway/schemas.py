@@ -111,6 +111,7 @@ class ResponsesRequest(_Open):
     user: str | None = None
     cache_salt: Annotated[str, StringConstraints(max_length=256)] | None = None
     background: bool | None = None
+    metadata: dict[str, str] | None = None  # (engines keep it with the response: OpenAI's and vLLM's type)
 
     @field_validator("background")
     @classmethod

@@ -298,6 +298,8 @@ def test_logprobs_come_with_the_include(client: openai.OpenAI, model: str) -> No
         ({"input": "hello world " * 200}, 400, "input"),
         ({"include": ["everything"]}, 400, "include"),
         ({"temperature": 3}, 400, "temperature"),
+        ({"metadata": "a"}, 400, "metadata"),  # (it was kept and echoed back)
+        ({"metadata": {"k": 7}}, 400, "metadata"),
     ],
 )
 def test_what_the_engine_cannot_do_is_refused_naming_the_field(

@@ -240,6 +240,8 @@ async def test_a_responses_request_is_one_answer_whatever_n_it_names(make_cluste
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "previous_response_id": ""}, "previous_response_id"),
         ({}, "input"),
+        ({"input": "hi", "metadata": "a"}, "metadata"),  # (OpenAI's and vLLM's: a map of strings)
+        ({"input": "hi", "metadata": {"k": ["v"]}}, "metadata.k"),
     ],
 )
 async def test_requests_of_the_wrong_shape_are_refused_naming_the_field(
