@@ -56,7 +56,7 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     engine: str
-    reason: str  # session | prefix | miss | moved | least_load | round_robin
+    reason: str  # session | prefix | miss | moved | least_load | round_robin | failover | stored_response
     cached_tokens: int = 0  # leading prompt tokens the engine holds (whole blocks of its block size)
     kv_source: str | None = None  # engine to pull the prompt's K/V from before prefilling the rest
     pulled_tokens: int = 0  # leading prompt tokens to pull from ``kv_source`` (they include the cached ones)

@@ -217,10 +217,15 @@ class Router:
                     f"no healthy engine serves {what} right now",
                     headers=retry_after_headers(_back_in_s(engines)),
                 )
-            if plan.attempts and decision.reason != "failover":
+            # A retry says so; so does a continuation, which only its engine could take (its prompt is not
+            # hashed, so the policy would call it a miss and the metrics count a cache miss that was none).
+            reason = (
+                "failover" if plan.attempts else "stored_response" if ask.pinned_engine is not None else None
+            )
+            if reason is not None and decision.reason != reason:
                 decision = RouteDecision(
                     decision.engine,
-                    "failover",
+                    reason,
                     decision.cached_tokens,
                     decision.kv_source,
                     decision.pulled_tokens,

@@ -135,7 +135,12 @@ async def test_a_continued_response_goes_to_the_engine_that_keeps_it(make_cluste
     holder = next(e for e in engines if first.id in e.kept)
     previous = first.id
     for turn in range(1, 7):
-        nxt = await client.responses.create(model=MODEL, input=f"turn {turn}", previous_response_id=previous)
+        raw = await client.responses.with_raw_response.create(
+            model=MODEL, input=f"turn {turn}", previous_response_id=previous
+        )
+        # Said as what it is: it was "miss" (a continuation's prompt is not hashed, so nothing is predicted).
+        assert raw.headers["x-kvgate-route"] == "stored_response"
+        nxt = raw.parse()
         assert nxt.id in holder.kept
         previous = nxt.id
     stream = await client.responses.create(
