@@ -7,7 +7,8 @@ so a snapshot always matches a ``seq``, and streams batches to subscribers:
 - ``GET /v1/kv_snapshot`` → msgpack :class:`cache.events.KvSnapshot`, its ``seq`` also in ``x-kv-seq``.
 - ``GET /v1/kv_events?after=N`` → a chunked stream of msgpack batch maps with ``seq > N``, backlog first,
   then live; a msgpack nil (0xc0) is a heartbeat. 410 Gone when the batches after ``N`` have left the ring
-  (or ``N`` is ahead of this engine, i.e. it restarted): the consumer re-snapshots.
+  (or ``N`` is ahead of this engine, i.e. it restarted): the consumer re-snapshots. 503 once the app's
+  shutdown has begun (its ``on_shutdown`` ends the open streams; a new one would hold the server's stop).
 
 Both carry ``x-kv-epoch``, random per publisher: seqs restart at 1 with the engine, so a consumer resuming
 with ``&epoch=E`` from a snapshot of an earlier life of the engine gets 410 instead of batches numbered in
@@ -121,6 +122,7 @@ class KvEventPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._hashes: set[int] = set()
         self._subscribers: set[Subscription] = set()
+        self.stopping = False  # the app's shutdown has begun: no new streams
 
     @property
     def seq(self) -> int:
@@ -197,6 +199,7 @@ class KvEventPublisher:
         app.on_shutdown.append(self._on_shutdown)
 
     async def _on_shutdown(self, app: web.Application) -> None:
+        self.stopping = True
         self.close_all()
 
     def _headers(self) -> dict[str, str]:
@@ -217,6 +220,12 @@ class KvEventPublisher:
         epoch = request.query.get("epoch")
         if epoch is not None and epoch != self.epoch:
             raise web.HTTPGone(text="the engine restarted since that seq", headers=self._headers())
+        if self.stopping:
+            # A request read off a keep-alive connection just before the server stopped can reach this
+            # handler after _on_shutdown ended the streams. A stream opened now would be ended by nothing:
+            # aiohttp waits out its shutdown_timeout for it, then again after a cancel that only reaches
+            # the request body, which this handler never reads. Checked with no await before subscribe().
+            raise web.HTTPServiceUnavailable(text="the engine is shutting down", headers=self._headers())
         try:
             # Subscribing before the first await guarantees no batch falls between backlog and live.
             backlog, sub = self.subscribe(after)

@@ -282,3 +282,24 @@ async def test_a_consumer_that_stops_reading_is_cut_off(serve: Serve) -> None:
                 pub.publish([BlockStored(big, None)])
                 await asyncio.sleep(0.001)
         await wait_for(lambda: pub.subscriber_count == 0)
+
+
+async def test_a_stream_asked_for_once_the_shutdown_began_is_refused() -> None:
+    """A stream request read off a keep-alive connection just before the server stopped reaches its
+    handler after ``on_shutdown`` ended the streams: a stream opened then is ended by nothing, and the
+    server's stop waits out its shutdown timeout for it, twice. It must be refused instead."""
+    pub = KvEventPublisher("e1", 16)
+    app = web.Application()
+    pub.add_routes(app)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+    url = await serve_on_free_port(runner)
+    try:
+        # What the runner's cleanup does before it waits on the open requests; the site still listens
+        # here, which stands in for the request that was already read when the stop began.
+        await app.shutdown()
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/kv_events?after=0") as resp:
+            assert resp.status == 503
+            assert resp.headers["x-kv-epoch"] == pub.epoch
+        assert pub.subscriber_count == 0
+    finally:
+        await runner.cleanup()
