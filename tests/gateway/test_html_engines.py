@@ -104,3 +104,34 @@ def test_an_engine_that_answers_a_web_page_is_unhealthy_in_health_and_metrics(
         assert 'kvgate_engine_healthy{engine="r/e0",region="r"} 0.0' in metrics
     finally:
         _stop(gateway)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_answered_with_a_web_page_is_a_502_and_is_not_billed(
+    tmp_path: Path, web_page: str, stream: bool
+) -> None:
+    """With its model written in the deployment file, the engine is routed to. A whole answer was already a
+    502 before anything reached the client, unbilled; a stream was started towards the client at the page's
+    first byte: a 200 whose only event was an error, billed as a failed request of its prompt."""
+    gateway, port = _serve(tmp_path, f'{{ name = "e0", url = "{web_page}", model = "kvgate-sim" }}')
+    try:
+        _read_until(gateway, "listening on")
+        body = {"model": "kvgate-sim", "prompt": "hello there", "max_tokens": 4, "stream": stream}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                answered: tuple[int, str] = (r.status, r.read().decode())
+        except urllib.error.HTTPError as exc:
+            answered = (exc.code, exc.read().decode())
+        assert answered[0] == 502, answered
+        said = "answered the stream with a web page (text/html)" if stream else "no JSON object"
+        assert said in answered[1], answered
+        status, usage = _get(f"http://127.0.0.1:{port}/v1/usage")
+        assert status == 200
+        assert json.loads(usage)["total"]["requests"] == 0
+    finally:
+        _stop(gateway)
