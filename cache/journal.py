@@ -191,6 +191,17 @@ class UsageJournal:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def removed(self) -> bool:
+        """Whether the segment being written has lost its name (its directory was removed): entries still
+        land, in a file no restart will find, so a crash would lose the requests in flight."""
+        if self._fd is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return False
+
     # -- files ----------------------------------------------------------------------------------------
 
     def _append(self, record_id: str, entry: list[Any] | tuple[Any, ...]) -> None:

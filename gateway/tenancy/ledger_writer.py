@@ -273,6 +273,27 @@ class LedgerWriter:
             self._queue.put_nowait(rec)
         return False
 
+    async def _to_remade_spool(self, records: list[UsageRecord], exc: Exception) -> bool:
+        """At the stop, the last resort for records neither the spool nor the ledger took because the
+        spool's directory was removed: make it again and spool them, for the next start to replay. While
+        running, the operator is asked to restore it; at the stop, the alternative is losing them."""
+        if self.spool is None or not isinstance(exc, FileNotFoundError):
+            return False
+        directory = self.spool.path.parent
+        try:
+            await asyncio.to_thread(directory.mkdir, mode=0o700, parents=True, exist_ok=True)
+            await self._to_spool(records)
+        except Exception as again:
+            log.debug("could not make the spool's directory %s again: %s", directory, again)
+            return False
+        log.error(
+            "stopping with %d usage records the ledger did not take, and the spool's directory %s had been "
+            "removed: made it again and spooled them there, for the next start to replay",
+            len(records),
+            directory,
+        )
+        return True
+
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every submitted record is in the ledger or the spool."""
         async with asyncio.timeout(timeout_s):
@@ -297,19 +318,21 @@ class LedgerWriter:
                     self.written += len(rest)
                     self._settled(rest)
                 except Exception:
-                    kept = "lost"
-                    if self.journal is not None:  # (less the entries a full disk refused it, if any)
-                        kept = "the journal keeps them for the next start"
-                        if self.journal.write_failures:
-                            kept += f" ({self.journal.write_failures} journal entries were refused)"
-                    log.error(
-                        "stopping with %d usage records neither the spool (%s) nor the ledger took: %s",
-                        len(rest),
-                        exc,
-                        kept,
-                    )
+                    if not await self._to_remade_spool(rest, exc):
+                        self._say_unsaved(rest, exc)
         if self.journal is not None:
             self.journal.close()
+
+    def _say_unsaved(self, rest: list[UsageRecord], exc: Exception) -> None:
+        """The stop's word on records neither the spool nor the ledger took: where they are, if anywhere."""
+        kept = "lost"
+        # (Not in a journal whose files were removed: no restart reads those.)
+        if self.journal is not None and not self.journal.removed:
+            kept = "the journal keeps them for the next start"
+            if self.journal.write_failures:  # (less the entries a full disk refused it)
+                kept += f" ({self.journal.write_failures} journal entries were refused)"
+        what = "stopping with %d usage records neither the spool (%s) nor the ledger took: %s"
+        log.error(what, len(rest), exc, kept)
 
 
 def _free(model: str, prompt: int, cached: int, completion: int) -> int:
