@@ -189,13 +189,21 @@ class LedgerWriter:
                 self._unsaved.extend(batch)  # (``stop`` takes them over)
                 raise
             except Exception as exc:  # Redis went away: this batch and the next ones go to the spool
-                log.warning("ledger write failed (%s); spooling usage records until it is back", exc)
+                why = self._why(exc)
+                log.warning("ledger write failed (%s); spooling usage records until it is back", why)
                 self.degraded = True
                 await self._spool_or_keep(batch)
             else:
                 self.written += len(batch)
                 self._settled(batch)
                 self._done(len(batch))
+
+    def _why(self, exc: BaseException) -> str:
+        """A failed write's cause for the log. The write's own timeout carries no message: a frozen Redis
+        (SIGSTOP, packets dropped) was said as "ledger write failed ()"."""
+        if isinstance(exc, TimeoutError) and not str(exc):
+            return f"no answer within {self._write_timeout_s:g} s"
+        return str(exc) or type(exc).__name__
 
     async def _degraded_round(self) -> None:
         """While the ledger is away: spool what came (with what the spool refused before), then see whether
@@ -262,7 +270,7 @@ class LedgerWriter:
             await self._write_all(records)
             return True
         except Exception as exc:  # whatever failed, the spool keeps them
-            log.warning("ledger write failed (%s); spooling %d records", exc, len(records))
+            log.warning("ledger write failed (%s); spooling %d records", self._why(exc), len(records))
             self.degraded = True
         try:
             await self._to_spool(records)

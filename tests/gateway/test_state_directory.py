@@ -106,3 +106,36 @@ def test_a_removed_state_directory_loses_no_record_and_health_says_the_journal_i
             gateway.send_signal(signal.SIGTERM)
             gateway.wait(60)
         redis.stop()
+
+
+def test_a_frozen_redis_is_named_in_the_ledger_s_warning(tmp_path: Path, sim_engine: int) -> None:
+    """A Redis stopped with SIGSTOP (or lost behind a network that drops packets) answers nothing: the write
+    times out, and the warning said "ledger write failed (); spooling ..." when the write's own timeout
+    fired first, its TimeoutError having no message."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisProcess(tmp_path / "redis")
+    redis.start()
+    assert redis.process is not None
+    port = free_port()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\nredis_url = "{redis.url}"\n'
+    )
+    command = [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
+    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _read_until(gateway, "listening on")
+        redis.process.send_signal(signal.SIGSTOP)
+        _complete(port)
+        said = _read_until(gateway, "ledger write failed").splitlines()[-1]
+        # (The write's own 2 s and the Redis client's 2 s socket timeout race: either may be the cause said.)
+        causes = ("ledger write failed (no answer within 2 s)", "ledger write failed (Timeout reading from")
+        assert any(cause in said for cause in causes), said
+    finally:
+        redis.process.send_signal(signal.SIGCONT)
+        if gateway.poll() is None:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(60)
+        redis.stop()
