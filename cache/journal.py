@@ -118,17 +118,18 @@ class UsageJournal:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                holder = _holder(fd)
                 os.close(fd)
-                raise JournalLocked(
-                    f"another gateway process is using the usage journal at {self._lock_path}; give each "
-                    "gateway (and each worker) a spool_path of its own"
-                ) from None
+                raise JournalLocked(locked_message(self._lock_path, holder)) from None
             try:
                 if os.stat(self._lock_path).st_ino == os.fstat(fd).st_ino:
                     break
             except FileNotFoundError:
                 pass
             os.close(fd)  # the lock file was removed by a process closing meanwhile: lock the new one
+        with contextlib.suppress(OSError):  # (who holds it, for the message of a process refused it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._replayed = self._segments()
         records = owed_records(self._read(self._replayed), cost)
@@ -190,6 +191,17 @@ class UsageJournal:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def removed(self) -> bool:
+        """Whether the segment being written has lost its name (its directory was removed): entries still
+        land, in a file no restart will find, so a crash would lose the requests in flight."""
+        if self._fd is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return False
 
     # -- files ----------------------------------------------------------------------------------------
 
@@ -297,6 +309,41 @@ class UsageJournal:
                 entries.extend(e for e in unpacker if isinstance(e, list) and len(e) >= 2)
             # (an entry cut short by the crash ends the segment: everything before it is whole)
         return entries
+
+
+def journal_holder(base: str | Path) -> int | None:
+    """Whether another process holds the journal of the spool ``base``: its pid (0 when it did not say),
+    or None when it is free. Checks without keeping the lock."""
+    base = Path(base)
+    try:
+        fd = os.open(base.parent / (base.name + ".journal.lock"), os.O_RDONLY)
+    except OSError:  # (no lock file: nobody holds it)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    finally:
+        os.close(fd)  # (which releases a lock it took)
+    return None
+
+
+def locked_message(lock_path: Path, holder: int) -> str:
+    """Why a journal cannot be had, naming the process that holds it. The usual holder is no second
+    gateway but the last ``kvgate serve`` on this spool path, whose workers drain on after it was killed."""
+    who = f"process {holder}" if holder else "another process"
+    return (
+        f"{who} is using the usage journal at {lock_path}: a gateway still stopping (its drain lasts up to "
+        "drain_timeout_s), or another one on this spool_path; wait for it to end, or give each gateway (and "
+        "each worker) a spool_path of its own"
+    )
+
+
+def _holder(fd: int) -> int:
+    """The pid the journal's holder wrote into its lock file; 0 when it is not there."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(os.pread(fd, 32, 0).decode().strip() or 0)
+    return 0
 
 
 def owed_records(entries: Iterable[list[Any]], cost: CostFn) -> list[UsageRecord]:

@@ -154,7 +154,7 @@ def build_app(config: KvgateConfig) -> web.Application:
             ),
             "usage_journal_failing": (
                 "1 while the disk refuses the usage journal's entries: a crash would lose in-flight records.",
-                float(billing.journal is not None and billing.journal.failing),
+                float(billing.journal is not None and (billing.journal.failing or billing.journal.removed)),
             ),
         },
         # Counts since the start that never go down: counters, so that rate() and increase() apply.

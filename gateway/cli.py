@@ -141,6 +141,15 @@ def _serve(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else _workers_from_environ()
     if workers < 1:
         raise ConfigError("--workers must be at least 1")
+    cpus = usable_cpus()
+    if workers > WORKERS_PER_CPU * cpus:
+        # Each worker is a whole gateway process (some 70 MB) with one event loop: past the CPUs they add
+        # memory, not throughput. Unchecked, a mistyped count built its workers until memory ran out, silent.
+        raise ConfigError(
+            f"--workers {workers}: more than {WORKERS_PER_CPU} per CPU this process may use ({cpus}); a "
+            "worker is a whole gateway process, and workers past the CPUs add memory, not throughput: "
+            f"choose at most {WORKERS_PER_CPU * cpus} (--workers {cpus} uses every CPU)"
+        )
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
     config = load_config(args.config, environ=os.environ, overrides=overrides)
     if not any(region.engines for region in config.topology.regions):
@@ -155,6 +164,16 @@ def _serve(args: argparse.Namespace) -> int:
         return run_workers(config, workers)
     run_gateway(config)
     return 0
+
+
+WORKERS_PER_CPU = 4  # the most ``--workers`` allows per usable CPU
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def _workers_from_environ() -> int:

@@ -25,11 +25,12 @@ class HealthReport:
         return "unreachable" if self.state.writer.failing or self.billing.writer.degraded else "on"
 
     def journal_status(self) -> str:
-        """ "off" (an in-process ledger needs no crash journal), "ok", or "failing" (the disk refuses it)."""
+        """ "off" (an in-process ledger needs no crash journal), "ok", or "failing" (the disk refuses it, or
+        its files were removed: it then writes where no restart reads)."""
         journal = self.billing.journal
         if journal is None:
             return "off"
-        return "failing" if journal.failing else "ok"
+        return "failing" if journal.failing or journal.removed else "ok"
 
     def degraded(self) -> list[str]:
         """What of the gateway's own does not work as it should (it still serves): Redis away (sessions not

@@ -254,9 +254,17 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping of a TOML (.toml) or YAML (.yaml/.yml) file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{p}: {exc.strerror}") from None
+    try:
+        # UTF-8 whatever the locale: TOML is UTF-8 by definition. A file saved in another encoding (UTF-16 by
+        # a Windows editor, Latin-1) was an "unexpected error: UnicodeDecodeError".
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{p}: not UTF-8 text (byte {exc.start} is {raw[exc.start : exc.start + 1]!r}): save it as UTF-8"
+        ) from None
     try:
         if p.suffix in (".yaml", ".yml"):
             import yaml
@@ -267,10 +275,22 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except ImportError:
         raise ConfigError(f"{p}: reading YAML needs PyYAML (pip install pyyaml), or use TOML") from None
     except Exception as exc:  # tomllib and yaml raise their own parse errors
-        raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'TOML'}: {exc}") from None
+        raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'TOML'}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a table/mapping")
     return data
+
+
+def _one_line(exc: Exception) -> str:
+    """A parse error in one line: PyYAML's spans several (each mark with the source line and a caret under
+    it), which the one-line error of the command cut into pieces."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(problem, str) and mark is not None:
+        context = getattr(exc, "context", None)
+        where = f"{context} " if isinstance(context, str) else ""
+        return f"{where}{problem} (at line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
 
 
 def parse_topology(data: Mapping[str, Any]) -> TopologyConfig:

@@ -140,12 +140,13 @@ class HealthPoller:
         if engine.model is None and "model" not in health:
             # An empty or foreign /health: this is no kvgate engine (a deployment file of URLs alone, in front
             # of vLLM, say). Learn its model from /v1/models so that requests reach it, and say what to set.
-            return await self._not_kvgate(engine)
+            return await self._not_kvgate(engine, was_healthy)
         if not was_healthy:
             log.info("engine %s is healthy", engine.id)
         return True
 
-    async def _not_kvgate(self, engine: EngineState) -> bool:
+    async def _not_kvgate(self, engine: EngineState, was_healthy: bool) -> bool:
+        """Its model from /v1/models; ``was_healthy``: before this poll's /health counted it alive."""
         self._say(
             engine,
             "kind",
@@ -157,7 +158,11 @@ class HealthPoller:
         try:
             served = parse_models(await self._get_json(engine, "/v1/models"))
         except _PROBE_ERRORS as exc:
-            return self._failed(engine, f"no model in /health, and /v1/models: {_describe(exc)}")
+            # At once, not after ``unhealthy_after`` polls: its /health answering counted it alive a moment
+            # ago, so each poll would fail it once and it would stay "healthy" (in /health, in the metrics)
+            # with no model to be routed to: a web page answering at the engine's URL, say.
+            error = f"no model in /health, and /v1/models: {_describe(exc)}"
+            return self._failed(engine, error, unhealthy_after=1, was_healthy=was_healthy)
         return self._take_models(engine, served)
 
     async def _probe_openai(self, engine: EngineState) -> bool:
@@ -335,11 +340,20 @@ class HealthPoller:
                 "its /metrics" if engine.load_reported else "this gateway's requests",
             )
 
-    def _failed(self, engine: EngineState, error: str) -> bool:
+    def _failed(
+        self,
+        engine: EngineState,
+        error: str,
+        *,
+        unhealthy_after: int | None = None,
+        was_healthy: bool | None = None,
+    ) -> bool:
+        """Count a failed check (``unhealthy_after``: this gateway's, unless given) and say what changed;
+        ``was_healthy``: its state before this poll, where the poll already counted it alive once."""
         # Whatever failed, the next answer may come from a restarted engine: read what it serves again then.
         self._since_discovery.pop(engine.id, None)
-        was_healthy = engine.healthy
-        engine.mark_failure(error, unhealthy_after=self.unhealthy_after)
+        was_healthy = engine.healthy if was_healthy is None else was_healthy
+        engine.mark_failure(error, unhealthy_after=unhealthy_after or self.unhealthy_after)
         if was_healthy and not engine.healthy:
             log.warning("engine %s is unhealthy: %s", engine.id, engine.last_error)
         elif engine.id not in self._probed:

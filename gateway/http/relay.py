@@ -167,6 +167,13 @@ async def relay_stream(
     engine may take the request. Once tokens flow, the engine may fall silent for ``stall_timeout_s`` at
     most; a stream that breaks off, or whose engine ends it without ``[DONE]`` (``tap.end_marker``), ends
     with an error event and is billed for what was sent."""
+    page = _web_page_type(upstream)
+    if page is not None:
+        # A web page (a proxy's default site, the wrong service at the engine's URL) is no stream of tokens:
+        # relayed, its first byte started the client's 200 and it was billed as a failed request. Nothing has
+        # reached the client yet, so another engine may answer, as for a whole answer that is no JSON.
+        metrics.upstream_error(engine_id, "malformed_answer")
+        raise UpstreamFailed(f"engine {engine_id} answered the stream with a web page ({page})")
     response = request.stream_response(headers)  # written on the client's connection (gateway.http.lean_http)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
@@ -247,6 +254,19 @@ async def relay_stream(
         return response
     accounting.done(tap.usage, first_byte, outcome, tap.token_events)
     return response
+
+
+WEB_PAGE_TYPES = (b"text/html", b"application/xhtml+xml")
+
+
+def _web_page_type(upstream: Response) -> str | None:
+    """The media type of an engine's 200 when it is a web page's, else None. Only pages are refused: engines
+    written with aiohttp leave a stream's type at its default (application/octet-stream), or send none."""
+    value = upstream.header(b"content-type")
+    if value is None:
+        return None
+    media_type = value.split(b";", 1)[0].strip().lower()
+    return media_type.decode("latin-1") if media_type in WEB_PAGE_TYPES else None
 
 
 def answer_object(engine_id: str, data: bytes, metrics: GatewayMetrics) -> dict[str, Any]:

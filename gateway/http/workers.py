@@ -16,6 +16,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from cache.journal import journal_holder, locked_message
 from cache.parent_death import die_with_parent
 from gateway.app import gateway_tokenizer
 from gateway.config import KvgateConfig
@@ -70,6 +71,7 @@ def run_workers(config: KvgateConfig, workers: int) -> int:
     check_can_listen(config.gateway.host, config.gateway.port)  # (none of its own holds it yet)
     check_operator_ports(config, workers)
     _check_state_directory(config)
+    _check_journals_free(config, workers)
     gateway_tokenizer(config)  # (once here, not one configuration error per worker)
     if not config.gateway.operator_port:
         clear_snapshots(worker_metrics_dir(config))  # (an earlier run's counts are not this one's)
@@ -122,6 +124,18 @@ def _check_state_directory(config: KvgateConfig) -> None:
             f"gateway.spool_path: the workers cannot keep their spools, Redis and metrics in {directory}: "
             f"{reason}"
         ) from None
+
+
+def _check_journals_free(config: KvgateConfig, workers: int) -> None:
+    """No other process holds a worker's usage journal: the workers of the last ``kvgate serve`` on this
+    spool path may still be draining (after it was killed, say). Each worker of this one then said so, one
+    line each, with the first one's death logged as an error."""
+    for index in range(workers):
+        path = spool_path(worker_config(config, index))
+        holder = journal_holder(path)
+        if holder is not None:
+            lock = path.with_name(path.name + ".journal.lock")
+            raise ConfigError(f"gateway.spool_path: {locked_message(lock, holder)}")
 
 
 def worker_metrics_dir(config: KvgateConfig) -> Path:

@@ -189,13 +189,21 @@ class LedgerWriter:
                 self._unsaved.extend(batch)  # (``stop`` takes them over)
                 raise
             except Exception as exc:  # Redis went away: this batch and the next ones go to the spool
-                log.warning("ledger write failed (%s); spooling usage records until it is back", exc)
+                why = self._why(exc)
+                log.warning("ledger write failed (%s); spooling usage records until it is back", why)
                 self.degraded = True
                 await self._spool_or_keep(batch)
             else:
                 self.written += len(batch)
                 self._settled(batch)
                 self._done(len(batch))
+
+    def _why(self, exc: BaseException) -> str:
+        """A failed write's cause for the log. The write's own timeout carries no message: a frozen Redis
+        (SIGSTOP, packets dropped) was said as "ledger write failed ()"."""
+        if isinstance(exc, TimeoutError) and not str(exc):
+            return f"no answer within {self._write_timeout_s:g} s"
+        return str(exc) or type(exc).__name__
 
     async def _degraded_round(self) -> None:
         """While the ledger is away: spool what came (with what the spool refused before), then see whether
@@ -262,7 +270,7 @@ class LedgerWriter:
             await self._write_all(records)
             return True
         except Exception as exc:  # whatever failed, the spool keeps them
-            log.warning("ledger write failed (%s); spooling %d records", exc, len(records))
+            log.warning("ledger write failed (%s); spooling %d records", self._why(exc), len(records))
             self.degraded = True
         try:
             await self._to_spool(records)
@@ -272,6 +280,27 @@ class LedgerWriter:
         for rec in records:
             self._queue.put_nowait(rec)
         return False
+
+    async def _to_remade_spool(self, records: list[UsageRecord], exc: Exception) -> bool:
+        """At the stop, the last resort for records neither the spool nor the ledger took because the
+        spool's directory was removed: make it again and spool them, for the next start to replay. While
+        running, the operator is asked to restore it; at the stop, the alternative is losing them."""
+        if self.spool is None or not isinstance(exc, FileNotFoundError):
+            return False
+        directory = self.spool.path.parent
+        try:
+            await asyncio.to_thread(directory.mkdir, mode=0o700, parents=True, exist_ok=True)
+            await self._to_spool(records)
+        except Exception as again:
+            log.debug("could not make the spool's directory %s again: %s", directory, again)
+            return False
+        log.error(
+            "stopping with %d usage records the ledger did not take, and the spool's directory %s had been "
+            "removed: made it again and spooled them there, for the next start to replay",
+            len(records),
+            directory,
+        )
+        return True
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every submitted record is in the ledger or the spool."""
@@ -297,19 +326,21 @@ class LedgerWriter:
                     self.written += len(rest)
                     self._settled(rest)
                 except Exception:
-                    kept = "lost"
-                    if self.journal is not None:  # (less the entries a full disk refused it, if any)
-                        kept = "the journal keeps them for the next start"
-                        if self.journal.write_failures:
-                            kept += f" ({self.journal.write_failures} journal entries were refused)"
-                    log.error(
-                        "stopping with %d usage records neither the spool (%s) nor the ledger took: %s",
-                        len(rest),
-                        exc,
-                        kept,
-                    )
+                    if not await self._to_remade_spool(rest, exc):
+                        self._say_unsaved(rest, exc)
         if self.journal is not None:
             self.journal.close()
+
+    def _say_unsaved(self, rest: list[UsageRecord], exc: Exception) -> None:
+        """The stop's word on records neither the spool nor the ledger took: where they are, if anywhere."""
+        kept = "lost"
+        # (Not in a journal whose files were removed: no restart reads those.)
+        if self.journal is not None and not self.journal.removed:
+            kept = "the journal keeps them for the next start"
+            if self.journal.write_failures:  # (less the entries a full disk refused it)
+                kept += f" ({self.journal.write_failures} journal entries were refused)"
+        what = "stopping with %d usage records neither the spool (%s) nor the ledger took: %s"
+        log.error(what, len(rest), exc, kept)
 
 
 def _free(model: str, prompt: int, cached: int, completion: int) -> int:

@@ -417,3 +417,41 @@ def test_serve_with_a_tokenizer_it_cannot_load_names_gateway_tokenizer(
     line = said_in_one_line(result, "configuration error", "gateway.tokenizer", str(model))
     assert "unexpected" not in line and "report it" not in line
     assert result.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        ("deploy.toml", 'region = "r"\n'.encode("utf-16"), "not UTF-8"),  # (a Windows editor's, with its BOM)
+        ("deploy.toml", 'region = "r\xe9gion"\n'.encode("latin-1"), "not UTF-8"),
+        ("deploy.yaml", b"region: r\nregions:\n  - name: r\n    engines: [{name: e0\n", "not valid yaml"),
+    ],
+    ids=["utf-16", "latin-1", "yaml"],
+)
+def test_a_deployment_file_that_cannot_be_parsed_is_named_in_one_line(
+    tmp_path: Path, name: str, content: bytes, said: str
+) -> None:
+    """A deployment file saved in another encoding was an "unexpected error: UnicodeDecodeError ... please
+    report it" (status 1), and a YAML syntax error took seven lines (PyYAML's marks with their carets)."""
+    config = tmp_path / name
+    config.write_bytes(content)
+    result = run("serve", "--config", str(config), timeout=20)
+    said_in_one_line(result, "configuration error", name, said)
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_more_workers_than_the_cpus_can_hold_is_refused_in_one_line(tmp_path: Path, how: str) -> None:
+    """A mistyped --workers (one zero too many, a pasted number) built its worker processes until memory ran
+    out, saying nothing: 99999999999999999999 never got to its first fork, a few thousand would have."""
+    config = deployment(tmp_path, free_port(), engine_url="http://127.0.0.1:9")
+    for workers in ("99999999999999999999", str(4 * len(os.sched_getaffinity(0)) + 1)):
+        args = ["serve", "--config", str(config)]
+        env = dict(os.environ)
+        if how == "flag":
+            args += ["--workers", workers]
+        else:
+            env["KVGATE_WORKERS"] = workers
+        result = subprocess.run([*KVGATE, *args], capture_output=True, text=True, timeout=60, env=env)
+        said_in_one_line(result, "configuration error", f"--workers {workers}", "per CPU", "choose at most")
+        assert result.returncode == 2

@@ -446,3 +446,36 @@ def test_workers_whose_operator_ports_cannot_all_be_opened_stop_in_one_line(
     line = _the_one_configuration_error(config, "gateway.operator_port")
     assert said in line, line
     assert not _port_open(port)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+def test_workers_whose_journals_another_process_holds_stop_in_one_line_naming_it(
+    tmp_path: Path, two_sim_engines: list[int]
+) -> None:
+    """A ``kvgate serve --workers 2`` started while the last one's workers still hold their journals (they
+    drain on after it is killed; here they serve on): each worker said "another gateway process is using the
+    usage journal ...", one line each, and the first one's end was logged as a dead worker."""
+    first, log_path, _ = _two_workers_serving(tmp_path, two_sim_engines[0])
+    try:
+        config = (tmp_path / "deploy.toml").read_text()
+        again = tmp_path / "again.toml"
+        _, port, operator = _distinct_ports()
+        again.write_text(
+            re.sub(
+                r"operator_port = \d+",
+                f"operator_port = {operator}",
+                re.sub(r"port = \d+", f"port = {port}", config),
+            )
+        )
+        result = subprocess.run(
+            [*KVGATE, "serve", "--config", str(again), "--workers", "2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = result.stderr.rstrip("\n").split("\n")
+        assert (result.returncode, len(lines)) == (2, 1), result.stderr
+        holders = {f"process {pid} is using the usage journal" for pid in _children(first.pid)}
+        assert any(holder in lines[0] for holder in holders), (lines[0], holders)
+    finally:
+        assert _stopped(first, log_path) == 0
