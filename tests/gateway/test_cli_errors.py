@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -23,6 +24,8 @@ import pytest
 import redis
 
 from gateway.demo import free_port
+from region_map.config import ConfigError
+from region_map.simulation.trace import TraceError, load_trace
 from tests.redis_process import RedisProcess
 
 KVGATE = [sys.executable, "-m", "gateway.cli"]
@@ -219,7 +222,10 @@ def test_simulate_help_shows_the_defaults() -> None:
         (("--prefill-tokens-per-s", "nan"), "--prefill-tokens-per-s nan: must be a finite number above 0"),
         (("--decode-s-per-token", "-1"), "--decode-s-per-token -1.0: must be a finite number of at least 0"),
         (("--rtt-ms", "-5"), "--rtt-ms -5.0: must be a finite number of at least 0"),
-        (("--kv-pull-tokens-per-s", "inf"), "--kv-pull-tokens-per-s inf: must be a finite number"),
+        (
+            ("--kv-pull-tokens-per-s", "inf"),
+            "--kv-pull-tokens-per-s inf: must be a finite number of at least 0",
+        ),
         (("--max-remote-share", "2"), "--max-remote-share 2.0: must lie in [0, 1]"),
     ],
 )
@@ -228,10 +234,15 @@ def test_simulate_numbers_out_of_range_are_said_with_their_flag(
 ) -> None:
     """Each was taken: a prefill rate of 0 was 'unexpected error: ZeroDivisionError ... please report it',
     a negative --rtt-ms a pydantic report of several lines, --max-remote-share 2 named the router's internal
-    max_share, and a negative decode time, pull rate or --limit ran and printed figures."""
+    max_share, and a negative decode time, pull rate or --limit ran and printed figures. (Checked in this
+    process, the command's own line once below: a process each costs seconds.)"""
+    from gateway.cli import _simulate, build_parser
+
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n')
-    said_in_one_line(run("simulate", "--trace", str(trace), *args), "configuration error", said)
+    with pytest.raises(ConfigError) as refused:
+        _simulate(build_parser().parse_args(["simulate", "--trace", str(trace), *args]))
+    assert str(refused.value) == said
 
 
 @pytest.mark.parametrize(
@@ -247,8 +258,19 @@ def test_simulate_refuses_a_trace_with_nothing_to_replay(tmp_path: Path, text: s
     """An empty trace printed TTFT 0.000 s and load max/mean 0.00, and negative token counts were replayed."""
     trace = tmp_path / "t.jsonl"
     trace.write_text(text)
-    result = run("simulate", "--trace", str(trace))
-    said_in_one_line(result, said)
+    with pytest.raises(TraceError, match=re.escape(said)):
+        load_trace(trace)
+
+
+def test_simulate_says_a_number_or_a_trace_it_refuses_in_one_line(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n")
+    said_in_one_line(run("simulate", "--trace", str(trace)), "kvgate simulate:", "t.jsonl holds no request")
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n')
+    result = run("simulate", "--trace", str(trace), "--prefill-tokens-per-s", "0")
+    said_in_one_line(
+        result, "configuration error", "--prefill-tokens-per-s 0.0: must be a finite number above 0"
+    )
     assert result.returncode == 2
 
 
