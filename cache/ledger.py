@@ -143,12 +143,17 @@ class UsageLedger(Protocol):
         ...
 
 
+MAX_RANGE_DAYS = 366  # days one read of the ledger may span
+
+
 def days_between(start_day: str, end_day: str) -> list[str]:
+    """The days ``start_day .. end_day``, both included: at most ``MAX_RANGE_DAYS`` of them."""
     start, end = dt.date.fromisoformat(start_day), dt.date.fromisoformat(end_day)
     if end < start:
         raise ValueError("end is before start")
-    if (end - start).days > 366:
-        raise ValueError("at most 366 days at a time")
+    # (366 days counted as the answer lists them, both ends in: a leap year whole, not a day past it)
+    if (end - start).days + 1 > MAX_RANGE_DAYS:
+        raise ValueError(f"at most {MAX_RANGE_DAYS} days at a time")
     return [(start + dt.timedelta(days=i)).isoformat() for i in range((end - start).days + 1)]
 
 

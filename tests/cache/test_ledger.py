@@ -76,6 +76,14 @@ def test_day_ranges() -> None:
     assert day_of(0) == "1970-01-01"
 
 
+def test_a_range_holds_at_most_366_days_both_ends_counted() -> None:
+    """The refusal says "at most 366 days": a leap year whole is 366 days, and a 367th day is refused (it
+    was answered, a read of 367 days under a limit that said 366)."""
+    assert len(days_between("2028-01-01", "2028-12-31")) == 366
+    with pytest.raises(ValueError, match="at most 366 days"):
+        days_between("2025-12-06", "2026-12-07")
+
+
 # -- one contract, two ledgers --------------------------------------------------------------------------
 
 
