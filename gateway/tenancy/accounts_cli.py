@@ -22,7 +22,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from cache.ledger import dollars
+from cache.ledger import COUNTER_FIELDS, DayTotals, dollars
 from cache.ledger_redis import RedisLedger
 from gateway.http.errors import InvalidRequest
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, RedisKeyStore, create_key, is_tenant_name
@@ -162,6 +162,8 @@ def _usage(args: argparse.Namespace) -> int:
             body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
     if args.tenant:
         body["data"] = [t for t in body["data"] if t["tenant"] == args.tenant]
+        if "total" in body:  # (a gateway's answer: its total was every tenant's)
+            body["total"] = _total(body["data"])
     if args.json:
         print(json.dumps(body, indent=2))
     else:
@@ -213,6 +215,17 @@ async def _usage_from_gateway(url: str, key: str | None, query: dict[str, str]) 
     if status == 404:
         raise UserError(f"{url} answered 404 to /v1/admin/usage: is it a kvgate gateway? Check --url")
     raise UserError(f"{url} answered {status}{said} to /v1/admin/usage; its log says more")
+
+
+def _total(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sums of the tenants' days in ``entries``, shaped as a gateway's ``total``."""
+    total = DayTotals("total")
+    for entry in entries:
+        for day in entry["data"]:
+            total.merge(DayTotals(day["day"], **{name: day[name] for name in COUNTER_FIELDS}))
+    out = total.to_json()
+    del out["day"]
+    return out
 
 
 @contextlib.contextmanager

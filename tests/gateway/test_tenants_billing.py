@@ -819,6 +819,26 @@ async def test_kvgate_usage_reads_the_redis_ledger(
     assert "default" in table and "REQUESTS" in table
 
 
+async def test_kvgate_usage_of_one_tenant_from_a_gateway_totals_only_that_tenant(
+    make_cluster: ClusterFactory,
+) -> None:
+    """``kvgate usage --url --tenant NAME --json`` showed that tenant's days under a ``total`` of every
+    tenant's: an operator reading one tenant's bill was shown the others' requests and cost in it."""
+    cluster, keys = await billed_cluster(make_cluster)
+    billed = {}
+    for tenant in ("acme", "globex"):
+        _, body, _ = await cluster.post("/v1/chat/completions", chat(tenant), headers=bearer(keys[tenant]))
+        billed[tenant] = cost_of(body["usage"])
+    await cluster.gateway.billing.writer.flush()
+    result = await asyncio.to_thread(
+        kvgate, "usage", "--url", cluster.url, "--key", keys["acme"], "--tenant", "globex", "--json"
+    )
+    body = json.loads(result.stdout)
+    assert [entry["tenant"] for entry in body["data"]] == ["globex"]
+    assert body["total"]["requests"] == 1
+    assert body["total"]["cost_picodollars"] == billed["globex"]
+
+
 def test_a_client_salt_never_names_another_tenants_namespace() -> None:
     """A tenant configured with the shared (empty) salt whose client sends another tenant's salt, or two
     tenant/client splits that read alike joined, must land in namespaces of their own."""
