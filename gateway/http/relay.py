@@ -23,6 +23,7 @@ from gateway.http.http_wire import WholeAnswer
 from gateway.http.upstream_errors import UpstreamError, UpstreamTimeout
 from gateway.http.upstream_response import Response
 from gateway.observability.metrics import GatewayMetrics
+from gateway.tenancy.billing import usage_is_credible
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -129,6 +130,10 @@ async def relay_whole(
     if upstream.status != 200:
         return engine_error(engine_id, upstream.status, data, headers, metrics)
     tail = tail_usage(data) if len(data) > TAIL_USAGE_BYTES and on_answer is None else None
+    if tail is not None and own_count is not None and not usage_is_credible(tail.usage):
+        # A usage that cannot bill it: the answer is parsed whole below, so that its generated text is
+        # counted (billed from the tail, a large answer's completion tokens were 0, however many it had).
+        tail = None
     if tail is not None:  # (a large answer, embeddings above all: its usage read at its end)
         added = accounting.annotate(tail.usage)
         accounting.done(tail.usage, None, "completed", 0)

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from cache.ledger import day_of
+from gateway.http.answer_usage import TAIL_USAGE_BYTES
 from gateway.tenancy.answer_tokens import generated_texts
 from gateway.tenancy.billing import usage_is_credible
 from tests.faulty_engines import Scripted, answers, chat_chunk
@@ -182,3 +183,29 @@ def test_the_text_a_whole_answer_generated_is_read_from_every_api_shape() -> Non
     assert generated_texts(responses) == ["why", "said", "g", "{}"]
     assert generated_texts({"data": [{"embedding": [0.1]}]}) == []  # (embeddings generate nothing)
     assert generated_texts({"choices": "junk", "output": [3, None]}) == []
+
+
+async def test_a_large_whole_answer_with_made_up_usage_is_billed_for_its_text(
+    make_cluster: ClusterFactory,
+) -> None:
+    """An answer past TAIL_USAGE_BYTES is billed from the usage at its end without being parsed: with a
+    usage that cannot bill it, its completion tokens were recorded as 0 (a small answer's text is counted)."""
+    content = "word " * (TAIL_USAGE_BYTES // 5 + 1000)
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    head = orjson.dumps(
+        {"id": "c", "object": "chat.completion", "created": 1, "model": MODEL, "choices": [choice]}
+    )
+    engine = answers(head[:-1] + b',"usage":' + MADE_UP["negative"].encode() + b"}")
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/liar": engine},
+        engine_options={"eu-west/liar": {"kv_events": False}},
+        prices={MODEL: PRICE},
+    )
+    status, _, _ = await cluster.post("/v1/chat/completions", chat("question"))
+    assert status == 200
+    await cluster.gateway.billing.writer.flush()
+    [rec] = await cluster.gateway.billing.ledger.records()
+    assert (rec.status, rec.estimated) == ("completed", True)
+    assert rec.completion_tokens == len(cluster.gateway.prepare.tokenizer.encode_public(content))
