@@ -22,11 +22,11 @@ import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from cache.ledger import COUNTER_FIELDS, DayTotals, dollars
+from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
 from gateway.http.errors import InvalidRequest
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, RedisKeyStore, create_key, is_tenant_name
-from gateway.tenancy.usage_api import day_range
+from gateway.tenancy.usage_api import day_range, usage_list
 from gateway.user_errors import UserError, without_credentials
 from region_map.config import ConfigError
 
@@ -151,7 +151,9 @@ def _usage(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:
         raise ConfigError(f"--{exc.param}: {exc.message}") from None
     if args.url:
-        body = asyncio.run(_usage_from_gateway(args.url, args.key, query))
+        # (The gateway totals the tenant asked for: its total of every tenant was printed under one.)
+        tenant = {"tenant": args.tenant} if args.tenant else {}
+        body = asyncio.run(_usage_from_gateway(args.url, args.key, {**query, **tenant}))
     else:
         redis_url, _, prefix = _settings(args)
         if redis_url is None:
@@ -159,11 +161,7 @@ def _usage(args: argparse.Namespace) -> int:
                 "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
             )
         with _redis_reached(redis_url, "the ledger"):
-            body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end))
-    if args.tenant:
-        body["data"] = [t for t in body["data"] if t["tenant"] == args.tenant]
-        if "total" in body:  # (a gateway's answer: its total was every tenant's)
-            body["total"] = _total(body["data"])
+            body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end, args.tenant))
     if args.json:
         print(json.dumps(body, indent=2))
     else:
@@ -217,17 +215,6 @@ async def _usage_from_gateway(url: str, key: str | None, query: dict[str, str]) 
     raise UserError(f"{url} answered {status}{said} to /v1/admin/usage; its log says more")
 
 
-def _total(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The sums of the tenants' days in ``entries``, shaped as a gateway's ``total``."""
-    total = DayTotals("total")
-    for entry in entries:
-        for day in entry["data"]:
-            total.merge(DayTotals(day["day"], **{name: day[name] for name in COUNTER_FIELDS}))
-    out = total.to_json()
-    del out["day"]
-    return out
-
-
 @contextlib.contextmanager
 def _redis_reached(redis_url: str, what: str) -> Iterator[None]:
     """A Redis that cannot be reached (or refuses us) as one line with the fix, instead of redis-py's
@@ -246,14 +233,16 @@ def _redis(url: str) -> aioredis.Redis:
     return aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
 
 
-async def _usage_from_redis(redis_url: str, prefix: str, start: str, end: str) -> dict[str, Any]:
+async def _usage_from_redis(
+    redis_url: str, prefix: str, start: str, end: str, tenant: str | None
+) -> dict[str, Any]:
+    """The ledger's usage, shaped as a gateway's answer (it had no ``total``, and no ``object`` per day)."""
     client = _redis(redis_url)
     try:
         by_tenant = await RedisLedger(client, prefix).tenants(start, end)
     finally:
         await client.aclose()
-    data = [{"tenant": name, "data": [d.to_json() for d in days]} for name, days in by_tenant.items()]
-    return {"object": "list", "start": start, "end": end, "data": data}
+    return usage_list(start, end, by_tenant, tenant)
 
 
 def _print_usage(body: dict[str, Any]) -> None:

@@ -63,15 +63,7 @@ class UsageApi:
         by_tenant = await self._read(
             ("admin", "", start, end), lambda: self.billing.ledger.tenants(start, end)
         )
-        chosen = {name: days for name, days in by_tenant.items() if only is None or name == only}
-        body = {
-            "object": "list",
-            "start": start,
-            "end": end,
-            "data": [{"tenant": name, **_days_and_total(days)} for name, days in chosen.items()],
-            "total": _sum(day for days in chosen.values() for day in days),
-        }
-        return json_response(body)
+        return json_response(usage_list(start, end, by_tenant, only))
 
     async def _admitted(self, caller: Caller, answer: Callable[[], Awaitable[web.Response]]) -> web.Response:
         """``answer()`` once the read is admitted: one request of the caller's request limit (a 429 with its
@@ -133,6 +125,21 @@ def _day(raw: str | None, param: str) -> str | None:
         raise InvalidRequest(
             f"{param} must be a day (YYYY-MM-DD) or Unix seconds, not {raw[:40]!r}", param=param
         ) from None
+
+
+def usage_list(
+    start: str, end: str, by_tenant: Mapping[str, list[DayTotals]], only: str | None = None
+) -> dict[str, Any]:
+    """The answer of ``GET /v1/admin/usage``: every tenant's days (or ``only``'s) and their total. ``kvgate
+    usage --json`` prints this shape, from a gateway or from Redis alike."""
+    chosen = {name: days for name, days in by_tenant.items() if only is None or name == only}
+    return {
+        "object": "list",
+        "start": start,
+        "end": end,
+        "data": [{"tenant": name, **_days_and_total(days)} for name, days in chosen.items()],
+        "total": _sum(day for days in chosen.values() for day in days),
+    }
 
 
 def _days_and_total(days: list[DayTotals]) -> dict[str, Any]:

@@ -812,9 +812,16 @@ async def test_kvgate_usage_reads_the_redis_ledger(
     await cluster.gateway.billing.writer.flush()
     where = ["--redis", redis_url, "--redis-prefix", redis_keys.prefix]
     result = await asyncio.to_thread(kvgate, "usage", "--json", *where)
-    [entry] = json.loads(result.stdout)["data"]
+    from_redis = json.loads(result.stdout)
+    [entry] = from_redis["data"]
     assert entry["tenant"] == "default" and entry["data"][0]["requests"] == 3
     assert entry["data"][0]["cost_picodollars"] == billed
+    # --json prints the gateway's shape, read from Redis too (it had no totals and no day objects).
+    assert from_redis["object"] == "list" and entry["data"][0]["object"] == "usage.day"
+    assert from_redis["total"]["requests"] == entry["total"]["requests"] == 3
+    assert from_redis["total"]["cost_picodollars"] == billed
+    alone = await asyncio.to_thread(kvgate, "usage", "--json", "--tenant", "nobody", *where)
+    assert json.loads(alone.stdout)["data"] == [] and json.loads(alone.stdout)["total"]["requests"] == 0
     table = (await asyncio.to_thread(kvgate, "usage", *where)).stdout
     assert "default" in table and "REQUESTS" in table
 
