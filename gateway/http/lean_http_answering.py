@@ -243,6 +243,18 @@ class LeanAnswering(LeanDeadlines):
         if self._task is None:
             self._close()
 
+    @property
+    def answering(self) -> bool:
+        """Whether a request of this connection is being answered (or waits its turn)."""
+        return self._task is not None
+
+    def end_now(self) -> None:
+        """Stop taking requests, and cancel the one in progress now: the drain is cut short (a second
+        signal). Its handler stops its engine request and accounts for it, as at the end of a drain."""
+        self.close_when_idle()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
     async def shutdown(self, grace_s: float | None) -> None:
         """Let the request in progress finish for ``grace_s`` seconds, then cancel it; close."""
         self.close_when_idle()

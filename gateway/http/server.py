@@ -92,6 +92,16 @@ class GatewayServer(web.Server):
         lean = [connection.shutdown(timeout) for connection in list(self.lean_connections)]
         await asyncio.gather(super().shutdown(timeout), *lean)
 
+    def answering(self) -> int:
+        """How many connections have a request being answered."""
+        return sum(connection.answering for connection in self.lean_connections)
+
+    def end_now(self) -> None:
+        """Cut the drain short: every request still being answered is cancelled now (each still gets its
+        usage record, for what its engine did); the rest of the stop (the ledger's last write) goes on."""
+        for connection in list(self.lean_connections):
+            connection.end_now()
+
 
 class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
@@ -173,6 +183,13 @@ async def serve_until_signal(
     await runner.setup()
     late: asyncio.TimerHandle | None = None
     try:
+        # (Before the port opens: a signal that came once it was open but before this, a Ctrl-C as it
+        # started, was a KeyboardInterrupt's traceback.)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
         site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None)
         try:
             await site.start()
@@ -181,18 +198,49 @@ async def serve_until_signal(
         log_listening(app, runner)
         if on_ready is not None:
             on_ready()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         drain_s = _drain_s(app)
+        server = runner.server
+        if isinstance(server, GatewayServer) and server.gateway is not None:
+            _second_signal_ends_the_drain(loop, server, drain_s)
         late = loop.call_later(drain_s + STILL_STOPPING_AFTER_S, _say_what_stopping_waits_on, drain_s)
     finally:
         await runner.cleanup()
         if late is not None:  # (stopped in time; the loop may run on: `kvgate demo` stops its engines)
             late.cancel()
+
+
+def _second_signal_ends_the_drain(
+    loop: asyncio.AbstractEventLoop, server: GatewayServer, drain_s: float
+) -> None:
+    """The stop has begun: say so, and let a second SIGINT (a second Ctrl-C) end the drain at once, as
+    uvicorn's does, instead of the operator waiting out ``drain_timeout_s`` or killing the gateway (which
+    leaves the ledger's last write to the next start's replay). A second SIGTERM does not: a supervisor
+    may send one to every process of its service and ``kvgate serve`` forwards its own to its workers, so
+    a worker gets two for one stop."""
+    answering = server.answering()
+    log.info(
+        "stopping: no new connections; %d requests being answered may finish within %g s "
+        "(a second Ctrl-C ends them now)",
+        answering,
+        drain_s,
+    )
+    ended = False
+
+    def end_now() -> None:
+        nonlocal ended
+        if ended:
+            return
+        ended = True
+        log.warning(
+            "stopping now: ending the %d requests still being answered (each is billed for what its "
+            "engine did); the usage ledger's last write still runs",
+            server.answering(),
+        )
+        server.end_now()
+
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGINT, end_now)
 
 
 ASYNCIO_DIR = os.path.dirname(asyncio.__file__)

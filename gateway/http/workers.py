@@ -4,6 +4,7 @@ own gateway id, spool and operator port, stopped together. Without operator port
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -37,6 +38,10 @@ def _run_worker(config: KvgateConfig, parent: int) -> None:
     die_with_parent()
     if os.getppid() != parent:  # (it died before that took effect)
         sys.exit(1)
+    # Out of the terminal's process group: a Ctrl-C reaches kvgate serve alone, which forwards it once.
+    # Reached by both, a worker took one Ctrl-C for two, and a second SIGINT ends its drain at once.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     try:
         run_gateway(config, reuse_port=True)
     except UserError as exc:
@@ -45,6 +50,9 @@ def _run_worker(config: KvgateConfig, parent: int) -> None:
     except ConfigError as exc:
         print(f"kvgate serve: {config.gateway_id}: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a Ctrl-C passed on while it started: it ends as that SIGINT's, silently
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def worker_config(config: KvgateConfig, index: int) -> KvgateConfig:
