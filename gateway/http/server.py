@@ -220,7 +220,7 @@ def _second_signal_ends_the_drain(
     a worker gets two for one stop."""
     answering = server.answering()
     log.info(
-        "stopping: no new connections; %d requests being answered may finish within %g s "
+        "stopping: no new connections; the requests being answered (%d) may finish within %g s "
         "(a second Ctrl-C ends them now)",
         answering,
         drain_s,
@@ -233,7 +233,7 @@ def _second_signal_ends_the_drain(
             return
         ended = True
         log.warning(
-            "stopping now: ending the %d requests still being answered (each is billed for what its "
+            "stopping now: ending the requests still being answered (%d; each is billed for what its "
             "engine did); the usage ledger's last write still runs",
             server.answering(),
         )
