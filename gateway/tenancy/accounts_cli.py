@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(--url, with an admin key in --key or KVGATE_API_KEY when it requires one).",
     )
     usage.add_argument("--tenant", help="only this tenant")
-    usage.add_argument("--start", help="first day, YYYY-MM-DD or Unix seconds (default: --end)")
+    usage.add_argument("--start", help="first day, YYYY-MM-DD, YYYYMMDD or Unix seconds (default: --end)")
     usage.add_argument("--end", help="last day (default: today, UTC)")
     usage.add_argument("--url", help="a gateway's base URL, e.g. http://127.0.0.1:8080")
     usage.add_argument("--key", default=os.environ.get("KVGATE_API_KEY"), help="admin API key for --url")

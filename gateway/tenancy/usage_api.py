@@ -1,9 +1,9 @@
 """``GET /v1/usage`` (the caller's tenant) and ``GET /v1/admin/usage`` (every tenant; admin keys only).
 
-``start`` and ``end`` are days (``2026-11-30``) or Unix seconds, both inclusive, in UTC; both default to
-today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars. Reads have their
-own per-key allowance (``gateway.auth.usage_reads_per_minute``; 429 past it), and identical reads at the same
-time share one.
+``start`` and ``end`` are days (``2026-11-30``, or ``20261130``) or Unix seconds, both inclusive, in UTC;
+both default to today. Figures are per day, with a total; costs in dollars and, exactly, in pico-dollars.
+Reads have their own per-key allowance (``gateway.auth.usage_reads_per_minute``; 429 past it), and
+identical reads at the same time share one.
 
 A read is also a request: a key whose tenant has a request limit pays one for it, as for a completion, and
 every answer after that (the read, a 400 for its query, a 503, a 429) carries OpenAI's
@@ -114,6 +114,9 @@ def _day(raw: str | None, param: str) -> str | None:
     if raw is None or raw == "":
         return None
     if raw.isascii() and raw.isdigit():
+        if len(raw) == 8:  # ISO 8601's basic form (20261207): Unix seconds that short are before 1973
+            with contextlib.suppress(ValueError):
+                return dt.date.fromisoformat(raw).isoformat()
         if len(raw) > 12 or int(raw) > MAX_UNIX_S:  # (the length first: int() of a huge string is slow)
             raise InvalidRequest(
                 f"{param} is past the year 9999; Unix seconds go up to {MAX_UNIX_S}", param=param
