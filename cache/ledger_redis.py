@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any, cast
 
 import msgpack
-from redis.asyncio import Redis
 
 from cache.ledger import COUNTER_FIELDS, DayTotals, UsageRecord, day_name, days_between
+from cache.redis_client import AnyRedis, run_scripts_pipelined
 
 SEEN_TTL_S = 14 * 24 * 3600  # how long a record id is remembered (spools are replayed long before)
 STREAM_MAXLEN = 10_000_000
@@ -42,7 +42,7 @@ return 1
 
 
 class RedisLedger:
-    def __init__(self, redis: Redis, prefix: str = "kvgate") -> None:
+    def __init__(self, redis: AnyRedis, prefix: str = "kvgate") -> None:
         self._redis = redis
         self._tag = f"{{{prefix}:ledger}}"
         self._record = redis.register_script(_RECORD)
@@ -70,10 +70,12 @@ class RedisLedger:
         """One pipeline (one round trip); each script call is still atomic on its own."""
         if len(recs) == 1:
             return int(await self.record(recs[0]))
-        async with self._redis.pipeline(transaction=False) as pipe:
+
+        async def queue(pipe: Any) -> None:
             for rec in recs:
                 await self._call(rec, client=pipe)
-            return sum(int(r) for r in await pipe.execute())
+
+        return sum(int(r) for r in await run_scripts_pipelined(self._redis, [self._record], queue))
 
     async def daily(self, tenant: str, start_day: str, end_day: str) -> list[DayTotals]:
         days = days_between(start_day, end_day)

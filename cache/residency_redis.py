@@ -17,10 +17,9 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
-
 from cache.events import KvEventBatch
 from cache.hashing import to_hex
+from cache.redis_client import AnyRedis
 from cache.redis_keys import RedisKeys
 from cache.residency import EngineHoldings, batch_ops
 
@@ -192,7 +191,7 @@ class RedisResidencyIndex:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: AnyRedis,
         keys: RedisKeys | None = None,
         *,
         max_approximate_per_engine: int = DEFAULT_MAX_APPROXIMATE_PER_ENGINE,

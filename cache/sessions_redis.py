@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from redis.asyncio import Redis
 
+from cache.redis_client import AnyRedis, run_scripts_pipelined
 from cache.redis_keys import RedisKeys
 from cache.sessions import DEFAULT_SESSION_TTL_S, BindingLives, SessionBinding
 
@@ -133,7 +133,7 @@ def decode(raw: bytes | str | None) -> SessionBinding | None:
 class RedisSessionStore:
     def __init__(
         self,
-        redis: Redis,
+        redis: AnyRedis,
         keys: RedisKeys | None = None,
         ttl_s: float = DEFAULT_SESSION_TTL_S,
         *,
@@ -176,11 +176,13 @@ class RedisSessionStore:
         """``offer`` for many sessions, pipelined: one round trip (a rebuild after an outage)."""
         if not items:
             return []
-        async with self._redis.pipeline(transaction=False) as pipe:
+
+        async def queue(pipe: Any) -> None:
             for (tenant, session_id), binding in items:
                 args = self._offer_args(session_id, binding)
                 await self._offer(keys=self._script_keys(tenant, session_id), args=args, client=pipe)
-            replies = await pipe.execute()
+
+        replies = await run_scripts_pipelined(self._redis, [self._offer], queue)
         return [
             self._held(reply, session_id, binding)
             for reply, ((_, session_id), binding) in zip(replies, items, strict=True)

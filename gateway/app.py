@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -20,6 +19,7 @@ from cache.cancelling import cancel_and_wait
 from cache.journal import UsageJournal
 from cache.ledger import MemoryLedger
 from cache.ledger_redis import RedisLedger
+from cache.redis_client import AnyRedis
 from cache.redis_keys import RedisKeys
 from cache.spool import Spool
 from cache.tokens import Tokenizer, TokenizerError, load_tokenizer
@@ -105,7 +105,11 @@ def build_app(config: KvgateConfig) -> web.Application:
             f"gateway.routing.policy: unknown policy {settings.routing.policy!r} "
             f"(one of {', '.join(POLICIES)})"
         )
-    redis = redis_client(settings.redis_url, settings.redis_max_connections) if settings.redis_url else None
+    redis = (
+        redis_client(settings.redis_url, settings.redis_max_connections, cluster=settings.redis_cluster)
+        if settings.redis_url
+        else None
+    )
     fleet = Fleet(config.topology)
     metrics = GatewayMetrics()
     billing = build_billing(config, redis)
@@ -221,7 +225,7 @@ def gateway_tokenizer(config: KvgateConfig) -> Tokenizer:
         raise ConfigError(f"gateway.tokenizer: {exc}") from None
 
 
-def build_billing(config: KvgateConfig, redis: aioredis.Redis | None) -> Billing:
+def build_billing(config: KvgateConfig, redis: AnyRedis | None) -> Billing:
     """Keys, ledger and rate-limit buckets: in Redis when the gateway has it, else in process."""
     settings = config.gateway
     prefix = settings.redis_prefix

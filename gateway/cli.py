@@ -41,6 +41,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
     serve.add_argument("--redis", metavar="URL", help="shared state in Redis, e.g. redis://127.0.0.1:6379/0")
     serve.add_argument(
+        "--redis-cluster",
+        action="store_const",
+        const=True,
+        help="--redis (or gateway.redis_url) is one node of a Redis Cluster (gateway.redis_cluster)",
+    )
+    serve.add_argument(
         "--workers",
         type=int,
         default=None,  # (then KVGATE_WORKERS, else 1: read by _serve, where a typo in it is said)
@@ -150,7 +156,12 @@ def _serve(args: argparse.Namespace) -> int:
             "worker is a whole gateway process, and workers past the CPUs add memory, not throughput: "
             f"choose at most {WORKERS_PER_CPU * cpus} (--workers {cpus} uses every CPU)"
         )
-    overrides = {"host": args.host, "port": args.port, "redis_url": args.redis}
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "redis_url": args.redis,
+        "redis_cluster": args.redis_cluster,
+    }
     config = load_config(args.config, environ=os.environ, overrides=overrides)
     if not any(region.engines for region in config.topology.regions):
         # The file is read once: a gateway without engines would answer 503 to everything until restarted.

@@ -57,6 +57,21 @@ def check_redis_url(url: str) -> str:
     return url
 
 
+def _check_cluster_url(url: str | None) -> None:
+    """A Redis Cluster is reached over TCP and has database 0 only: say so at start, not at the first key."""
+    if url is None:
+        raise ValueError("redis_cluster = true needs redis_url: one node of the cluster (redis://host:port)")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "unix":
+        raise ValueError("redis_cluster = true needs a redis:// or rediss:// URL: a cluster is not a socket")
+    db = urllib.parse.parse_qs(parts.query).get("db", [parts.path.strip("/")])[0]
+    if db not in ("", "0"):
+        raise ValueError(
+            f"redis_cluster = true: {without_credentials(url)!r} names database {db}; a Redis Cluster has "
+            "database 0 only (keep deployments apart with redis_prefix)"
+        )
+
+
 class PriceConfig(BaseModel):
     """``[prices."model"]``: dollars per million tokens."""
 
@@ -94,6 +109,11 @@ class GatewaySettings(BaseModel):
         default=None, description="unique per gateway; default <region>-<host>-<pid>"
     )
     redis_url: str | None = Field(default=None, description="shared state; None keeps everything in process")
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url is one node of a Redis Cluster: the gateway discovers the others and follows "
+        "the cluster's redirections (a plain client would be refused every key another node serves)",
+    )
     redis_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     redis_max_connections: int = Field(
         default=256,
@@ -228,6 +248,8 @@ class GatewaySettings(BaseModel):
                     f"{name} ({default}) exceeds max_output_tokens ({self.max_output_tokens}): every "
                     "request that names no max_tokens would be refused"
                 )
+        if self.redis_cluster:
+            _check_cluster_url(self.redis_url)
         if self.operator_port and self.operator_port == self.port:
             raise ValueError(f"operator_port ({self.operator_port}) must differ from port: the public port")
         return self
@@ -240,6 +262,7 @@ ENV_OVERRIDES = {
     "KVGATE_PORT": "port",
     "KVGATE_REDIS_URL": "redis_url",
     "KVGATE_REDIS_PREFIX": "redis_prefix",
+    "KVGATE_REDIS_CLUSTER": "redis_cluster",
     "KVGATE_GATEWAY_ID": "gateway_id",
     "KVGATE_TOKENIZER": "tokenizer",
     "KVGATE_BLOCK_SIZE": "block_size",

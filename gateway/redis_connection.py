@@ -1,5 +1,7 @@
-"""The gateway's Redis connection: its one client, and the check at start that says whether Redis is there,
-whether it refuses the URL, and whether it may evict what the usage ledger keeps."""
+"""The gateway's Redis connection: its one client (one server's, or a Redis Cluster's with
+``gateway.redis_cluster``), and the check at start that says whether Redis is there, whether it refuses the
+URL, whether it is the kind of Redis the settings say (a cluster node for a plain client refuses most keys
+with MOVED), and whether it may evict what the usage ledger keeps."""
 
 from __future__ import annotations
 
@@ -7,11 +9,19 @@ import asyncio
 import logging
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from cache.redis_client import AnyRedis
 from gateway.redis_sending import connection_class
 from gateway.state.shared_state import SharedState
 from gateway.user_errors import without_credentials
@@ -23,12 +33,17 @@ REDIS_TIMEOUT_S = 2.0  # connecting, each reply, and waiting for a free pooled c
 REDIS_START_PING_S = 1.0  # the one PING at start that says whether Redis is there
 
 
-def redis_client(url: str, max_connections: int) -> aioredis.Redis:
+def redis_client(url: str, max_connections: int, *, cluster: bool = False) -> AnyRedis:
     """The gateway's one Redis client: keys, ledger, rate-limit buckets and shared state (pub/sub too) all
     use it. Its pool is sized for the gateway's concurrency, and a burst beyond that waits for a free
     connection (up to the socket timeout) rather than failing with "Too many connections", which redis-py's
     default pool (100) does. A command that finds its pooled connection dead (Redis restarted) is sent once
-    more on a fresh one, instead of failing the request that happened to draw it."""
+    more on a fresh one, instead of failing the request that happened to draw it.
+
+    ``cluster``: ``url`` is one node of a Redis Cluster; the client learns the others from it at its first
+    command, and keeps a pool of ``max_connections`` per node."""
+    if cluster:
+        return _cluster_client(url, max_connections)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -41,9 +56,21 @@ def redis_client(url: str, max_connections: int) -> aioredis.Redis:
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 
 
-def redis_db(redis: aioredis.Redis | None) -> int:
-    """The database number ``redis`` selects (0 without Redis)."""
-    if redis is None:
+def _cluster_client(url: str, max_connections: int) -> RedisCluster:
+    client = RedisCluster.from_url(
+        url,
+        max_connections=max_connections,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+    )
+    # Each node's connections are built from these arguments: the same cancellable sends as a server's.
+    client.connection_kwargs["connection_class"] = connection_class(url)
+    return client
+
+
+def redis_db(redis: AnyRedis | None) -> int:
+    """The database number ``redis`` selects (0 without Redis, and on a cluster, which has no other)."""
+    if redis is None or isinstance(redis, RedisCluster):
         return 0
     return int(redis.connection_pool.connection_kwargs.get("db") or 0)
 
@@ -51,12 +78,18 @@ def redis_db(redis: aioredis.Redis | None) -> int:
 async def check_redis(state: SharedState, url: str) -> str:
     """One PING at start, so that the start is told the truth: "on (URL)", or "unreachable at URL". An
     unreachable Redis marks the shared-state writer failing: it then PINGs every second, and ``/health``
-    says "unreachable" until Redis answers. A Redis that answers and refuses the URL stops the start."""
+    says "unreachable" until Redis answers. A Redis that answers and refuses the URL stops the start, as
+    does one that is not the kind ``gateway.redis_cluster`` says."""
     assert state.redis is not None
     try:
         async with asyncio.timeout(REDIS_START_PING_S):
             await state.redis.ping()
-    except (RedisError, OSError, TimeoutError) as exc:
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        if "cluster mode is not enabled" in str(exc).lower():  # (a cluster client's first command)
+            raise ConfigError(
+                f"gateway.redis_cluster = true, but Redis at {without_credentials(url)} is not a Redis "
+                "Cluster node: set redis_cluster = false (or leave it out) for one Redis server"
+            ) from None
         if _refuses_url(exc):
             raise ConfigError(
                 f"gateway.redis_url / --redis: Redis at {without_credentials(url)} refuses it: "
@@ -71,8 +104,29 @@ async def check_redis(state: SharedState, url: str) -> str:
             reason,
         )
         return f"unreachable at {without_credentials(url)}"
+    await _check_kind(state.redis, url)
     await _check_eviction(state.redis, url)
     return f"on ({without_credentials(url)})"
+
+
+async def _check_kind(redis: AnyRedis, url: str) -> None:
+    """A plain client on a cluster node is answered MOVED for every key another node serves: most of the
+    sessions, and the residency index or the ledger unless their slots happen to be that node's. Refuse
+    that at start in one line (one INFO at start; requests pay nothing for it)."""
+    if isinstance(redis, RedisCluster):
+        return  # (its first command already asked the node for the cluster's slots)
+    try:
+        async with asyncio.timeout(REDIS_START_PING_S):
+            info = await redis.info("cluster")
+    except (RedisError, OSError, TimeoutError) as exc:  # (a Redis that refuses INFO: not asked again)
+        log.debug("could not ask Redis whether it is a cluster node: %s", exc)
+        return
+    if str(info.get("cluster_enabled", 0)) == "1":
+        raise ConfigError(
+            f"gateway.redis_url / --redis: Redis at {without_credentials(url)} is a Redis Cluster node: set "
+            "gateway.redis_cluster = true (--redis-cluster, KVGATE_REDIS_CLUSTER=1) so that the gateway "
+            "follows the cluster's slots"
+        )
 
 
 # What each family of eviction policies may take from the ledger (``maxmemory-policy``, when Redis is full).
@@ -83,7 +137,7 @@ EVICTION_RISKS = {
 }
 
 
-async def _check_eviction(redis: aioredis.Redis, url: str) -> None:
+async def _check_eviction(redis: AnyRedis, url: str) -> None:
     """Warn once, at start, when Redis may evict keys once it is full: the ledger's sums can then vanish,
     and a record whose id was evicted counts twice when a spool or a journal replays it. A Redis that
     refuses CONFIG (managed ones often do) or does not answer in time is not asked again."""

@@ -20,10 +20,12 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import MovedError, RedisClusterException, RedisError
 
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
+from cache.redis_client import AnyRedis
 from gateway.http.errors import InvalidRequest
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, RedisKeyStore, create_key, is_tenant_name
 from gateway.tenancy.usage_api import day_range, usage_list
@@ -72,12 +74,16 @@ def _store_options(parser: argparse.ArgumentParser, *, keys_file: bool = True) -
     parser.add_argument("--config", help="deployment file (its gateway.redis_url / gateway.auth.keys_file)")
     parser.add_argument("--redis", metavar="URL", help="Redis the gateways share")
     parser.add_argument("--redis-prefix", default=None, help="key prefix (default: the config's, or kvgate)")
+    parser.add_argument(
+        "--redis-cluster", action="store_true", help="--redis is a Redis Cluster node (default: the config's)"
+    )
     if keys_file:
         parser.add_argument("--keys-file", help="keys file, when the gateways have no Redis")
 
 
 def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
-    """(redis url, keys file, prefix) from the flags, then the deployment file."""
+    """(redis url, keys file, prefix) from the flags, then the deployment file; whether that Redis is a
+    cluster goes to ``args.redis_cluster``."""
     redis_url, keys_file, prefix = args.redis, getattr(args, "keys_file", None), args.redis_prefix
     if redis_url is not None:
         from gateway.config import check_redis_url
@@ -90,7 +96,9 @@ def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
         from gateway.config import load_config
 
         config = load_config(args.config, environ=os.environ).gateway
-        redis_url = redis_url or config.redis_url
+        if redis_url is None:
+            redis_url = config.redis_url
+            args.redis_cluster = args.redis_cluster or config.redis_cluster
         keys_file = keys_file or config.auth.keys_file
         prefix = prefix or config.redis_prefix
     return redis_url, keys_file, prefix or "kvgate"
@@ -109,12 +117,12 @@ def _keys(args: argparse.Namespace) -> int:
 async def _keys_async(
     args: argparse.Namespace, redis_url: str | None, keys_file: str | None, prefix: str
 ) -> int:
-    client: aioredis.Redis | None = None
+    client: AnyRedis | None = None
     store: KeyStore
     if keys_file:
         store = FileKeyStore(keys_file)
     else:
-        client = _redis(str(redis_url))
+        client = _redis(str(redis_url), cluster=args.redis_cluster)
         store = RedisKeyStore(client, prefix)
     try:
         if args.keys_command == "create":
@@ -161,7 +169,9 @@ def _usage(args: argparse.Namespace) -> int:
                 "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
             )
         with _redis_reached(redis_url, "the ledger"):
-            body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end, args.tenant))
+            body = asyncio.run(
+                _usage_from_redis(redis_url, prefix, start, end, args.tenant, cluster=args.redis_cluster)
+            )
     if args.json:
         print(json.dumps(body, indent=2))
     else:
@@ -221,23 +231,32 @@ def _redis_reached(redis_url: str, what: str) -> Iterator[None]:
     traceback."""
     try:
         yield
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:
         reason = str(exc).rstrip(".") or type(exc).__name__
+        if isinstance(exc, MovedError):  # (a plain client on a cluster node: the key is on another node)
+            raise UserError(
+                f"Redis at {without_credentials(redis_url)} is a Redis Cluster node: add --redis-cluster "
+                "(or set gateway.redis_cluster = true in --config's file)"
+            ) from exc
         raise UserError(
             f"cannot reach Redis at {without_credentials(redis_url)} (it holds {what}): {reason}; start "
             "Redis there, or point --redis (or --config) at the Redis the gateways use"
         ) from exc
 
 
-def _redis(url: str) -> aioredis.Redis:
+def _redis(url: str, *, cluster: bool) -> AnyRedis:
+    if cluster:
+        return RedisCluster.from_url(
+            url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+        )
     return aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
 
 
 async def _usage_from_redis(
-    redis_url: str, prefix: str, start: str, end: str, tenant: str | None
+    redis_url: str, prefix: str, start: str, end: str, tenant: str | None, *, cluster: bool
 ) -> dict[str, Any]:
     """The ledger's usage, shaped as a gateway's answer (it had no ``total``, and no ``object`` per day)."""
-    client = _redis(redis_url)
+    client = _redis(redis_url, cluster=cluster)
     try:
         by_tenant = await RedisLedger(client, prefix).tenants(start, end)
     finally:

@@ -21,9 +21,9 @@ import math
 import time
 from typing import NamedTuple, Protocol
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
+from cache.redis_client import AnyRedis
 from gateway.state.single_flight import SingleFlight
 
 STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
@@ -78,7 +78,7 @@ class MemoryBuckets:
 
 
 class RedisBuckets:
-    def __init__(self, redis: Redis, prefix: str = "kvgate") -> None:
+    def __init__(self, redis: AnyRedis, prefix: str = "kvgate") -> None:
         self._prefix = prefix
         self._take = redis.register_script(_TAKE)
 
@@ -171,7 +171,7 @@ class RateLimiter:
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
                 granted, _, left = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
-        except (RedisError, OSError, TimeoutError):
+        except (RedisError, RedisClusterException, OSError, TimeoutError):
             granted, _, left = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
         self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
         self._seen[bucket] = (left, time.monotonic())

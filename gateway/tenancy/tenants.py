@@ -25,9 +25,9 @@ from typing import Protocol
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
+from cache.redis_client import AnyRedis
 from gateway.state.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class FileKeyStore:
 
 
 class RedisKeyStore:
-    def __init__(self, redis: Redis, prefix: str = "kvgate") -> None:
+    def __init__(self, redis: AnyRedis, prefix: str = "kvgate") -> None:
         self._redis = redis
         self._key = f"{prefix}:keys"
 
@@ -259,7 +259,7 @@ class Authenticator:
         try:
             async with asyncio.timeout(self._lookup_timeout):
                 record = await self.store.get(key_digest)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             raise KeyStoreUnavailable(str(exc) or type(exc).__name__) from exc
         now = time.monotonic()
         if record is None:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
 from gateway.http.errors import GatewayError, InvalidRequest, PermissionDenied, Unavailable
@@ -95,7 +95,7 @@ class UsageApi:
             await self.billing.writer.flush(timeout_s=2.0)
         try:
             return await read()
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise Unavailable(f"the usage ledger cannot be read right now: {exc}") from None
 
 

@@ -1,0 +1,103 @@
+"""A real Redis Cluster of the test's own: three ``redis-server`` masters (no replicas) on free ports, joined
+by ``redis-cli --cluster create``, every slot covered before it is handed out. Nothing persists: the
+servers run without RDB or AOF in a temporary directory."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+MASTERS = 3
+BUS_OFFSET = 10_000  # a cluster node also listens on its port + 10000 (the cluster bus)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_ports(count: int) -> list[int]:
+    """Ports whose bus ports are free too, below the kernel's ephemeral range (a free port from bind(0)
+    there may have no room for its bus port under 65536, and may be taken by an outgoing connection)."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(12_000, 20_000)
+        if port not in ports and _bindable(port) and _bindable(port + BUS_OFFSET):
+            ports.append(port)
+    return ports
+
+
+def tools_missing() -> str | None:
+    """Why no cluster can be started here (None: it can)."""
+    missing = [tool for tool in ("redis-server", "redis-cli") if shutil.which(tool) is None]
+    return f"{' and '.join(missing)} not installed (scripts/test installs redis-server)" if missing else None
+
+
+class RedisClusterProcesses:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ports = cluster_ports(MASTERS)
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"redis://127.0.0.1:{port}" for port in self.ports]
+
+    def start(self) -> None:
+        for port in self.ports:
+            args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                    "--cluster-config-file", f"nodes-{port}.conf", "--save", "", "--appendonly", "no",
+                    "--dir", str(self.directory)]  # fmt: skip
+            self.processes.append(
+                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        for port in self.ports:
+            self._wait(port, lambda client: bool(client.ping()))
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )  # fmt: skip
+        for port in self.ports:  # every node knows every slot's owner: no CLUSTERDOWN at the first command
+            self._wait(
+                port, lambda client: client.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+            )
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            process.wait(10)
+        self.processes = []
+
+    @staticmethod
+    def _wait(port: int, ready: Callable[[redis.Redis], bool]) -> None:
+        client = redis.Redis(port=port, socket_timeout=0.5, decode_responses=True)
+        deadline = time.monotonic() + 20
+        try:
+            while True:
+                try:
+                    if ready(client):
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the test's Redis Cluster node on port {port} did not get ready")
+                time.sleep(0.05)
+        finally:
+            client.close()
