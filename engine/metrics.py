@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from gateway.observability.scrape_format import choose_format
 
 STAGES = ("prefill", "decode")
 PULL_OUTCOMES = ("ok", "partial", "failed")  # every position asked for / fewer (the peer evicted some) / none
@@ -174,7 +175,7 @@ def metrics_handler(
 
     async def handler(request: web.Request) -> web.Response:
         # OpenMetrics to a scraper that asks for it, else the classic text format (as the gateway does).
-        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        encode, content_type = choose_format(request.headers.get("Accept", ""))
         response = web.Response(body=encode(registry))
         response.headers["Content-Type"] = content_type
         return response

@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from cache.cancelling import cancel_and_wait
@@ -34,6 +33,7 @@ from gateway.http.upstream_tls import engine_tls_context
 from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
+from gateway.observability.scrape_format import choose_format
 from gateway.observability.worker_metrics import WorkerMetrics
 from gateway.redis_connection import check_redis, redis_client, redis_db
 from gateway.request_limits import EMBEDDINGS_PATH, RESPONSES_PATH
@@ -266,8 +266,9 @@ def _warn_of_shared_caches(fleet: Fleet, tenants: bool) -> None:
 def _metrics_handler(scraped: Collector) -> LeanHandler:
     async def handler(request: LeanRequest) -> web.Response:
         # As prometheus_client's own servers: OpenMetrics to a scraper that asks for it (Prometheus does),
-        # else the classic text format under the name of the version that the body is written in.
-        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        # else the classic text format under the name of the version that the body is written in; a
+        # version no format has is passed over (scrape_format), not a 500 nor echoed in Content-Type.
+        encode, content_type = choose_format(request.headers.get("Accept", ""))
         response = web.Response(body=encode(scraped))
         response.headers["Content-Type"] = content_type
         return response

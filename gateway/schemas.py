@@ -159,11 +159,14 @@ _UNION_HINTS = {
 }
 _UNION_TAGS = ("list[", "constrained-", "function-", "nullable[", "union[")
 _UNION_NAMES = frozenset({"str", "int", "float", "bool", "none", "StreamOptions", "TextPart"})
+# The longest part of an error's ``param`` path: a part may be a key of the client's own (``metadata``'s,
+# ``logit_bias``'s), which came back whole, twice (in the message and the param), however long it was.
+_MAX_PARAM_PART = 64
 
 
 def _invalid(exc: ValidationError) -> InvalidRequest:
     err = exc.errors(include_url=False)[0]
-    raw = [str(p) for p in err["loc"]]
+    raw = [str(p)[:_MAX_PARAM_PART] for p in err["loc"]]
     path: list[str] = []
     for i, part in enumerate(raw):
         if part in _UNION_NAMES or part.startswith(_UNION_TAGS):

@@ -226,8 +226,11 @@ def _per_rank(samples: list[tuple[dict[str, str], float]] | None) -> list[float]
 
 
 def _count(samples: list[tuple[dict[str, str], float]] | None) -> int | None:
+    """The ranks' gauges summed, None when there are none or their sum is no count (ranks each finite but
+    summing past a float, 1e308 twice: round() of it raised OverflowError out of the health probe)."""
     values = _per_rank(samples)
-    return max(0, round(sum(values))) if values else None
+    total = sum(values)
+    return max(0, round(total)) if values and math.isfinite(total) else None
 
 
 def _fraction(samples: list[tuple[dict[str, str], float]] | None) -> float | None:
@@ -243,6 +246,11 @@ def _cache_config(samples: list[tuple[dict[str, str], float]]) -> dict[str, str]
     return samples[0][0] if samples else {}
 
 
+# More digits than any block size or block count has: int() of a string over 4300 digits raises ValueError
+# (CPython's limit on int-string conversion), which escaped the health probe and failed the engine's check.
+_MAX_INT_DIGITS = 18
+
+
 def _positive_int(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
@@ -250,7 +258,7 @@ def _positive_int(value: Any) -> int | None:
         value = value.strip()
         # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a ValueError that escaped
         # the health poller). vLLM writes an unset field as "None".
-        if not (value.isascii() and value.isdigit()):
+        if not (value.isascii() and value.isdigit()) or len(value) > _MAX_INT_DIGITS:
             return None
         value = int(value)
     return value if isinstance(value, int) and value > 0 else None

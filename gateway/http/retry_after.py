@@ -22,7 +22,9 @@ def retry_after_seconds(value: bytes | None) -> float | None:
         return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
+        # (OverflowError: a year too large for a C long, "Mon, 01 Jan 99999999999999999999 ...", raised
+        # out of the request: a 500 and a traceback instead of the engine's refusal read as naming no wait)
         return None
     if when.tzinfo is None:
         return None

@@ -207,6 +207,16 @@ def test_unknown_model_is_404(gw: BackgroundCluster) -> None:
     assert assert_openai_error(status, data, 404)["code"] == "model_not_found"
 
 
+def test_an_invalid_key_of_the_clients_is_named_cut(gw: BackgroundCluster) -> None:
+    """A key of the client's own that the error's param names (here ``metadata``'s), as long as the body limit
+    allows, is named by its first 64 characters, not sent back whole in the message and again in the param."""
+    body = {"model": MODEL, "input": "hi", "metadata": {"m" * 60_000: 1}}
+    status, data = post(gw, body, path="/v1/responses")
+    error = assert_openai_error(status, data, 400)
+    assert error["param"] == "metadata." + "m" * 64
+    assert len(data) < 1000, len(data)
+
+
 def test_oversized_body_is_413(gw: BackgroundCluster) -> None:
     big = {**GOOD, "messages": [{"role": "user", "content": "x" * (100 * 1024)}]}
     status, data = post(gw, big)

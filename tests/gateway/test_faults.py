@@ -185,6 +185,8 @@ async def test_an_engine_that_says_it_is_busy_is_failed_over_and_left_alone_for_
         (429, "6.5", "7", "6500"),  # the engine's wait passed through: rounded up, and exact in ms
         (503, "6.5", "7", "6500"),
         (429, None, "1", "1000"),  # the engine named no wait: the gateway's default
+        # A date whose year no datetime holds names none either (an OverflowError: a 500 and a traceback)
+        (429, "Mon, 01 Jan 99999999999999999999 00:00:00 GMT", "1", "1000"),
     ],
 )
 async def test_a_request_every_engine_is_too_busy_for_gets_503_with_their_retry_after(

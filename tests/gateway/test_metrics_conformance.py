@@ -4,12 +4,16 @@ named ``_total``, histograms hold together, after real traffic through a real ga
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 
+import pytest
 from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.observability.scrape_format import choose_format
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 
@@ -124,3 +128,52 @@ async def test_metrics_say_the_format_the_scraper_asked_for(make_cluster: Cluste
     assert {s.name for s in ttft.samples} >= {f"{ttft.name}_{s}" for s in ("bucket", "count", "sum")}
     assert openmetrics["gateway"]["kvgate_requests"].type == "counter"
     assert openmetrics["engine"]["kvgate_engine_busy_seconds"].type == "counter"
+
+
+# Versions no exposition format has, in the Accept header of whoever may read /metrics.
+CRAFTED_ACCEPTS = (
+    "application/openmetrics-text; version=1.x",  # (a TypeError in prometheus_client: a 500, a traceback)
+    "text/plain; version=1.0.0a",
+    "application/openmetrics-text; version=2.0<b>x</b>",  # (was written back into the Content-Type)
+    "application/openmetrics-text; version=99999",
+)
+OPENMETRICS_1 = "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"
+
+
+async def test_a_crafted_accept_version_gets_a_format_that_exists(
+    make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await make_cluster({"eu-west": 1})
+    assert cluster.session is not None
+    caplog.set_level(logging.WARNING)
+    for who, url in (("gateway", cluster.url), ("engine", cluster.engines["eu-west/e0"][1])):
+        for accept in CRAFTED_ACCEPTS:
+            async with cluster.session.get(url + "/metrics", headers={"Accept": accept}) as r:
+                assert r.status == 200, (who, accept, r.status)
+                content_type, text = r.headers["Content-Type"], await r.text()
+            assert content_type == TEXT_0_0_4, (who, accept, content_type)
+            families(text)
+        # A scraper listing a crafted range first still gets the next one it listed.
+        async with cluster.session.get(
+            url + "/metrics", headers={"Accept": f"{CRAFTED_ACCEPTS[0]},{PROMETHEUS_ACCEPT}"}
+        ) as r:
+            assert r.headers["Content-Type"] == OPENMETRICS_1, (who, r.headers["Content-Type"])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "",
+        "*/*",
+        PROMETHEUS_ACCEPT,
+        # Prometheus 3.x
+        "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+        "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+        "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+        "application/openmetrics-text; version=2.0.0",
+        "text/plain;version=1.0.0;escaping=underscores",
+    ],
+)
+def test_real_scrapers_negotiate_as_prometheus_client_does(accept: str) -> None:
+    assert choose_format(accept)[1] == choose_encoder(accept)[1]

@@ -45,3 +45,17 @@ def test_the_headers_read_back_as_the_wait(seconds: float) -> None:
     assert int(headers["retry-after-ms"]) / 1000 == pytest.approx(seconds, abs=0.001)
     whole = retry_after_seconds(headers["Retry-After"].encode())
     assert whole is not None and seconds <= whole < seconds + 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"Mon, 01 Jan 99999999999999999999 00:00:00 GMT",  # (OverflowError: no C long holds the year)
+        b"Mon, 01 Jan 10000 00:00:00 GMT",  # (ValueError: past datetime's year 9999)
+        b"Mon, 01 Jan 2026 99:99:99 GMT",
+        b"1e999",
+        b"soon",
+    ],
+)
+def test_an_engines_unreadable_retry_after_names_no_wait(value: bytes) -> None:
+    assert retry_after_seconds(value) is None

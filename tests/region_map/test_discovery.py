@@ -323,3 +323,16 @@ def test_sglang_server_info() -> None:
     assert (off.page_size, off.prefix_caching, off.max_running) == (None, False, None)
     with pytest.raises(DiscoveryError):
         parse_server_info(["not", "an", "object"])
+
+
+def test_gauges_and_labels_too_large_for_a_count_read_as_none() -> None:
+    """Values no engine means (two data-parallel ranks of 1e308 requests each, a block size of 5,000 digits)
+    are no reading: they raised OverflowError and ValueError out of the health probe, which then took the
+    engine for failing its check, with an error and its traceback in the log."""
+    one = re.sub(r"^(vllm:num_requests_running\{.*\}) \S+$", r"\1 1.7e308", VLLM_QUEUED, flags=re.M)
+    text = _second_rank(one, {"vllm:num_requests_running": "", "vllm:cache_config_info": ""})
+    assert text.count(" 1.7e308\n") == 2
+    m = parse_metrics(EngineKind.VLLM, text)
+    assert m.running is None and m.waiting == 12
+    huge = re.sub(r'block_size="\d+"', 'block_size="' + "9" * 5000 + '"', VLLM_QUEUED)
+    assert parse_metrics(EngineKind.VLLM, huge).block_size is None
