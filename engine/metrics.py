@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.observability.scrape_format import choose_format
+from cache.scrape_format import choose_format
 
 STAGES = ("prefill", "decode")
 PULL_OUTCOMES = ("ok", "partial", "failed")  # every position asked for / fewer (the peer evicted some) / none

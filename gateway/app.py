@@ -20,6 +20,7 @@ from cache.ledger import MemoryLedger
 from cache.ledger_redis import RedisLedger
 from cache.redis_client import AnyRedis
 from cache.redis_keys import RedisKeys
+from cache.scrape_format import choose_format
 from cache.spool import Spool
 from cache.tokens import Tokenizer, TokenizerError, load_tokenizer
 from gateway.config import KvgateConfig
@@ -33,7 +34,6 @@ from gateway.http.upstream_tls import engine_tls_context
 from gateway.observability.dashboard import DashboardSampler, dashboard_routes
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.operator import OperatorSite, guarded, public_health, start_operator_site
-from gateway.observability.scrape_format import choose_format
 from gateway.observability.worker_metrics import WorkerMetrics
 from gateway.redis_connection import check_redis, redis_client, redis_db
 from gateway.request_limits import EMBEDDINGS_PATH, RESPONSES_PATH

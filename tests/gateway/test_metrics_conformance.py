@@ -13,7 +13,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.scrape_format import choose_format
+from cache.scrape_format import choose_format
 from tests.harness import MODEL, Cluster, ClusterFactory
 
 

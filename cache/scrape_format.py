@@ -1,5 +1,6 @@
 """Which exposition format a ``/metrics`` scrape gets, by its ``Accept`` header: the gateway's and the
-engines' (``engine.metrics``) negotiate alike.
+engines' (``engine.metrics``) negotiate alike. It lives in ``cache`` because both packages import it and
+neither may import the other.
 
 prometheus_client's ``choose_encoder`` takes the ``version`` of the scraper's media range as it comes. One
 that is not numbers (``version=1.x``) made it compare a string with an int: a TypeError, so a 500 and a
