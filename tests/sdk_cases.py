@@ -89,6 +89,11 @@ CHAT: list[Case] = [
     ),
     ("stream_obfuscation", {"stream": True, "stream_options": {"include_obfuscation": True}}),
     ("stream_without_usage", {"stream": True, "stream_options": {"include_usage": False}}),
+    (
+        "moderation",
+        {"moderation": {"model": "omni-moderation-latest", "policy": {"input": {"mode": "score"}}}},
+    ),
+    ("prompt_cache_options", {"prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}),
     ("temperature", {"temperature": 0.7}),
     ("temperature_int", {"temperature": 1}),
     ("top_p", {"top_p": 0.9}),
@@ -143,6 +148,24 @@ CHAT: list[Case] = [
     ("vllm_documents", {"extra_body": {"documents": [{"title": "t", "text": "x"}]}}),
     ("vllm_xargs", {"extra_body": {"vllm_xargs": {"a": 1}, "mm_processor_kwargs": {}}}),
     # Messages: every role and content shape.
+    (
+        "prompt_cache_breakpoint",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "text",
+                            "text": "a long prefix",
+                            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"},
+                        },
+                        {"type": "text", "text": "the question"},
+                    ],
+                }
+            ]
+        },
+    ),
     ("developer_named", {"messages": [{"role": "developer", "content": "be terse", "name": "dev"}, *HELLO]}),
     (
         "system_parts",
@@ -482,6 +505,27 @@ RESPONSES: list[Case] = [
     ),
     ("truncation", {"input": "hi", "truncation": "auto", "max_tool_calls": 3}),
     ("vllm_sampling", {"input": "hi", "extra_body": {"top_k": 4, "repetition_penalty": 1.1}}),
+    ("access_programs", {"input": "hi", "access_programs": {"cyber": "standard"}}),
+    (
+        "context_management",
+        {"input": "hi", "context_management": [{"type": "compaction", "compact_threshold": 1000}]},
+    ),
+    ("image_options", {"input": "hi", "image": {"context_compression": "auto"}}),
+    ("moderation", {"input": "hi", "moderation": {"model": "omni-moderation-latest"}}),
+    ("prompt_cache_options", {"input": "hi", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}),
+    (
+        "input_text_breakpoint",
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}}
+                    ],
+                }
+            ]
+        },
+    ),
 ]
 
 # Invalid by OpenAI's rules: a 400 naming the parameter, before any engine is asked.
@@ -507,4 +551,50 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
     ("responses", "temperature", {"input": "hi", "temperature": 5}, "temperature"),
     ("responses", "background", {"input": "hi", "background": True}, "background"),
     ("embeddings", "dimensions", {"input": "x", "dimensions": 0}, "dimensions"),
+]
+
+# What the README says the gateway refuses though OpenAI takes it: in front of vLLM, what vLLM cannot render
+# (a custom tool, an assistant's custom tool call) or turn into a chat (a Responses prompt template, an
+# item_reference, an output message opening with a refusal). A 400 naming the field, before any engine.
+CUSTOM_TOOL = {"type": "custom", "custom": {"name": "run", "description": "d", "format": {"type": "text"}}}
+CUSTOM_CALL = {"id": "c1", "type": "custom", "custom": {"name": "run", "input": "ls"}}
+REFUSED_AS_VLLM: list[tuple[str, str, dict[str, Any], str]] = [
+    ("chat", "custom_tool", {"messages": HELLO, "tools": [CUSTOM_TOOL]}, "tools[0]"),
+    (
+        "chat",
+        "custom_tool_call",
+        {
+            "messages": [
+                *HELLO,
+                {"role": "assistant", "tool_calls": [CUSTOM_CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            ]
+        },
+        "messages",
+    ),
+    (
+        "responses",
+        "prompt_template",
+        {"input": "hi", "prompt": {"id": "pmpt_1", "variables": {"a": "b"}}},
+        "prompt",
+    ),
+    ("responses", "item_reference", {"input": [ASKED, {"type": "item_reference", "id": "msg_1"}]}, "input"),
+    (
+        "responses",
+        "output_refusal",
+        {
+            "input": [
+                ASKED,
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "content": [{"type": "refusal", "refusal": "no"}],
+                },
+                ASKED,
+            ]
+        },
+        "input",
+    ),
 ]

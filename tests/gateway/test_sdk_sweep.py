@@ -3,7 +3,8 @@ through the real SDK to a gateway in front of recording engines (a vLLM stand-in
 kvgate's simulated engine for embeddings, a simulated Responses engine), and must reach the engine with each
 of the client's fields as the client sent them (the gateway may add fields, not drop or alter the client's),
 its answer parsed by the SDK without error, usage with ``cached_tokens`` included. What is invalid by
-OpenAI's rules gets a 400 naming its ``param`` and reaches no engine."""
+OpenAI's rules, or what the README says the gateway refuses, gets a 400 naming its ``param`` and reaches no
+engine."""
 
 from __future__ import annotations
 
@@ -22,7 +23,16 @@ from engine.sim.server import SimEngineConfig
 from engine.sim.server import build_app as build_sim_app
 from tests.harness import FAST_SIM, MODEL, Cluster
 from tests.responses_engine import ResponsesEngine
-from tests.sdk_cases import CHAT, COMPLETION, EMBEDDING, ENGINE_REFUSES, HELLO, INVALID, RESPONSES
+from tests.sdk_cases import (
+    CHAT,
+    COMPLETION,
+    EMBEDDING,
+    ENGINE_REFUSES,
+    HELLO,
+    INVALID,
+    REFUSED_AS_VLLM,
+    RESPONSES,
+)
 from tests.serving import serve
 from tests.third_party_engines import VllmLikeEngine
 
@@ -181,10 +191,13 @@ async def test_what_the_sdk_sends_reaches_the_engine_as_sent(
     _check_usage(endpoint, kwargs, parsed)
 
 
+REFUSED = INVALID + REFUSED_AS_VLLM
+
+
 @pytest.mark.parametrize(
-    ("endpoint", "name", "kwargs", "param"), INVALID, ids=[f"{e}:{n}" for e, n, _, _ in INVALID]
+    ("endpoint", "name", "kwargs", "param"), REFUSED, ids=[f"{e}:{n}" for e, n, _, _ in REFUSED]
 )
-async def test_what_openai_refuses_is_a_400_naming_the_parameter(
+async def test_what_openai_or_the_readme_refuses_is_a_400_naming_the_parameter(
     sweep: Sweep, endpoint: str, name: str, kwargs: dict[str, Any], param: str
 ) -> None:
     sweep.forget()
