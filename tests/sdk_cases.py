@@ -505,6 +505,67 @@ RESPONSES: list[Case] = [
     ),
     ("truncation", {"input": "hi", "truncation": "auto", "max_tool_calls": 3}),
     ("vllm_sampling", {"input": "hi", "extra_body": {"top_k": 4, "repetition_penalty": 1.1}}),
+    ("tool_web_search", {"input": "hi", "tools": [{"type": "web_search"}]}),
+    (
+        "tool_mcp",
+        {"input": "hi", "tools": [{"type": "mcp", "server_label": "s", "server_url": "http://mcp"}]},
+    ),
+    (
+        "tool_custom",
+        {
+            "input": "hi",
+            "tools": [{"type": "custom", "name": "c"}],
+            "tool_choice": {"type": "custom", "name": "c"},
+        },
+    ),
+    ("tool_choice_required", {"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required"}),
+    (
+        "tool_choice_allowed_tools",
+        {
+            "input": "hi",
+            "tools": [RESPONSES_TOOL],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "auto",
+                "tools": [{"type": "function", "name": "get_weather"}],
+            },
+        },
+    ),
+    (
+        "custom_tool_call_items",
+        {
+            "tools": [{"type": "custom", "name": "c"}],
+            "input": [
+                ASKED,
+                {"type": "custom_tool_call", "call_id": "c1", "name": "c", "input": "x"},
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "r"},
+            ],
+        },
+    ),
+    (
+        "reasoning_content",
+        {
+            "input": [
+                ASKED,
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "t"}],
+                },
+                ASKED,
+            ]
+        },
+    ),
+    (
+        "system_item",
+        {
+            "input": [
+                {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]},
+                ASKED,
+            ]
+        },
+    ),
     ("access_programs", {"input": "hi", "access_programs": {"cyber": "standard"}}),
     (
         "context_management",
@@ -555,7 +616,8 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
 
 # What the README says the gateway refuses though OpenAI takes it: in front of vLLM, what vLLM cannot render
 # (a custom tool, an assistant's custom tool call) or turn into a chat (a Responses prompt template, an
-# item_reference, an output message opening with a refusal). A 400 naming the field, before any engine.
+# item_reference, encrypted reasoning, an output message opening with a refusal). A 400 naming the field,
+# before any engine.
 CUSTOM_TOOL = {"type": "custom", "custom": {"name": "run", "description": "d", "format": {"type": "text"}}}
 CUSTOM_CALL = {"id": "c1", "type": "custom", "custom": {"name": "run", "input": "ls"}}
 REFUSED_AS_VLLM: list[tuple[str, str, dict[str, Any], str]] = [
@@ -579,6 +641,18 @@ REFUSED_AS_VLLM: list[tuple[str, str, dict[str, Any], str]] = [
         "prompt",
     ),
     ("responses", "item_reference", {"input": [ASKED, {"type": "item_reference", "id": "msg_1"}]}, "input"),
+    (
+        "responses",
+        "encrypted_reasoning",
+        {
+            "input": [
+                ASKED,
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"},
+                ASKED,
+            ]
+        },
+        "input",
+    ),
     (
         "responses",
         "output_refusal",
