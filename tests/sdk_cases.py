@@ -48,6 +48,7 @@ CHAT: list[Case] = [
     ("max_tokens", {"max_tokens": 5}),
     ("metadata", {"metadata": {"k": "v"}, "store": True}),
     ("n", {"n": 2}),
+    ("n_streamed", {"n": 2, "stream": True, "stream_options": {"include_usage": True}}),
     ("parallel_tool_calls", {"parallel_tool_calls": False, "tools": [TOOL]}),
     ("prediction", {"prediction": {"type": "content", "content": "hello"}}),
     ("prediction_parts", {"prediction": {"type": "content", "content": [{"type": "text", "text": "hello"}]}}),
@@ -312,6 +313,11 @@ COMPLETION: list[Case] = [
     ("temperature", {"temperature": 0.1, "top_p": 0.5}),
     ("user", {"user": "user-1"}),
     ("prompts", {"prompt": ["a b", "c d"]}),
+    (
+        "prompts_streamed",
+        {"prompt": ["a b", "c d"], "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    ("n_streamed", {"n": 2, "stream": True, "stream_options": {"include_usage": True}}),
     ("token_ids", {"prompt": [1, 2, 3]}),
     ("token_id_lists", {"prompt": [[1, 2], [3, 4]]}),
     (
