@@ -36,6 +36,12 @@ class ChatContentError(ValueError):
         self.param = param
 
 
+class MediaContentError(ChatContentError):
+    """A content part that is media (an image, audio, a file: any part of a type that is not text), which only
+    a multimodal engine reads. An engine without media refuses it; the gateway forwards it, rendering only the
+    text for its prediction (``media_free``)."""
+
+
 # Content parts that are text, and the field holding it, as vLLM 0.32 reads them (MM_PARSER_MAP in
 # renderers/chat_utils.py): an assistant's refusal part ({"type": "refusal", "refusal": "..."}, OpenAI's) is
 # text of the conversation; so are the Responses API's input_text and output_text parts (a Responses request's
@@ -55,11 +61,22 @@ def part_texts(parts: list[Any]) -> list[str]:
         kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
         field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if field is None:
-            raise ChatContentError(f"content part of type {kind!r} is not supported; only text is")
+            error = MediaContentError if isinstance(kind, str) else ChatContentError
+            raise error(f"content part of type {kind!r} is not supported; only text is")
         if not isinstance(part.get(field), str):  # (not "only text is supported": it is text)
             raise ChatContentError(f"a content part of type {kind!r} needs its {field}, a string")
         texts.append(part[field])
     return texts
+
+
+def is_media(part: Any) -> bool:
+    """Whether a content part is media (see ``MediaContentError``): an object whose type names no text."""
+    return isinstance(part, Mapping) and isinstance(part.get("type"), str) and part["type"] not in _TEXT_PARTS
+
+
+def media_free(parts: list[Any]) -> list[Any]:
+    """A content array without its media parts: what of it a text-only rendering reads."""
+    return [part for part in parts if not is_media(part)]
 
 
 @dataclass(frozen=True, slots=True)

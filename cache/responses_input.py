@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cache.chat_dialect import ChatContentError, ToolCallAsBuilt
+from cache.chat_dialect import ChatContentError, MediaContentError, ToolCallAsBuilt
 from cache.responses_tools import CUSTOM_INPUT_KEY, NAMESPACE_SEPARATOR, chat_tools, tool_choice
 
 _PARTIAL = ("in_progress", "incomplete")  # an item's status that makes vLLM continue the final message
@@ -217,7 +217,8 @@ def _text_parts(parts: list[Any], i: int) -> list[Any]:
     for part in parts:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind != _INPUT_TEXT:
-            raise ChatContentError(
+            error = MediaContentError if isinstance(kind, str) else ChatContentError
+            raise error(
                 f"input[{i}]: content part of type {kind!r} is not supported; only input_text is",
                 param="input",
             )

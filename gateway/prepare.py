@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.chat_dialect import SGLANG, VLLM, ChatContentError, ChatDialect
+from cache.chat_dialect import SGLANG, VLLM, ChatContentError, ChatDialect, MediaContentError
 from cache.chat_template import render_messages
 from cache.hashing import PrefixHashMemo, TokenIds, cached_namespace_seed, namespaced_block_hashes
 from cache.openai_fields import tools_requested
@@ -20,6 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.embedding_inputs import embedding_inputs, embedding_tokens
 from gateway.http.content_coding import is_compressed
 from gateway.http.errors import InvalidRequest, ModelNotFound
+from gateway.media import media_free_chat, media_free_responses
 from gateway.prepared import Prepared
 from gateway.prompt_batch import PromptBatch
 from gateway.request_body import ClientRequest, read_json
@@ -94,28 +95,45 @@ class RequestPreparer:
     async def chat(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         check_counts(self.settings, body.get("messages") if isinstance(body, dict) else None)
         if _heavy(request):
-            parsed, text = await asyncio.get_running_loop().run_in_executor(None, self._parse_chat, body)
+            parsed, text, whole = await asyncio.get_running_loop().run_in_executor(
+                None, self._parse_chat, body
+            )
         else:
-            parsed, text = self._parse_chat(body)
+            parsed, text, whole = self._parse_chat(body)
         tokens = await self.encode(text, _cache_salt(tenant, parsed))
         if body.get("add_special_tokens") is True:  # (vLLM's option; false by default for chats)
             tokens = self.tokenizer.with_special_tokens(tokens)
-        return self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
+        p = self._prepare(request, body, parsed, "/v1/chat/completions", tokens, tenant)
+        if not whole:
+            _text_only(p)
+        return p
 
-    def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str]:
+    def _parse_chat(self, body: Any) -> tuple[ChatCompletionRequest, str, bool]:
         parsed = parse_chat(body)
-        return parsed, self._render(parsed.model, body)
+        return parsed, *self._render_chat(parsed.model, body)
 
     def _render(self, model: str, chat: dict[str, Any]) -> str:
-        """The prompt of a chat body as the model's engines render it."""
-        dialect = self._dialect(model)
+        """The prompt of a chat body as the model's engines render it (its text: see ``_render_chat``)."""
+        return self._render_chat(model, chat)[0]
+
+    def _render_chat(self, model: str, chat: dict[str, Any]) -> tuple[str, bool]:
+        """The prompt of a chat body as the model's engines render it, and whether that is the whole prompt:
+        not for a chat with media in it (``gateway.media``), whose text alone is rendered."""
         try:
-            # The template's other inputs (tools, chat_template_kwargs, ...) as the engines take them: vLLM
-            # renders agents' tools into the prompt's first blocks.
-            inputs = dialect.chat_inputs(chat)
-            return render_messages(self.tokenizer, chat["messages"], dialect=dialect, inputs=inputs)
+            try:
+                return self._template(model, chat), True
+            except MediaContentError:  # (only requests with media pay for a second rendering)
+                return self._template(model, media_free_chat(chat)), False
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
+
+    def _template(self, model: str, chat: dict[str, Any]) -> str:
+        """``_render_chat``'s rendering; ChatContentError for content it cannot render."""
+        dialect = self._dialect(model)
+        # The template's other inputs (tools, chat_template_kwargs, ...) as the engines take them: vLLM
+        # renders agents' tools into the prompt's first blocks.
+        inputs = dialect.chat_inputs(chat)
+        return render_messages(self.tokenizer, chat["messages"], dialect=dialect, inputs=inputs)
 
     async def responses(self, request: ClientRequest, body: Any, tenant: Tenant = DEFAULT) -> Prepared:
         """A Responses API request (``POST /v1/responses``), its input rendered as the chat vLLM makes of it.
@@ -125,11 +143,11 @@ class RequestPreparer:
         if isinstance(body, dict) and isinstance(body.get("input"), list):
             check_counts(self.settings, body["input"], "input")
         if _heavy(request):
-            parsed, chat, text = await asyncio.get_running_loop().run_in_executor(
+            parsed, chat, text, whole = await asyncio.get_running_loop().run_in_executor(
                 None, self._parse_responses, body
             )
         else:
-            parsed, chat, text = self._parse_responses(body)
+            parsed, chat, text, whole = self._parse_responses(body)
         tokens = await self.encode(text, _cache_salt(tenant, parsed))
         if chat.get("add_special_tokens") is True:  # (as vLLM encodes a Responses prompt: a BOS first)
             tokens = self.tokenizer.with_special_tokens(tokens)
@@ -137,16 +155,24 @@ class RequestPreparer:
         if parsed.previous_response_id is not None:
             p.previous_response_id = parsed.previous_response_id
             p.chains = {key: [] for key in p.chains}
+        if not whole:
+            _text_only(p)
         return p
 
-    def _parse_responses(self, body: Any) -> tuple[ResponsesRequest, dict[str, Any], str]:
-        """The request, the chat vLLM makes of it, and that chat's prompt."""
+    def _parse_responses(self, body: Any) -> tuple[ResponsesRequest, dict[str, Any], str, bool]:
+        """The request, the chat vLLM makes of it, that chat's prompt, and whether that is the whole prompt
+        (not with media in the input: see ``gateway.media``)."""
         parsed = parse_responses(body)
+        whole = True
         try:
-            chat = responses_chat_body(body)
+            try:
+                chat = responses_chat_body(body)
+            except MediaContentError:
+                chat, whole = responses_chat_body(media_free_responses(body)), False
         except ChatContentError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
-        return parsed, chat, self._render(parsed.model, chat)
+        text, rendered_whole = self._render_chat(parsed.model, chat)
+        return parsed, chat, text, whole and rendered_whole
 
     def _dialect(self, model: str) -> ChatDialect:
         """``chat_dialect`` of the model's engines, counted again only when the fleet's table of them is
@@ -369,6 +395,13 @@ def _cache_salt(
     """The request's cache namespace: its KV's (block hashes, the engines' ``cache_salt``) and its text's
     in the tokenizer's cache."""
     return request_cache_salt(tenant.cache_salt, parsed.cache_salt)
+
+
+def _text_only(p: Prepared) -> None:
+    """``p``'s token ids are its text alone, not the engine's prompt (media the gateway does not render):
+    nothing of it is hashed or predicted cached, and the engine reads the client's body, not those ids."""
+    p.chains = {key: [] for key in p.chains}
+    p.whole_prompt = False
 
 
 def _heavy(request: ClientRequest) -> bool:

@@ -77,8 +77,9 @@ class ChatMessage(_Open):
     @field_validator("content")
     @classmethod
     def _says_something(cls, content: Any, info: ValidationInfo) -> Any:
-        # As OpenAI: only an assistant's message may go without content (it then carries tool calls).
-        if content is None and info.data.get("role", "assistant") != "assistant":
+        # As OpenAI: only an assistant's message (it then carries tool calls) and a legacy function result
+        # (ChatCompletionFunctionMessageParam: content "Required[Optional[str]]") may go without content.
+        if content is None and info.data.get("role", "assistant") not in ("assistant", "function"):
             raise PydanticCustomError("missing", "field required")
         return content
 

@@ -38,7 +38,9 @@ def engine_body(
         body["cache_salt"] = p.cache_salt
     if p.path == EMBEDDINGS_PATH:  # (as the client wrote it: its inputs were counted, not hashed)
         return body
-    if kind is EngineKind.KVGATE:
+    if not p.whole_prompt:
+        pass  # (the gateway's ids are the text of a prompt with media: the engine reads the client's)
+    elif kind is EngineKind.KVGATE:
         # (A continued Responses conversation starts with history only its engine holds: the gateway's
         # ids are its new input alone, not its prompt.)
         if engine.token_ids_on(p.path) and p.previous_response_id is None:

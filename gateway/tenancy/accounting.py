@@ -190,8 +190,9 @@ class RequestAccount:
         self.billing.record(record)
         self.metrics.usage_recorded(record.status, record.estimated)
         # Admission charged the prompt the gateway saw and the budget; what the answer took past them is
-        # charged now: the output of a chat sent without a budget, and the history a continued Responses
-        # request read on its engine (its prompt there, the gateway's only the new input).
+        # charged now: the output of a chat sent without a budget, the history a continued Responses
+        # request read on its engine (its prompt there, the gateway's only the new input), and the media of a
+        # prompt whose text alone the gateway rendered (gateway.media).
         overrun = max(record.prompt_tokens - p.prompt_tokens, 0)
         overrun += max(record.completion_tokens - p.output_budget, 0)
         self.billing.charge_overrun(p.tenant, p.key_id, overrun)
