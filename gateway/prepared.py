@@ -42,10 +42,10 @@ class Prepared:
     tools: bool = False  # it asks for tool calling: only engines configured with tools may take it
     # A Responses API request continuing a stored response: only the engine holding it can answer it.
     previous_response_id: str | None = None
-    pinned_engine: str | None = None
+    pinned_engine: str | None = None  # that engine, when the gateway knows where the response went
     # False: ``token_ids`` are the text of a prompt with media the gateway does not render (gateway.media),
     # to be admitted, never sent in place of the client's prompt.
-    whole_prompt: bool = True  # that engine, when the gateway knows where the response went
+    whole_prompt: bool = True
     ratelimit_headers: dict[str, str] | None = None  # its caller's x-ratelimit-* at admission
 
     @property
