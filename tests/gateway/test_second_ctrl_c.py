@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import redis.asyncio as aioredis
 from cache.ledger import UsageRecord
 from cache.ledger_redis import RedisLedger
 from tests.gateway.test_cli import KVGATE, _distinct_ports, _port_open
+from tests.gateway.test_workers import _engines_healthy
 from tests.redis_prefixes import REDIS_URL, new_prefix
 
 MODEL = "kvgate-sim"
@@ -34,6 +36,10 @@ def sim_engine() -> Iterator[int]:
     engine = subprocess.Popen(
         [sys.executable, "-m", "engine.sim", "--port", str(port), "--model", MODEL], stderr=subprocess.DEVNULL
     )
+    deadline = time.monotonic() + 60
+    while not _serves_the_model(port):  # (a gateway started before it would not know the model)
+        assert engine.poll() is None and time.monotonic() < deadline, "the simulated engine did not start"
+        time.sleep(0.1)
     yield port
     engine.kill()
     engine.wait()
@@ -71,7 +77,20 @@ def _serve(tmp_path: Path, engine_port: int, *workers: str) -> tuple[subprocess.
             os.killpg(gateway.pid, signal.SIGKILL)
             raise AssertionError(log_path.read_text())
         time.sleep(0.1)
+    while any(_engines_healthy(p) != 1 for p in operators):  # (each worker sees the engine: else a 404)
+        if time.monotonic() > deadline:
+            os.killpg(gateway.pid, signal.SIGKILL)
+            raise AssertionError(log_path.read_text())
+        time.sleep(0.1)
     return gateway, log_path, port, prefix
+
+
+def _serves_the_model(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+            return MODEL in r.read().decode()
+    except OSError:
+        return False
 
 
 async def _records(prefix: str) -> list[UsageRecord]:
