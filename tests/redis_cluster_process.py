@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,17 +13,10 @@ from pathlib import Path
 
 import redis
 
+from tests.serving import bindable
+
 MASTERS = 3
 BUS_OFFSET = 10_000  # a cluster node also listens on its port + 10000 (the cluster bus)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def cluster_ports(count: int) -> list[int]:
@@ -34,7 +26,7 @@ def cluster_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randrange(12_000, 20_000)
-        if port not in ports and _bindable(port) and _bindable(port + BUS_OFFSET):
+        if port not in ports and bindable(port) and bindable(port + BUS_OFFSET):
             ports.append(port)
     return ports
 

@@ -368,6 +368,14 @@ RESPONSES_TOOL = {
     "description": "the weather",
 }
 ASKED = {"role": "user", "content": "hi"}
+
+
+def _answered(part: dict[str, Any]) -> dict[str, Any]:
+    """A Responses output message of the assistant, as a client sends an earlier answer back: ``part`` its
+    content."""
+    return {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": [part]}
+
+
 RESPONSES: list[Case] = [
     ("string", {"input": "hi"}),
     ("instructions", {"input": "hi", "instructions": "be terse"}),
@@ -414,13 +422,7 @@ RESPONSES: list[Case] = [
         {
             "input": [
                 ASKED,
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "id": "msg_1",
-                    "status": "completed",
-                    "content": [{"type": "output_text", "text": "yo", "annotations": []}],
-                },
+                _answered({"type": "output_text", "text": "yo", "annotations": []}),
                 ASKED,
             ]
         },
@@ -665,13 +667,7 @@ REFUSED_AS_VLLM: list[tuple[str, str, dict[str, Any], str]] = [
         {
             "input": [
                 ASKED,
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "id": "msg_1",
-                    "status": "completed",
-                    "content": [{"type": "refusal", "refusal": "no"}],
-                },
+                _answered({"type": "refusal", "refusal": "no"}),
                 ASKED,
             ]
         },

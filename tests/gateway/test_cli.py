@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from gateway.demo import free_port
+from tests.serving import bindable
 
 KVGATE = [sys.executable, "-m", "gateway.cli"]
 
@@ -174,7 +175,7 @@ def _distinct_ports() -> tuple[int, int, int]:
     while True:
         engine, public, operator = (rng.randrange(10_000, low - 1) for _ in range(3))
         ports = {engine, public, operator, operator + 1}
-        if len(ports) == 4 and all(_bindable(p) for p in ports):
+        if len(ports) == 4 and all(bindable(p) for p in ports):
             return engine, public, operator
 
 
@@ -183,15 +184,6 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_serve_with_two_workers_shares_the_port(tmp_path: Path) -> None:
