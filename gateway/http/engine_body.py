@@ -38,20 +38,8 @@ def engine_body(
         body["cache_salt"] = p.cache_salt
     if p.path == EMBEDDINGS_PATH:  # (as the client wrote it: its inputs were counted, not hashed)
         return body
-    if not p.whole_prompt:
-        pass  # (the gateway's ids are the text of a prompt with media: the engine reads the client's)
-    elif kind is EngineKind.KVGATE:
-        # (A continued Responses conversation starts with history only its engine holds: the gateway's
-        # ids are its new input alone, not its prompt.)
-        if engine.token_ids_on(p.path) and p.previous_response_id is None:
-            if engine.packed_token_ids:  # hex digits: an engine reads them 5x faster than JSON numbers
-                body["prompt_token_ids_hex"] = pack_token_ids(p.token_ids)
-            else:
-                body["prompt_token_ids"] = p.token_ids
-            if p.shared_tokens:
-                body["cache_shared_blocks"] = p.shared_tokens // (engine.block_size or default_block_size)
-    elif engine.token_ids_on(p.path) and _ids_are_the_prompt(p, engine):
-        body["prompt"] = p.token_ids
+    if p.whole_prompt:  # (else its ids are the text of a prompt with media: the engine reads the client's)
+        _send_the_ids(body, p, engine, default_block_size)
     xargs = body.get("vllm_xargs")
     if kind is EngineKind.VLLM and isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
         # "full" makes vLLM announce again blocks it served from cache, with no removals to match: the
@@ -64,6 +52,22 @@ def engine_body(
     if additions:
         body.update(additions)
     return body
+
+
+def _send_the_ids(body: dict[str, Any], p: Prepared, engine: EngineState, default_block_size: int) -> None:
+    """The gateway's token ids in ``body``, where the engine takes them in place of the prompt's text."""
+    if engine.kind is EngineKind.KVGATE:
+        # (A continued Responses conversation starts with history only its engine holds: the gateway's
+        # ids are its new input alone, not its prompt.)
+        if engine.token_ids_on(p.path) and p.previous_response_id is None:
+            if engine.packed_token_ids:  # hex digits: an engine reads them 5x faster than JSON numbers
+                body["prompt_token_ids_hex"] = pack_token_ids(p.token_ids)
+            else:
+                body["prompt_token_ids"] = p.token_ids
+            if p.shared_tokens:
+                body["cache_shared_blocks"] = p.shared_tokens // (engine.block_size or default_block_size)
+    elif engine.token_ids_on(p.path) and _ids_are_the_prompt(p, engine):
+        body["prompt"] = p.token_ids
 
 
 def _ids_are_the_prompt(p: Prepared, engine: EngineState) -> bool:
