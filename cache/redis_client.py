@@ -18,9 +18,15 @@ from typing import Any, TypeAlias
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 AnyRedis: TypeAlias = Redis | RedisCluster
+
+# What a failing Redis raises, for the code that then serves on without it (the view, the spool, a 503): a
+# server's errors, a cluster client's that reached no node (no RedisError), and the socket's own.
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+# ... and a caller's own deadline (asyncio.timeout) around a Redis call.
+REDIS_FAILURES_OR_LATE: tuple[type[Exception], ...] = (*REDIS_FAILURES, TimeoutError)
 
 
 async def run_scripts_pipelined(

@@ -15,13 +15,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
-    RedisClusterException,
     RedisError,
     ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from cache.redis_client import AnyRedis
+from cache.redis_client import REDIS_FAILURES_OR_LATE, AnyRedis
 from gateway.redis_sending import connection_class
 from gateway.state.shared_state import SharedState
 from gateway.user_errors import without_credentials
@@ -84,7 +83,7 @@ async def check_redis(state: SharedState, url: str) -> str:
     try:
         async with asyncio.timeout(REDIS_START_PING_S):
             await state.redis.ping()
-    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+    except REDIS_FAILURES_OR_LATE as exc:
         if "cluster mode is not enabled" in str(exc).lower():  # (a cluster client's first command)
             raise ConfigError(
                 f"gateway.redis_cluster = true, but Redis at {without_credentials(url)} is not a Redis "

@@ -29,11 +29,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
-from redis.exceptions import RedisClusterException, RedisError
 
 from cache.cancelling import cancel_and_wait
 from cache.events import KvEventBatch
-from cache.redis_client import AnyRedis
+from cache.redis_client import REDIS_FAILURES, REDIS_FAILURES_OR_LATE, AnyRedis
 from cache.redis_keys import RedisKeys
 from cache.residency_memory import MemoryResidencyIndex
 from cache.residency_redis import DEFAULT_MAX_APPROXIMATE_PER_ENGINE, RedisResidencyIndex
@@ -117,7 +116,7 @@ class SharedState:
         try:
             self._marker = await self._adopt_marker()
             await self.warm_start(engine_ids)
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except REDIS_FAILURES as exc:
             self.redis_errors += 1
             log.warning("could not warm the residency view from Redis: %s", exc)
         self.follower.start(engine_ids)
@@ -148,7 +147,7 @@ class SharedState:
         try:
             async with asyncio.timeout(self._read_timeout_s):
                 binding = await self.redis_sessions.get(tenant, session_id)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES_OR_LATE as exc:
             self.redis_errors += 1
             log.debug("session lookup in Redis failed: %s", exc)
             return None
@@ -208,7 +207,7 @@ class SharedState:
                 won = held.binding == binding
                 if not won:  # another gateway's claim came first: it holds the session here too
                     self._correct(tenant, session_id, binding, held)
-            except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+            except REDIS_FAILURES_OR_LATE as exc:
                 self.redis_errors += 1
                 log.debug("session claim in Redis failed: %s", exc)
                 self.writer.submit(functools.partial(self._offer, tenant, session_id, binding, message))
@@ -220,7 +219,7 @@ class SharedState:
             if won:
                 try:
                     await redis.publish(self.keys.updates_channel, message)
-                except (RedisError, RedisClusterException, OSError) as exc:
+                except REDIS_FAILURES as exc:
                     self.redis_errors += 1
                     log.debug("could not announce a session claim: %s", exc)
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import RedisClusterException, RedisError
 
 from cache.cancelling import cancel_and_wait
+from cache.redis_client import REDIS_FAILURES
 from cache.sessions import SessionBinding
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class GatewaysFollower:
                         self._on_update(item["data"])
             except asyncio.CancelledError:
                 raise
-            except (RedisError, RedisClusterException, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 state.redis_errors += 1
                 lost = True
                 log.warning("lost the Redis updates channel (%s); retrying in %.1fs", exc, backoff)
@@ -163,7 +163,7 @@ class GatewaysFollower:
                 held = await state.redis_index.holdings(engine)
                 for h, ttl_s in held.approximate.items():
                     state.index.add_now(engine, [h], ttl_s)  # (never downgrades an exact entry)
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except REDIS_FAILURES as exc:
             state.redis_errors += 1
             log.warning("could not re-read the residency mirror from Redis: %s", exc)
 

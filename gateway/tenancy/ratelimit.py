@@ -21,9 +21,7 @@ import math
 import time
 from typing import NamedTuple, Protocol
 
-from redis.exceptions import RedisClusterException, RedisError
-
-from cache.redis_client import AnyRedis
+from cache.redis_client import REDIS_FAILURES_OR_LATE, AnyRedis
 from gateway.state.single_flight import SingleFlight
 
 STORE_TIMEOUT_S = 0.5  # a slow Redis must not hold requests up: fall back to this gateway's buckets
@@ -171,7 +169,7 @@ class RateLimiter:
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
                 granted, _, left = await self.store.take(bucket, per_minute, per_minute / 60.0, want)
-        except (RedisError, RedisClusterException, OSError, TimeoutError):
+        except REDIS_FAILURES_OR_LATE:
             granted, _, left = await self._fallback.take(bucket, per_minute, per_minute / 60.0, want)
         self._leases[bucket] = self._leases.get(bucket, 0) + granted  # the lease as it is now
         self._seen[bucket] = (left, time.monotonic())

@@ -25,9 +25,8 @@ from typing import Protocol
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
-from redis.exceptions import RedisClusterException, RedisError
 
-from cache.redis_client import AnyRedis
+from cache.redis_client import REDIS_FAILURES_OR_LATE, AnyRedis
 from gateway.state.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -259,7 +258,7 @@ class Authenticator:
         try:
             async with asyncio.timeout(self._lookup_timeout):
                 record = await self.store.get(key_digest)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES_OR_LATE as exc:
             raise KeyStoreUnavailable(str(exc) or type(exc).__name__) from exc
         now = time.monotonic()
         if record is None:

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisClusterException, RedisError
 
 from cache.ledger import DayTotals, day_of, days_between
+from cache.redis_client import REDIS_FAILURES
 from gateway.http.errors import GatewayError, InvalidRequest, PermissionDenied, Unavailable
 from gateway.http.http_wire import json_response
 from gateway.http.lean_request import LeanRequest
@@ -95,7 +95,7 @@ class UsageApi:
             await self.billing.writer.flush(timeout_s=2.0)
         try:
             return await read()
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise Unavailable(f"the usage ledger cannot be read right now: {exc}") from None
 
 
