@@ -16,16 +16,16 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import MovedError, RedisClusterException, RedisError
+from redis.exceptions import MovedError
 
 from cache.ledger import dollars
 from cache.ledger_redis import RedisLedger
-from cache.redis_client import AnyRedis
+from cache.redis_client import REDIS_FAILURES, AnyRedis
 from gateway.http.errors import InvalidRequest
 from gateway.tenancy.tenants import FileKeyStore, KeyStore, RedisKeyStore, create_key, is_tenant_name
 from gateway.tenancy.usage_api import day_range, usage_list
@@ -81,10 +81,19 @@ def _store_options(parser: argparse.ArgumentParser, *, keys_file: bool = True) -
         parser.add_argument("--keys-file", help="keys file, when the gateways have no Redis")
 
 
-def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
-    """(redis url, keys file, prefix) from the flags, then the deployment file; whether that Redis is a
-    cluster goes to ``args.redis_cluster``."""
+class Stores(NamedTuple):
+    """Where the gateways keep keys and the ledger, as the flags and the deployment file say."""
+
+    redis_url: str | None
+    keys_file: str | None
+    prefix: str
+    cluster: bool  # redis_url is a Redis Cluster node
+
+
+def _settings(args: argparse.Namespace) -> Stores:
+    """The stores from the flags, then the deployment file."""
     redis_url, keys_file, prefix = args.redis, getattr(args, "keys_file", None), args.redis_prefix
+    cluster: bool = args.redis_cluster
     if redis_url is not None:
         from gateway.config import check_redis_url
 
@@ -98,32 +107,30 @@ def _settings(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
         config = load_config(args.config, environ=os.environ).gateway
         if redis_url is None:
             redis_url = config.redis_url
-            args.redis_cluster = args.redis_cluster or config.redis_cluster
+            cluster = cluster or config.redis_cluster
         keys_file = keys_file or config.auth.keys_file
         prefix = prefix or config.redis_prefix
-    return redis_url, keys_file, prefix or "kvgate"
+    return Stores(redis_url, keys_file, prefix or "kvgate", cluster)
 
 
 def _keys(args: argparse.Namespace) -> int:
-    redis_url, keys_file, prefix = _settings(args)
-    if keys_file is None and redis_url is None:
+    stores = _settings(args)
+    if stores.keys_file is None and stores.redis_url is None:
         raise ConfigError("say where keys live: --redis URL, --keys-file FILE, or --config FILE")
-    if keys_file is not None:
-        return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
-    with _redis_reached(str(redis_url), "the keys"):
-        return asyncio.run(_keys_async(args, redis_url, keys_file, prefix))
+    if stores.keys_file is not None:
+        return asyncio.run(_keys_async(args, stores))
+    with _redis_reached(str(stores.redis_url), "the keys"):
+        return asyncio.run(_keys_async(args, stores))
 
 
-async def _keys_async(
-    args: argparse.Namespace, redis_url: str | None, keys_file: str | None, prefix: str
-) -> int:
+async def _keys_async(args: argparse.Namespace, stores: Stores) -> int:
     client: AnyRedis | None = None
     store: KeyStore
-    if keys_file:
-        store = FileKeyStore(keys_file)
+    if stores.keys_file:
+        store = FileKeyStore(stores.keys_file)
     else:
-        client = _redis(str(redis_url), cluster=args.redis_cluster)
-        store = RedisKeyStore(client, prefix)
+        client = _redis(str(stores.redis_url), cluster=stores.cluster)
+        store = RedisKeyStore(client, stores.prefix)
     try:
         if args.keys_command == "create":
             if not is_tenant_name(args.tenant):
@@ -163,15 +170,13 @@ def _usage(args: argparse.Namespace) -> int:
         tenant = {"tenant": args.tenant} if args.tenant else {}
         body = asyncio.run(_usage_from_gateway(args.url, args.key, {**query, **tenant}))
     else:
-        redis_url, _, prefix = _settings(args)
+        redis_url, _, prefix, cluster = _settings(args)
         if redis_url is None:
             raise ConfigError(
                 "the ledger is in Redis (--redis URL or --config FILE) or a gateway (--url URL)"
             )
         with _redis_reached(redis_url, "the ledger"):
-            body = asyncio.run(
-                _usage_from_redis(redis_url, prefix, start, end, args.tenant, cluster=args.redis_cluster)
-            )
+            body = asyncio.run(_usage_from_redis(redis_url, prefix, start, end, args.tenant, cluster=cluster))
     if args.json:
         print(json.dumps(body, indent=2))
     else:
@@ -231,7 +236,7 @@ def _redis_reached(redis_url: str, what: str) -> Iterator[None]:
     traceback."""
     try:
         yield
-    except (RedisError, RedisClusterException, OSError) as exc:
+    except REDIS_FAILURES as exc:
         reason = str(exc).rstrip(".") or type(exc).__name__
         if isinstance(exc, MovedError):  # (a plain client on a cluster node: the key is on another node)
             raise UserError(
