@@ -275,18 +275,38 @@ def test_simulate_says_a_number_or_a_trace_it_refuses_in_one_line(tmp_path: Path
 
 
 def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 20) -> str:
-    """stderr of ``process`` up to and including the line holding ``text``."""
+    """stderr of ``process`` up to and including the line holding ``text``. Read a byte at a time from the
+    pipe itself: the text wrapper's readline reads ahead, and lines it buffered are never signalled again
+    by ``select``, so a line written together with the one before it (a busy machine reads late) was
+    waited for until the timeout. Nothing is read past that line: a later read of ``process.stderr`` starts
+    there."""
     assert process.stderr is not None
+    fd = process.stderr.fileno()
     selector = selectors.DefaultSelector()
-    selector.register(process.stderr, selectors.EVENT_READ)
-    read = ""
+    selector.register(fd, selectors.EVENT_READ)
+    read, line = "", b""
     deadline = time.monotonic() + timeout
     while text not in read:
-        assert time.monotonic() < deadline, f"no {text!r} in:\n{read}"
+        assert time.monotonic() < deadline, f"no {text!r} in:\n{read}{line.decode(errors='replace')}"
         assert process.poll() is None, f"it exited ({process.returncode}):\n{read}"
         if selector.select(timeout=0.5):
-            read += process.stderr.readline()
+            byte = os.read(fd, 1)
+            line += byte
+            if byte == b"\n":
+                read, line = read + line.decode(), b""
+    selector.close()
     return read
+
+
+def test_read_until_sees_a_line_written_with_the_one_before(tmp_path: Path) -> None:
+    """The helper's own defect: two lines in one write, then silence (as a gateway logs its start)."""
+    child = "import sys, time; sys.stderr.write('first\\nlistening on x\\n'); sys.stderr.flush(); time.sleep(30)"
+    process = subprocess.Popen([sys.executable, "-c", child], stderr=subprocess.PIPE, text=True)
+    try:
+        assert _read_until(process, "listening on", timeout=10) == "first\nlistening on x\n"
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.parametrize("operator", [False, True])
