@@ -298,9 +298,9 @@ def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 20) 
     return read
 
 
-def test_read_until_sees_a_line_written_with_the_one_before(tmp_path: Path) -> None:
+def test_read_until_sees_a_line_written_with_the_one_before() -> None:
     """The helper's own defect: two lines in one write, then silence (as a gateway logs its start)."""
-    child = "import sys, time; sys.stderr.write('first\\nlistening on x\\n'); sys.stderr.flush(); time.sleep(30)"
+    child = "import sys, time; sys.stderr.write('first\\nlistening on x\\n'); sys.stderr.flush(); time.sleep(9)"
     process = subprocess.Popen([sys.executable, "-c", child], stderr=subprocess.PIPE, text=True)
     try:
         assert _read_until(process, "listening on", timeout=10) == "first\nlistening on x\n"
