@@ -300,7 +300,8 @@ def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 20) 
 
 def test_read_until_sees_a_line_written_with_the_one_before() -> None:
     """The helper's own defect: two lines in one write, then silence (as a gateway logs its start)."""
-    child = "import sys, time; sys.stderr.write('first\\nlistening on x\\n'); sys.stderr.flush(); time.sleep(9)"
+    child = "import sys, time; sys.stderr.write('first\\nlistening on x\\n'); sys.stderr.flush(); "
+    child += "time.sleep(9)"
     process = subprocess.Popen([sys.executable, "-c", child], stderr=subprocess.PIPE, text=True)
     try:
         assert _read_until(process, "listening on", timeout=10) == "first\nlistening on x\n"
