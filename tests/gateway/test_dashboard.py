@@ -60,15 +60,22 @@ async def test_the_dashboard_is_served_from_the_package(make_cluster: ClusterFac
     async with cluster.session.get(cluster.url + "/dashboard") as r:
         page = await r.text()
         assert r.status == 200 and r.content_type == "text/html"
+        # Its own script and style only, framed by no other site (the browser test below runs it so).
+        policy = r.headers["Content-Security-Policy"]
+        assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy
+        assert "unsafe-inline" not in policy and r.headers["X-Frame-Options"] == "DENY"
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
     scripts = re.findall(r'src="([^"]+)"', page) + re.findall(r'href="([^"]+)"', page)
     assert scripts and all(s.startswith("/dashboard/assets/") for s in scripts)  # nothing from a CDN
     for src in scripts:
         async with cluster.session.get(cluster.url + src) as r:
             assert r.status == 200 and len(await r.read()) > 500
+            assert r.headers["X-Content-Type-Options"] == "nosniff"
     deadline = time.monotonic() + 5
     while True:
         async with cluster.session.get(cluster.url + "/dashboard/data") as r:
             data = await r.json()
+            assert r.headers["Cache-Control"] == "no-store"  # (live data: a proxy must not keep it)
         if any(s["requests_per_s"] > 0 for s in data["samples"]) or time.monotonic() > deadline:
             break
     busy = [s for s in data["samples"] if s["requests_per_s"] > 0]
