@@ -20,6 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.embedding_inputs import embedding_inputs, embedding_tokens
 from gateway.http.content_coding import is_compressed
 from gateway.http.errors import InvalidRequest, ModelNotFound
+from gateway.http.trace_context import trace_headers
 from gateway.media import media_free_chat, media_free_responses
 from gateway.prepared import Prepared
 from gateway.prompt_batch import PromptBatch
@@ -337,6 +338,7 @@ class RequestPreparer:
             budget_named=budget_named,
             choices=_choices(body) if path != RESPONSES_PATH else 1,  # (a Response is one answer: no n)
             tools=tools_field is not None,
+            trace=trace_headers(request.headers),
         )
 
     def _new_record_id(self) -> str:

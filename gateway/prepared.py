@@ -47,6 +47,12 @@ class Prepared:
     # to be admitted, never sent in place of the client's prompt.
     whole_prompt: bool = True
     ratelimit_headers: dict[str, str] | None = None  # its caller's x-ratelimit-* at admission
+    trace: tuple[tuple[str, str], ...] = ()  # the client's trace context, for every engine it goes to
+
+    @property
+    def engine_headers(self) -> list[tuple[str, str]]:
+        """The headers of every request the gateway sends an engine for it (the prefill half's too)."""
+        return [("Content-Type", "application/json"), ("X-Request-Id", self.request_id), *self.trace]
 
     @property
     def disaggregable(self) -> bool:

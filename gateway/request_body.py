@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import orjson
+from multidict import MultiMapping
 
 from gateway.http.content_coding import decode_body
 from gateway.http.errors import InvalidRequest, PayloadTooLarge
@@ -19,7 +19,7 @@ class ClientRequest(Protocol):
     """What the gateway reads of a client's request: an aiohttp request, or gateway.http.lean_http's."""
 
     @property
-    def headers(self) -> Mapping[str, str]: ...
+    def headers(self) -> MultiMapping[str]: ...
 
     @property
     def remote(self) -> str | None: ...

@@ -258,12 +258,12 @@ class Gateway:
                 r = self.resilience
                 one_token = r.first_byte_timeout_s + r.s_per_output_token + queue_wait_s
                 pool = self.clients.pool(prefill.url)
-                params = await vllm_prefill(pool, p.path, body, p.request_id, one_token)
+                params = await vllm_prefill(pool, p.path, body, p.engine_headers, one_token)
                 return {"kv_transfer_params": params}, None
             bootstrap = sglang_bootstrap(prefill.url, prefill.config.bootstrap_port)
             body.update(bootstrap)
             return bootstrap, SglangPrefill(
-                self.clients.pool(prefill.url), p.path, body, p.request_id, timeout
+                self.clients.pool(prefill.url), p.path, body, p.engine_headers, timeout
             )
         except PrefillFailed as exc:
             raise self._prefill_failed(prefill, exc) from None
@@ -311,7 +311,7 @@ class Gateway:
                     "POST",
                     p.path,
                     orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                    [("Content-Type", "application/json"), ("X-Request-Id", p.request_id)],
+                    p.engine_headers,
                     header_timeout=self.waits.header_timeout_s(p) + queue_wait_s,
                     started=lambda response: _track(engine, response, exchanges),
                 )

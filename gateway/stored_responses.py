@@ -21,6 +21,7 @@ from gateway.http.errors import InvalidRequest, NotFound, Unavailable
 from gateway.http.lean_request import LeanRequest
 from gateway.http.relay import answer_object, engine_error, read_answer
 from gateway.http.retry_after import retry_after_headers
+from gateway.http.trace_context import trace_headers
 from gateway.http.upstream import UpstreamClients
 from gateway.http.upstream_errors import UpstreamError
 from gateway.observability.metrics import GatewayMetrics
@@ -138,14 +139,17 @@ class StoredResponses:
         path = "/v1/responses/" + quote(response_id, safe="") + ("/" + action if action else "")
         if query:
             path += "?" + urlencode(list(query.items()))
-        return await self.forward(tenant, method, response_id, path, rid)
+        sent = [("X-Request-Id", rid), *trace_headers(request.headers)]
+        return await self.forward(tenant, method, response_id, path, rid, sent)
 
-    async def forward(self, tenant: str, method: str, response_id: str, path: str, rid: str) -> web.Response:
+    async def forward(
+        self, tenant: str, method: str, response_id: str, path: str, rid: str, sent: list[tuple[str, str]]
+    ) -> web.Response:
         """Send a request about a stored response to the engine holding it, and relay its answer: a 200's
         JSON object, or its error as an OpenAI error (``relay.engine_error``: a 5xx becomes a 502).
         NotFound for an id no gateway bound for this tenant, Unavailable when its engine cannot be asked,
         UpstreamFailed for a 200 that is no JSON object (a proxy's page). ``response_id`` is ``nameable``
-        (``answer`` checked it before quoting it into ``path``)."""
+        (``answer`` checked it before quoting it into ``path``). ``sent``: the headers the engine gets."""
         engine = await self.engine_of(tenant, response_id)
         if engine is None:
             raise self._unknown(response_id, "response_id")
@@ -154,9 +158,7 @@ class StoredResponses:
         pool = self.clients.pool(engine.url)
         headers = {"x-request-id": rid}
         try:
-            upstream = await pool.request(
-                method, path, b"", [("X-Request-Id", rid)], header_timeout=self.read_timeout_s
-            )
+            upstream = await pool.request(method, path, b"", sent, header_timeout=self.read_timeout_s)
             data = await read_answer(upstream, self.read_timeout_s)
         except UpstreamError as exc:
             raise Unavailable(

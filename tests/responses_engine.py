@@ -46,6 +46,7 @@ class ResponsesEngine:
         self.kept: dict[str, dict[str, Any]] = {}
         self.bodies: list[dict[str, Any]] = []
         self.asked: list[tuple[str, str]] = []  # (method, path with query) of the requests about kept ones
+        self.traced: list[str | None] = []  # their traceparent headers
         self.script: list[bytes] | None = None  # events to stream instead of the usual ones
         self.about_answer: tuple[int, str] | None = None  # (status, text) for requests about kept ones
         self.app = web.Application()
@@ -93,6 +94,7 @@ class ResponsesEngine:
 
     async def about(self, request: web.Request) -> web.Response:
         self.asked.append((request.method, request.path_qs))
+        self.traced.append(request.headers.get("traceparent"))
         if self.about_answer is not None:
             status, text = self.about_answer
             return web.Response(status=status, text=text)

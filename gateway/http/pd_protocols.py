@@ -48,12 +48,14 @@ class PrefillFailed(Exception):
 
 
 async def vllm_prefill(
-    pool: UpstreamPool, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+    pool: UpstreamPool, path: str, body: dict[str, Any], headers: list[tuple[str, str]], timeout_s: float
 ) -> dict[str, Any]:
-    """Run the prefill on a vLLM prefill engine; returns the ``kv_transfer_params`` its answer carries."""
+    """Run the prefill on a vLLM prefill engine; returns the ``kv_transfer_params`` its answer carries.
+    ``headers``: the request's (``Prepared.engine_headers``: its id and trace context, as the decode
+    half's)."""
     prefill_body = prefill_only(body)
     prefill_body["kv_transfer_params"] = dict(VLLM_DO_REMOTE_DECODE)
-    data = await _prefill_half(pool, path, prefill_body, request_id, timeout_s)
+    data = await _prefill_half(pool, path, prefill_body, headers, timeout_s)
     try:
         params = orjson.loads(data).get("kv_transfer_params")
     except (orjson.JSONDecodeError, AttributeError):
@@ -67,11 +69,10 @@ async def vllm_prefill(
 
 
 async def _prefill_half(
-    pool: UpstreamPool, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+    pool: UpstreamPool, path: str, body: dict[str, Any], headers: list[tuple[str, str]], timeout_s: float
 ) -> bytes:
     """Send the prefill engine its half and read the answer whole; PrefillFailed unless it is a 200."""
     payload = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-    headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
     try:
         response = await pool.request("POST", path, payload, headers, header_timeout=timeout_s)
         data = await read_answer(response, timeout_s)
@@ -97,9 +98,14 @@ class SglangPrefill:
     """The prefill half of an SGLang request, sent beside the decode half; its answer is read and dropped."""
 
     def __init__(
-        self, pool: UpstreamPool, path: str, body: dict[str, Any], request_id: str, timeout_s: float
+        self,
+        pool: UpstreamPool,
+        path: str,
+        body: dict[str, Any],
+        headers: list[tuple[str, str]],
+        timeout_s: float,
     ) -> None:
-        self._task = asyncio.create_task(_prefill_half(pool, path, body, request_id, timeout_s))
+        self._task = asyncio.create_task(_prefill_half(pool, path, body, headers, timeout_s))
         self._task.add_done_callback(_log_late_failure)
 
     async def race(self, decode: Awaitable[Response]) -> Response:

@@ -19,6 +19,8 @@ from tests.responses_engine import USAGE, ResponsesEngine, sse_event
 
 PRICES = {MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
 
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
 
 async def fleet(
     make_cluster: ClusterFactory, count: int = 1, **gateway: Any
@@ -158,9 +160,10 @@ async def test_stored_responses_are_asked_of_their_engine(make_cluster: ClusterF
     made = [await client.responses.create(model=MODEL, input=f"q{i}") for i in range(4)]
     for response in made:
         holder = next(e for e in engines if response.id in e.kept)
-        got = await client.responses.retrieve(response.id)
+        got = await client.responses.retrieve(response.id, extra_headers={"traceparent": TRACEPARENT})
         assert got.id == response.id and got.output_text == "Hello!"
         assert holder.asked[-1] == ("GET", f"/v1/responses/{response.id}")
+        assert holder.traced[-1] == TRACEPARENT  # (the client's trace goes on in the engine)
         # (stream=0 is as false as stream=false: it was refused as a request to stream.)
         again = await client.get(
             f"/responses/{response.id}", options={"params": {"stream": "0"}}, cast_to=object

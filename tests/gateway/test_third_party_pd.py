@@ -15,6 +15,7 @@ from tests.conftest import ThirdPartyFleet as Fleet
 from tests.third_party_engines import Received, VllmLikeEngine
 
 MODEL = "tiny"  # the stand-ins' model
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 LONG = "You are a careful assistant. " * 40  # ~1,100 byte tokens: well past local_prefill_max_tokens
 
 
@@ -34,8 +35,9 @@ async def test_vllm_pd_prefills_with_one_token_then_decodes_with_the_returned_pa
 ) -> None:
     cluster, engines = await third_party({"eu-west/p": {"role": "prefill"}, "eu-west/d": {"role": "decode"}})
     prefill, decode = engines["eu-west/p"], engines["eu-west/d"]
+    trace = {"traceparent": TRACEPARENT}
     async with cluster.session.post(
-        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream)
+        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream), headers=trace
     ) as r:  # type: ignore[union-attr]
         assert r.status == 200, await r.text()
         await r.read()
@@ -54,6 +56,7 @@ async def test_vllm_pd_prefills_with_one_token_then_decodes_with_the_returned_pa
     assert params["do_remote_prefill"] is True and params["remote_engine_id"] == prefill.engine_id
     assert second.body["max_tokens"] == 4 and second.body.get("stream", False) is stream
     assert first.request_id == second.request_id  # one X-Request-Id for both halves
+    assert first.headers["traceparent"] == second.headers["traceparent"] == TRACEPARENT  # one trace too
     assert len(decode.pulls) == 1
 
 
@@ -89,15 +92,16 @@ async def test_sglang_pd_sends_one_body_with_a_bootstrap_room_to_both(
          "eu-west/d": {"role": "decode", "kind": "sglang", "block_size": 1, "kv_capacity_blocks": 4096}}
     )  # fmt: skip
     prefill, decode = engines["eu-west/p"], engines["eu-west/d"]
+    trace = {"traceparent": TRACEPARENT}
     async with cluster.session.post(
-        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream)
+        cluster.url + "/v1/chat/completions", json=chat("hi", stream=stream), headers=trace
     ) as r:  # type: ignore[union-attr]
         assert r.status == 200, await r.text()
         data = await r.read()
         assert r.headers["x-kvgate-engine"] == "eu-west/d" and data.count(b"chatcmpl") >= 1
     await cluster.wait_for(lambda: len(chats(prefill)) == 1)
     [p], [d] = chats(prefill), chats(decode)
-    assert p.body == d.body
+    assert p.body == d.body and p.headers["traceparent"] == d.headers["traceparent"] == TRACEPARENT
     assert (d.body["bootstrap_host"], d.body["bootstrap_port"]) == ("127.0.0.1", prefill.bootstrap_port)
     assert 0 <= d.body["bootstrap_room"] < 2**63
 
