@@ -20,10 +20,14 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Characters that would let text a client or an engine controls (a path, a model name, an x-request-id, an
 # engine's error message) end the line and forge records of its own (CWE-117), move the cursor of a terminal
-# (C0/C1 controls, DEL), or make the stream's encoder refuse the record (lone surrogates: non-UTF-8 bytes).
+# (C0/C1 controls, DEL), make the stream's encoder refuse the record (lone surrogates: non-UTF-8 bytes),
+# or reorder what a terminal or an editor shows of the rest of the line (the bidirectional controls of
+# "Trojan Source", CVE-2021-42574: a request id holding U+202E shows the fields after it backwards).
 # And the backslash itself: unescaped, a client's literal backslash-n would log as a newline it sent does,
 # and a reader could not tell which it was.
-_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_UNSAFE = re.compile(
+    "[\\\\\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 _SHORT = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _UNSHORT = {escape[1]: char for char, escape in _SHORT.items()}
 # An escape escape_controls writes: a backslash and a letter of _SHORT, \xHH or \uHHHH.

@@ -127,6 +127,17 @@ def test_text_lines_escape_the_control_characters_a_client_sends() -> None:
     line.encode()  # a lone surrogate from a client's non-UTF-8 bytes no longer makes the stream refuse it
 
 
+def test_text_lines_escape_the_controls_that_reorder_what_a_terminal_shows() -> None:
+    """A model name holding RIGHT-TO-LEFT OVERRIDE (a client names any model) showed the fields after it
+    backwards (Trojan Source)."""
+    record = logging.LogRecord("kvgate.access", logging.INFO, __file__, 1, "request finished", (), None)
+    reorder = "\u202e\u202a\u202b\u202c\u202d\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+    record.fields = {"model": f"r{reorder}1", "tenant": "t"}
+    line = TextFormatter().format(record)
+    assert not set(reorder) & set(line), line
+    assert "model=r\\u202e\\u202a" in line and unescape_controls(line).endswith(f"r{reorder}1 tenant=t")
+
+
 def text_line(message: str) -> str:
     record = logging.LogRecord("kvgate", logging.INFO, __file__, 1, "%s", (message,), None)
     return TextFormatter().format(record)
@@ -154,6 +165,7 @@ REVERSIBLE = [
     "ends with a backslash \\",
     "\r\n\t\x1b[2J\x00\x7f\x85\x9f",
     "\u2028\u2029 para",
+    "\u202e reversed \u2066isolated\u2069 \u200f",  # bidirectional controls
     "/v1/\udcff\ud800",  # lone surrogates (a client's bytes that are not UTF-8)
     "\\\n\\\\\n",  # backslashes and newlines interleaved
     "caf\u00e9 \u4e2d\U0001f600",  # printable non-ASCII passes as it is
