@@ -113,6 +113,15 @@ class UsageJournal:
         """Lock the journal and read what an earlier process left: the records it owes the ledger. Those
         segments stay until ``forget_replayed`` (call it once the records are in the ledger or the spool)."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        self._replayed = self._segments()
+        records = owed_records(self._read(self._replayed), cost)
+        self._segment = (self._replayed[-1] + 1) if self._replayed else 0
+        self._open_segment()
+        return records
+
+    def _take_lock(self) -> int:
+        """The journal's lock, held for the process's life; JournalLocked if another process holds it."""
         while True:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
@@ -130,12 +139,41 @@ class UsageJournal:
         with contextlib.suppress(OSError):  # (who holds it, for the message of a process refused it)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
-        self._replayed = self._segments()
-        records = owed_records(self._read(self._replayed), cost)
-        self._segment = (self._replayed[-1] + 1) if self._replayed else 0
-        self._open_segment()
-        return records
+        return fd
+
+    def resume(self) -> bool:
+        """Go on in a new segment once the directory of a ``removed`` journal exists again (the operator
+        restored it), under a new lock; True when it did. It is not made here, as the spool's is not: a
+        directory that vanished is the operator's to restore (or to mount again). The requests in flight
+        when it was removed have their first entries in the lost segment only: a crash before they finish
+        loses them, as it would have; what they write from now on is kept."""
+        if not self.removed or not self.directory.is_dir():
+            return False
+        try:
+            lock_fd = self._take_lock()
+        except (OSError, JournalLocked) as exc:
+            log.error("cannot take the usage journal's lock in %s again: %s", self.directory, exc)
+            return False
+        # After any segment a restored copy of the directory holds: a replay reads them in order.
+        segment = max([self._segment, *self._segments()]) + 1
+        try:
+            fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            os.close(lock_fd)
+            log.error("cannot write the usage journal in %s again: %s", self.directory, exc)
+            return False
+        assert self._fd is not None
+        os.close(self._fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._lock_fd, self._segment = lock_fd, segment
+        self._use_segment(fd)
+        log.warning(
+            "the usage journal's directory %s is back: the journal is written there again (requests "
+            "started before it was restored are billed when they finish, but not after a crash)",
+            self.directory,
+        )
+        return True
 
     def forget_replayed(self) -> None:
         """The records ``start`` returned are safe elsewhere: drop the segments they came from."""

@@ -47,6 +47,7 @@ class LedgerWriter:
         self._retry_s = retry_s
         self._queue: asyncio.Queue[UsageRecord] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None  # the journal's directory, while it has one
         self._record_now: Callable[[UsageRecord], bool] | None = getattr(ledger, "record_now", None)
         self.degraded = False  # Redis is away: records go to the spool
         self.spool_failing = False  # ... and the spool refuses them: they wait in ``_unsaved``
@@ -246,7 +247,27 @@ class LedgerWriter:
                 log.warning("billed %d requests an earlier gateway process left unrecorded", len(owed))
             if not self._owed:
                 self.journal.forget_replayed()
+            self._watch = asyncio.create_task(self._watch_journal(self.journal), name="kvgate-journal")
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
+
+    async def _watch_journal(self, journal: UsageJournal) -> None:
+        """Every ``retry_s``: whether the journal's directory was removed (said once; /health says it too),
+        and whether it is back, to go on writing there (``UsageJournal.resume``). On the event loop: the
+        journal is written from it, and these are a few syscalls."""
+        said = False
+        while True:
+            await asyncio.sleep(self._retry_s)
+            if not journal.removed:
+                continue
+            if not said:
+                said = True
+                log.error(
+                    "the usage journal's directory %s was removed: a crash now would lose the records of "
+                    "the requests in flight; make the directory again and the journal goes on there",
+                    journal.directory,
+                )
+            if journal.resume():
+                said = False
 
     async def _write_all(self, records: list[UsageRecord]) -> None:
         """Write ``records`` to the ledger, a batch (one round trip) at a time; raises if it fails."""
@@ -314,6 +335,9 @@ class LedgerWriter:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+        if self._watch is not None:
+            await cancel_and_wait(self._watch)
+            self._watch = None
         rest, self._unsaved = self._unsaved, []
         while not self._queue.empty():
             rest.append(self._queue.get_nowait())

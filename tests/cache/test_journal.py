@@ -4,6 +4,7 @@ in flight."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -126,6 +127,33 @@ def test_two_processes_cannot_share_a_journal(tmp_path: Path) -> None:
         UsageJournal(tmp_path / "gw.spool").start(cost)
     first.close()
     UsageJournal(tmp_path / "gw.spool").start(cost)  # free again once the first is closed
+
+
+def test_a_journal_whose_directory_was_removed_goes_on_once_it_is_back(tmp_path: Path) -> None:
+    """It wrote on into its deleted segment until a restart: entries no replay would find."""
+    directory = tmp_path / "state"
+    journal = UsageJournal(directory / "gw.spool")
+    journal.start(cost)
+    journal.opened(opened(1))
+    shutil.rmtree(directory)
+    assert journal.removed and not journal.resume()  # (not made by the journal: restored by the operator)
+    journal.opened(opened(2))  # lost with the segment, as before
+    directory.mkdir()
+    intruder = UsageJournal(directory / "gw.spool")  # a second gateway took the free name first
+    intruder.start(cost)
+    assert not journal.resume() and journal.removed
+    intruder.close()
+    (directory / "gw.spool.journal.00000007").write_bytes(b"")  # a restored copy's segment, say
+    assert journal.resume() and not journal.removed
+    assert journal._segment == 8  # after what the directory holds
+    journal.finished(final(1))  # started before, finished after: its record is kept
+    journal.opened(opened(3))
+    journal.progressed("r3", 4)
+    with pytest.raises(JournalLocked):  # it holds the new lock
+        UsageJournal(directory / "gw.spool").start(cost)
+    die(journal)
+    owed = {r.record_id: r for r in restart(directory / "gw.spool")}
+    assert set(owed) == {"r1", "r3"} and owed["r3"].completion_tokens == 4
 
 
 # -- a disk that refuses writes: the journal is crash insurance, it must never fail a request ---------------

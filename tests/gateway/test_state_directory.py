@@ -139,3 +139,39 @@ def test_a_frozen_redis_is_named_in_the_ledger_s_warning(tmp_path: Path, sim_eng
             gateway.send_signal(signal.SIGTERM)
             gateway.wait(60)
         redis.stop()
+
+
+def test_the_journal_goes_on_once_its_directory_is_made_again(tmp_path: Path, sim_engine: int) -> None:
+    """/health said the journal was lost until a restart, though the operator had made the directory again."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisProcess(tmp_path / "redis")
+    redis.start()
+    state = tmp_path / "state"
+    port = free_port()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{state / "spool"}"\nredis_url = "{redis.url}"\n'
+    )
+    command = [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
+    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _read_until(gateway, "listening on")
+        _complete(port)
+        shutil.rmtree(state)
+        assert "make the directory again" in _read_until(gateway, "usage journal's directory")
+        assert _health(port)["journal"] == "failing"
+        state.mkdir()
+        assert "is back" in _read_until(gateway, "usage journal's directory")
+        assert (_health(port)["journal"], _health(port)["degraded"]) == ("ok", [])
+        _complete(port)
+        assert [p.name for p in state.iterdir() if ".journal.0" in p.name]  # written where a restart reads
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(60) == 0
+        assert _requests_billed(redis.url) == 2
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait(60)
+        redis.stop()
