@@ -103,6 +103,7 @@ class UsageJournal:
         self._pending: dict[str, list[int]] = {}  # record id -> segments it has entries in, while unsettled
         self._unsettled: dict[int, int] = {}  # segment -> requests with an entry in it not yet settled
         self._rolling_failed = False  # the next segment could not be opened: said once, tried every entry
+        self._resume_refused = ""  # why the last ``resume`` failed (said once)
         self.entries = 0
         self.failing = False  # the last entry was refused by the disk
         self.write_failures = 0  # entries the disk refused, ever
@@ -152,16 +153,17 @@ class UsageJournal:
         try:
             lock_fd = self._take_lock()
         except (OSError, JournalLocked) as exc:
-            log.error("cannot take the usage journal's lock in %s again: %s", self.directory, exc)
+            self._cannot_resume(f"cannot take the usage journal's lock in {self.directory} again: {exc}")
             return False
-        # After any segment a restored copy of the directory holds: a replay reads them in order.
-        segment = max([self._segment, *self._segments()]) + 1
         try:
+            # After any segment a restored copy of the directory holds: a replay reads them in order.
+            segment = max([self._segment, *self._segments()]) + 1
             fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as exc:
             os.close(lock_fd)
-            log.error("cannot write the usage journal in %s again: %s", self.directory, exc)
+            self._cannot_resume(f"cannot write the usage journal in {self.directory} again: {exc}")
             return False
+        self._resume_refused = ""
         assert self._fd is not None
         os.close(self._fd)
         if self._lock_fd is not None:
@@ -174,6 +176,12 @@ class UsageJournal:
             self.directory,
         )
         return True
+
+    def _cannot_resume(self, why: str) -> None:
+        """Said when the reason changes, not at every try (the gateway tries every second)."""
+        if why != self._resume_refused:
+            self._resume_refused = why
+            log.error("%s", why)
 
     def forget_replayed(self) -> None:
         """The records ``start`` returned are safe elsewhere: drop the segments they came from."""

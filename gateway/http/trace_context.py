@@ -23,8 +23,9 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 TRACESTATE_MAX_CHARS = 512
 
-# version-traceid-parentid-flags, lower-case hex; a later version may add fields after a dash.
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+# version-traceid-parentid-flags, lower-case hex; a later version may add fields after a dash (passed on
+# when they are visible ASCII: they go into a header of the engine's request).
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[\x21-\x7e]*)?")
 _TRACESTATE = re.compile(r"[\x20-\x7e]*")
 _ZERO_TRACE_ID, _ZERO_PARENT_ID = "0" * 32, "0" * 16
 

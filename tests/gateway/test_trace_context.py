@@ -43,6 +43,8 @@ def test_a_valid_context_is_forwarded_as_sent() -> None:
         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
         "",
         "x" * 10_000,
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-\x00",  # (a later version's fields go
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-a b",  # into a header: visible ASCII)
     ],
 )
 def test_an_invalid_traceparent_and_its_tracestate_go_nowhere(parent: str) -> None:
