@@ -230,7 +230,7 @@ def chat_body(i: int) -> bytes:
 async def overhead(
     ports: dict[str, int],
     pids: dict[str, int],
-    engine_pids: list[int],
+    engines: list[EngineProcess],
     rounds: int,
     n: int,
     concurrency: int,
@@ -238,8 +238,13 @@ async def overhead(
 ) -> dict[str, Any]:
     """Added latency at c=1 and throughput at ``concurrency``; and, from /proc over the throughput rounds,
     each router's CPU per request (``pids``: its process, with its threads and children) and the engines'
-    (``engine_pids``): on this machine the engines share the cores with the router, so what a router costs
-    them per request (a request they answer at a lower rate costs them more) weighs in its throughput."""
+    (``engines``): on this machine the engines share the cores with the router, so what a router costs
+    them per request (a request they answer at a lower rate costs them more) weighs in its throughput. And
+    how a router spread those requests over the engines (max/mean of their counts: 1 is even, 4 all on
+    one): on these shared cores, waking four engine processes costs more CPU than waking one, which a
+    router that stacks every request on one engine does not pay (on GPUs, spreading is what keeps
+    batches small)."""
+    engine_pids = [e.process.pid for e in engines]
     pools = {name: UpstreamPool("127.0.0.1", port, max_idle=concurrency) for name, port in ports.items()}
     for pool in pools.values():
         for i in range(100):
@@ -248,6 +253,7 @@ async def overhead(
     rps: dict[str, list[float]] = {name: [] for name in pools}
     cpu: dict[str, list[float]] = {name: [] for name in pools}  # seconds per request, per round
     engine_cpu: dict[str, list[float]] = {name: [] for name in pools}
+    spread: dict[str, list[float]] = {name: [] for name in pools}
     order = list(pools)
     shuffle = random.Random(0).shuffle
     for _ in tqdm(range(rounds), desc="overhead rounds", file=sys.stderr):
@@ -259,6 +265,7 @@ async def overhead(
                 latency[name].append(await one(pools[name], chat_body(i)))
         shuffle(order)
         for name in order:
+            counts = await engine_counts(engines)  # (scraped outside the CPU readings)
             router_cpu, engines_cpu = _cpu(pids.get(name)), sum(map(_cpu, engine_pids))
             started = time.perf_counter()
             rate = await throughput_round(pools[name], concurrency, duration_s, chat_body)
@@ -266,6 +273,8 @@ async def overhead(
             rps[name].append(rate)
             cpu[name].append((_cpu(pids.get(name)) - router_cpu) / requests)
             engine_cpu[name].append((sum(map(_cpu, engine_pids)) - engines_cpu) / requests)
+            served = [a - b for a, b in zip(await engine_counts(engines), counts, strict=True)]
+            spread[name].append(max(served) / (sum(served) / len(served)) if sum(served) else 0.0)
     for pool in pools.values():
         pool.close()
     d50, d99, drps = (
@@ -277,7 +286,8 @@ async def overhead(
         name: {"added_p50_ms": (statistics.median(v) - d50) * 1e3, "added_p99_ms": (pct(v, 0.99) - d99) * 1e3,
                "req_s": statistics.median(rps[name]), "throughput_ratio": statistics.median(rps[name]) / drps,
                "router_cpu_ms": statistics.median(cpu[name]) * 1e3,
-               "engines_cpu_ms": statistics.median(engine_cpu[name]) * 1e3}
+               "engines_cpu_ms": statistics.median(engine_cpu[name]) * 1e3,
+               "engines_max_over_mean": statistics.median(spread[name])}
         for name, v in latency.items()
     }  # fmt: skip
 
@@ -340,9 +350,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ports = {"direct": engines[0].port} | {r.name: r.port for r in routers if ready[r.name]}
             if "overhead" in args.parts:
                 pids = {r.name: r.process.pid for r in routers if ready[r.name]}
-                engine_pids = [e.process.pid for e in engines]
                 results["overhead"] = await overhead(
-                    ports, pids, engine_pids, args.rounds, args.requests, 32, args.duration
+                    ports, pids, engines, args.rounds, args.requests, 32, args.duration
                 )
             if "lengths" in args.parts:
                 results["lengths"] = await by_length(ports, args.length_requests, words=args.words)
@@ -439,14 +448,16 @@ def main() -> int:
     )
     print(
         f"{'router':14s} {'added p50':>10s} {'added p99':>10s} {'req/s c=32':>11s} {'ratio':>6s}"
-        f" {'router CPU/req':>15s} {'engines CPU/req':>16s}"
+        f" {'router CPU/req':>15s} {'engines CPU/req':>16s} {'engines max/mean':>16s}"
     )
     for name, r in results["overhead"].items():
         added = f"{r['added_p50_ms']:+9.3f}ms {r['added_p99_ms']:+9.3f}ms"
         cpu = f"{r['router_cpu_ms']:13.3f}ms {r['engines_cpu_ms']:14.3f}ms"
-        print(f"{name:14s} {added} {r['req_s']:11.0f} {r['throughput_ratio']:6.2f} {cpu}")
+        spread = r["engines_max_over_mean"]
+        print(f"{name:14s} {added} {r['req_s']:11.0f} {r['throughput_ratio']:6.2f} {cpu} {spread:16.2f}")
     print("(CPU per request at c=32 from /proc: the router's process with its threads and children, and the")
-    print(" four engines', which share this machine's cores with it)")
+    print(" four engines', which share this machine's cores with it; engines max/mean: how the router spread")
+    print(" its c=32 requests, 1.00 even, 4.00 all on one engine, which costs these shared cores least)")
     print(f"\n2. Mooncake trace: first {args.trace_requests} requests, {args.speedup:g}x faster, 4 engines")
     columns = ("hit rate", "TTFT p50", "TTFT p90", "load max/mean", "errors")
     print(f"{'router':14s} " + " ".join(f"{c:>9s}" for c in columns))
