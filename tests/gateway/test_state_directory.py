@@ -60,25 +60,35 @@ def _requests_billed(redis_url: str) -> int:
     return sum(day["requests"] for tenant in json.loads(result.stdout)["data"] for day in tenant["data"])
 
 
+def _deployment(tmp_path: Path, sim_engine: int, spool: Path) -> tuple[RedisProcess, int, list[str]]:
+    """A Redis of the test's own, started; the port of a gateway in front of ``sim_engine`` that keeps its
+    spool and journal at ``spool`` and its ledger in that Redis; and the command that starts it."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisProcess(tmp_path / "redis")
+    redis.start()
+    port = free_port()
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'region = "r"\n[[regions]]\nname = "r"\n'
+        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
+        f'[gateway]\nport = {port}\nspool_path = "{spool}"\nredis_url = "{redis.url}"\n'
+    )
+    return redis, port, [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
+
+
+def _start(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def test_a_removed_state_directory_loses_no_record_and_health_says_the_journal_is_lost(
     tmp_path: Path, sim_engine: int
 ) -> None:
     """The journal went on writing into its deleted segment: /health said "journal": "ok" though a crash
     would have lost every request in flight, and a stop with Redis away and the spool refused said "the
     journal keeps them for the next start" of records that were then gone for good."""
-    (tmp_path / "redis").mkdir()
-    redis = RedisProcess(tmp_path / "redis")
-    redis.start()
     state = tmp_path / "state"
-    port = free_port()
-    config = tmp_path / "deploy.toml"
-    config.write_text(
-        f'region = "r"\n[[regions]]\nname = "r"\n'
-        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{state / "spool"}"\nredis_url = "{redis.url}"\n'
-    )
-    command = [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
-    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    redis, port, command = _deployment(tmp_path, sim_engine, state / "spool")
+    gateway = _start(command)
     try:
         _read_until(gateway, "listening on")
         _complete(port)
@@ -98,7 +108,7 @@ def test_a_removed_state_directory_loses_no_record_and_health_says_the_journal_i
         said = gateway.stderr.read()
         assert "Traceback" not in said and "the journal keeps them" not in said, said
         redis.start()
-        gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        gateway = _start(command)
         _read_until(gateway, "listening on")
         assert _requests_billed(redis.url) == 3
     finally:
@@ -112,19 +122,9 @@ def test_a_frozen_redis_is_named_in_the_ledger_s_warning(tmp_path: Path, sim_eng
     """A Redis stopped with SIGSTOP (or lost behind a network that drops packets) answers nothing: the write
     times out, and the warning said "ledger write failed (); spooling ..." when the write's own timeout
     fired first, its TimeoutError having no message."""
-    (tmp_path / "redis").mkdir()
-    redis = RedisProcess(tmp_path / "redis")
-    redis.start()
+    redis, port, command = _deployment(tmp_path, sim_engine, tmp_path / "spool")
     assert redis.process is not None
-    port = free_port()
-    config = tmp_path / "deploy.toml"
-    config.write_text(
-        f'region = "r"\n[[regions]]\nname = "r"\n'
-        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{tmp_path / "spool"}"\nredis_url = "{redis.url}"\n'
-    )
-    command = [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
-    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    gateway = _start(command)
     try:
         _read_until(gateway, "listening on")
         redis.process.send_signal(signal.SIGSTOP)
@@ -143,19 +143,9 @@ def test_a_frozen_redis_is_named_in_the_ledger_s_warning(tmp_path: Path, sim_eng
 
 def test_the_journal_goes_on_once_its_directory_is_made_again(tmp_path: Path, sim_engine: int) -> None:
     """/health said the journal was lost until a restart, though the operator had made the directory again."""
-    (tmp_path / "redis").mkdir()
-    redis = RedisProcess(tmp_path / "redis")
-    redis.start()
     state = tmp_path / "state"
-    port = free_port()
-    config = tmp_path / "deploy.toml"
-    config.write_text(
-        f'region = "r"\n[[regions]]\nname = "r"\n'
-        f'engines = [{{ name = "e0", url = "http://127.0.0.1:{sim_engine}" }}]\n'
-        f'[gateway]\nport = {port}\nspool_path = "{state / "spool"}"\nredis_url = "{redis.url}"\n'
-    )
-    command = [*KVGATE, "--log-format", "text", "serve", "--config", str(config)]
-    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    redis, port, command = _deployment(tmp_path, sim_engine, state / "spool")
+    gateway = _start(command)
     try:
         _read_until(gateway, "listening on")
         _complete(port)
