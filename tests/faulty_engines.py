@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.harness import MODEL
+from tests.harness import MODEL, Cluster, ClusterFactory
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -124,6 +124,17 @@ class Recorder:
         choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
         return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL, "choices": [choice],
                                   "usage": usage})  # fmt: skip
+
+
+async def recorded_gateway(make_cluster: ClusterFactory) -> tuple[Cluster, Recorder]:
+    """A gateway whose one engine is a ``Recorder`` (without KV events): what the gateway sends engines."""
+    recorder = Recorder()
+    cluster = await make_cluster(
+        {"eu-west": 0},
+        extra_engines={"eu-west/rec": recorder.app},
+        engine_options={"eu-west/rec": {"kv_events": False}},
+    )
+    return cluster, recorder
 
 
 def chat_chunk(

@@ -13,7 +13,7 @@ import pytest
 from yarl import URL
 
 from gateway.observability.logs import JsonFormatter, TextFormatter, escape_controls, unescape_controls
-from tests.faulty_engines import Recorder
+from tests.faulty_engines import recorded_gateway
 from tests.harness import MODEL, ClusterFactory
 
 
@@ -58,12 +58,7 @@ async def test_each_request_leaves_one_access_line(
 
 
 async def test_the_request_id_travels_to_the_engine(make_cluster: ClusterFactory) -> None:
-    recorder = Recorder()
-    cluster = await make_cluster(
-        {"eu-west": 0},
-        extra_engines={"eu-west/rec": recorder.app},
-        engine_options={"eu-west/rec": {"kv_events": False}},
-    )
+    cluster, recorder = await recorded_gateway(make_cluster)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     await cluster.post("/v1/chat/completions", body, headers={"x-request-id": "trace-me-42"})
     _, _, generated = await cluster.post("/v1/chat/completions", body)

@@ -7,7 +7,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.http.trace_context import trace_headers
-from tests.faulty_engines import Recorder
+from tests.faulty_engines import recorded_gateway
 from tests.harness import MODEL, ClusterFactory
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # the specification's example
@@ -61,12 +61,7 @@ def test_a_tracestate_that_cannot_be_passed_on_is_dropped_and_the_parent_kept() 
 
 
 async def test_the_engine_gets_the_clients_trace_context(make_cluster: ClusterFactory) -> None:
-    recorder = Recorder()
-    cluster = await make_cluster(
-        {"eu-west": 0},
-        extra_engines={"eu-west/rec": recorder.app},
-        engine_options={"eu-west/rec": {"kv_events": False}},
-    )
+    cluster, recorder = await recorded_gateway(make_cluster)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     sent = {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE"}
     status, _, _ = await cluster.post("/v1/chat/completions", body, headers=sent)
