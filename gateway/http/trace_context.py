@@ -44,9 +44,9 @@ def trace_headers(headers: MultiMapping[str]) -> tuple[tuple[str, str], ...]:
     if match is None:
         return NO_TRACE
     version, trace_id, parent_id, _, rest = match.groups()
-    if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE_ID:
+    if version == "ff" or (version == "00" and rest):
         return NO_TRACE
-    if parent_id == _ZERO_PARENT_ID:
+    if trace_id == _ZERO_TRACE_ID or parent_id == _ZERO_PARENT_ID:
         return NO_TRACE
     states = headers.getall(TRACESTATE, ())
     if not states:

@@ -22,7 +22,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # engine's error message) end the line and forge records of its own (CWE-117), move the cursor of a terminal
 # (C0/C1 controls, DEL), make the stream's encoder refuse the record (lone surrogates: non-UTF-8 bytes),
 # or reorder what a terminal or an editor shows of the rest of the line (the bidirectional controls of
-# "Trojan Source", CVE-2021-42574: a request id holding U+202E shows the fields after it backwards).
+# "Trojan Source", CVE-2021-42574: a model name holding U+202E shows the fields after it backwards).
 # And the backslash itself: unescaped, a client's literal backslash-n would log as a newline it sent does,
 # and a reader could not tell which it was.
 _UNSAFE = re.compile(
