@@ -103,6 +103,7 @@ class UsageJournal:
         self._pending: dict[str, list[int]] = {}  # record id -> segments it has entries in, while unsettled
         self._unsettled: dict[int, int] = {}  # segment -> requests with an entry in it not yet settled
         self._rolling_failed = False  # the next segment could not be opened: said once, tried every entry
+        self._removal_said = False  # its directory's removal was logged (once per removal)
         self._resume_refused = ""  # why the last ``resume`` failed (said once)
         self.entries = 0
         self.failing = False  # the last entry was refused by the disk
@@ -147,8 +148,18 @@ class UsageJournal:
         restored it), under a new lock; True when it did. It is not made here, as the spool's is not: a
         directory that vanished is the operator's to restore (or to mount again). The requests in flight
         when it was removed have their first entries in the lost segment only: a crash before they finish
-        loses them, as it would have; what they write from now on is kept."""
-        if not self.removed or not self.directory.is_dir():
+        loses them, as it would have; what they write from now on is kept. Meant to be called now and then
+        (the ledger writer does, every second): the removal is said at the first call that sees it."""
+        if not self.removed:
+            return False
+        if not self._removal_said:
+            self._removal_said = True
+            log.error(
+                "the usage journal's directory %s was removed: a crash now would lose the records of the "
+                "requests in flight; make the directory again and the journal goes on there",
+                self.directory,
+            )
+        if not self.directory.is_dir():
             return False
         try:
             lock_fd = self._take_lock()
@@ -163,7 +174,7 @@ class UsageJournal:
             os.close(lock_fd)
             self._cannot_resume(f"cannot write the usage journal in {self.directory} again: {exc}")
             return False
-        self._resume_refused = ""
+        self._removal_said, self._resume_refused = False, ""
         assert self._fd is not None
         os.close(self._fd)
         if self._lock_fd is not None:

@@ -251,23 +251,12 @@ class LedgerWriter:
         self._task = asyncio.create_task(self._run(), name="kvgate-ledger")
 
     async def _watch_journal(self, journal: UsageJournal) -> None:
-        """Every ``retry_s``: whether the journal's directory was removed (said once; /health says it too),
-        and whether it is back, to go on writing there (``UsageJournal.resume``). On the event loop: the
-        journal is written from it, and these are a few syscalls."""
-        said = False
+        """Every ``retry_s``: a journal whose directory was removed says so, and goes on once it is back
+        (``UsageJournal.resume``). On the event loop: the journal is written from it, and these are a few
+        syscalls (one ``fstat`` while nothing was removed)."""
         while True:
             await asyncio.sleep(self._retry_s)
-            if not journal.removed:
-                continue
-            if not said:
-                said = True
-                log.error(
-                    "the usage journal's directory %s was removed: a crash now would lose the records of "
-                    "the requests in flight; make the directory again and the journal goes on there",
-                    journal.directory,
-                )
-            if journal.resume():
-                said = False
+            journal.resume()
 
     async def _write_all(self, records: list[UsageRecord]) -> None:
         """Write ``records`` to the ledger, a batch (one round trip) at a time; raises if it fails."""

@@ -139,11 +139,17 @@ def test_a_journal_whose_directory_was_removed_goes_on_once_it_is_back(
     journal.start(cost)
     journal.opened(opened(1))
     shutil.rmtree(directory)
-    assert journal.removed and not journal.resume()  # (not made by the journal: restored by the operator)
+    with caplog.at_level(logging.ERROR, "kvgate.journal"):
+        # (Not made by the journal: restored by the operator.)
+        assert journal.removed and not journal.resume() and not journal.resume()
+    assert [r.getMessage().split(": ")[0] for r in caplog.records] == [
+        f"the usage journal's directory {directory} was removed"  # (said once, not at each try)
+    ]
     journal.opened(opened(2))  # lost with the segment, as before
     directory.mkdir()
     intruder = UsageJournal(directory / "gw.spool")  # a second gateway took the free name first
     intruder.start(cost)
+    caplog.clear()
     with caplog.at_level(logging.ERROR, "kvgate.journal"):
         assert not journal.resume() and not journal.resume() and journal.removed
     assert len(caplog.records) == 1  # (said once, not at each try)
