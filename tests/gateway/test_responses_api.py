@@ -14,12 +14,11 @@ import pytest
 
 from gateway.tenancy.billing import usage_counts
 from gateway.tenancy.tenants import create_key
+from tests.gateway.test_trace_context import PARENT as TRACEPARENT
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.responses_engine import USAGE, ResponsesEngine, sse_event
 
 PRICES = {MODEL: {"input": 1, "cached_input": 0.1, "output": 2}}
-
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 async def fleet(

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import ThirdPartyFleet as Fleet
+from tests.gateway.test_trace_context import PARENT as TRACEPARENT
 from tests.third_party_engines import Received, VllmLikeEngine
 
 MODEL = "tiny"  # the stand-ins' model
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 LONG = "You are a careful assistant. " * 40  # ~1,100 byte tokens: well past local_prefill_max_tokens
 
 
