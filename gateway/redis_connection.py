@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -40,7 +45,8 @@ def redis_client(url: str, max_connections: int, *, cluster: bool = False) -> An
     more on a fresh one, instead of failing the request that happened to draw it.
 
     ``cluster``: ``url`` is one node of a Redis Cluster; the client learns the others from it at its first
-    command, and keeps a pool of ``max_connections`` per node."""
+    command; at most ``max_connections`` commands are in flight at once, the rest wait for room as above
+    (``WaitingRedisCluster``), and each node's pool has two connections spare beyond them."""
     if cluster:
         return _cluster_client(url, max_connections)
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -55,13 +61,71 @@ def redis_client(url: str, max_connections: int, *, cluster: bool = False) -> An
     return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 
 
-def _cluster_client(url: str, max_connections: int) -> RedisCluster:
-    client = RedisCluster.from_url(
+# Connections a cluster node may open beyond the commands in flight: the pub/sub follower's, and the one the
+# client takes from a node to re-read the cluster's slots. Neither goes through ``execute_command``.
+CLUSTER_SPARE_CONNECTIONS = 2
+_HOLDS_ROOM: ContextVar[bool] = ContextVar("kvgate_redis_cluster_room", default=False)
+
+
+class WaitingRedisCluster(RedisCluster):
+    """A cluster client whose commands wait for room, as one server's BlockingConnectionPool does.
+
+    redis-py's cluster nodes raise MaxConnectionsError at once when their pool is in use, so a burst of
+    requests beyond ``max_connections`` failed every command past it. Here at most ``room`` commands and
+    pipelines are in flight at once (each holds at most one connection of any node), the rest wait up to
+    ``REDIS_TIMEOUT_S``; a command a pipeline sends again on its own (after a redirection) is inside its
+    pipeline's room and does not wait for a second."""
+
+    room: asyncio.Semaphore
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with _room(self.room):
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _WaitingPipeline(self, transaction)  # type: ignore[abstract]  # (as redis-py builds its own)
+
+
+class _WaitingPipeline(ClusterPipeline):
+    cluster_client: WaitingRedisCluster
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        async with _room(self.cluster_client.room):
+            return await super().execute(raise_on_error, allow_redirections)
+
+
+@asynccontextmanager
+async def _room(room: asyncio.Semaphore) -> AsyncIterator[None]:
+    if _HOLDS_ROOM.get():
+        yield
+        return
+    if room.locked():
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                await room.acquire()
+        except TimeoutError:
+            raise RedisConnectionError("No connection available.") from None  # (the blocking pool's words)
+    else:
+        await room.acquire()  # (free: returns without yielding to the loop)
+    holding = _HOLDS_ROOM.set(True)
+    try:
+        yield
+    finally:
+        _HOLDS_ROOM.reset(holding)
+        room.release()
+
+
+def _cluster_client(url: str, max_connections: int) -> WaitingRedisCluster:
+    client = WaitingRedisCluster.from_url(
         url,
-        max_connections=max_connections,
+        max_connections=max_connections + CLUSTER_SPARE_CONNECTIONS,
         socket_timeout=REDIS_TIMEOUT_S,
         socket_connect_timeout=REDIS_TIMEOUT_S,
     )
+    assert isinstance(client, WaitingRedisCluster)  # (from_url is typed as building the base class)
+    client.room = asyncio.Semaphore(max_connections)
     # Each node's connections are built from these arguments: the same cancellable sends as a server's.
     client.connection_kwargs["connection_class"] = connection_class(url)
     return client

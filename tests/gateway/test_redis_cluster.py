@@ -20,6 +20,7 @@ import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cache.ledger import UsageRecord, day_name
 from cache.ledger_redis import RedisLedger
@@ -27,6 +28,7 @@ from cache.redis_keys import RedisKeys
 from cache.residency_redis import RedisResidencyIndex
 from cache.sessions import SessionBinding
 from cache.sessions_redis import RedisSessionStore
+from gateway.redis_connection import REDIS_TIMEOUT_S, WaitingRedisCluster, redis_client
 from tests.gateway.test_cli import KVGATE, _distinct_ports
 from tests.harness import MODEL, ClusterFactory
 from tests.redis_cluster_process import RedisClusterProcesses, cluster_ports, tools_missing
@@ -136,6 +138,47 @@ async def test_pipelined_scripts_run_on_nodes_that_never_loaded_them(
         held = await sessions.offer_many(items)
         assert [h.binding for h in held] == [binding for _, binding in items]
         assert [h.binding for h in await sessions.read_many([k for k, _ in items])] == [b for _, b in items]
+    finally:
+        await client.aclose()
+
+
+async def test_a_burst_beyond_the_pool_waits_for_a_connection_on_a_cluster(
+    redis_cluster: RedisClusterProcesses,
+) -> None:
+    """More commands at once than ``redis_max_connections`` wait for a free connection, as on one Redis
+    server (its BlockingConnectionPool). redis-py's cluster nodes raise MaxConnectionsError instead: a burst
+    of requests beyond the pool failed every command past its size, pipelines included."""
+    client = redis_client(redis_cluster.urls[0], 3, cluster=True)
+    key = f"{{{new_prefix()}}}:empty"  # one slot, so one node's pool
+    try:
+        popped = await asyncio.gather(*(client.blpop([key], timeout=0.05) for _ in range(12)))
+        assert popped == [None] * 12
+
+        async def pipelined(i: int) -> list[object]:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.blpop([key], timeout=0.05)
+                pipe.incr(f"{key}:{i}")
+                return list(await pipe.execute())
+
+        assert await asyncio.gather(*(pipelined(i) for i in range(8))) == [[None, 1]] * 8
+    finally:
+        await client.aclose()
+
+
+async def test_a_cluster_command_waits_for_room_no_longer_than_the_redis_timeout(
+    redis_cluster: RedisClusterProcesses,
+) -> None:
+    """The wait is bounded as the blocking pool's is: with every connection busy past REDIS_TIMEOUT_S, a
+    command fails as Redis being unavailable (the gateway's outage handling), not by hanging the request."""
+    client = redis_client(redis_cluster.urls[0], 2, cluster=True)
+    try:
+        assert isinstance(client, WaitingRedisCluster)
+        for _ in range(2):
+            await client.room.acquire()  # every connection's worth of room held, as by slow commands
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError, match="No connection available"):
+            await client.get(f"{{{new_prefix()}}}:k")
+        assert REDIS_TIMEOUT_S <= time.monotonic() - started < REDIS_TIMEOUT_S + 1
     finally:
         await client.aclose()
 
