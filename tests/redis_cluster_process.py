@@ -4,6 +4,7 @@ servers run without RDB or AOF in a temporary directory."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from tests.serving import bindable
 
@@ -38,9 +40,13 @@ def tools_missing() -> str | None:
 
 
 class RedisClusterProcesses:
-    def __init__(self, directory: Path) -> None:
+    """``replicas``: replicas per master, each promoted ``node_timeout_ms`` after its master falls silent."""
+
+    def __init__(self, directory: Path, replicas: int = 0, node_timeout_ms: int = 15_000) -> None:
         self.directory = directory
-        self.ports = cluster_ports(MASTERS)
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.ports = cluster_ports(MASTERS * (1 + replicas))
         self.processes: list[subprocess.Popen[bytes]] = []
 
     @property
@@ -51,6 +57,7 @@ class RedisClusterProcesses:
         for port in self.ports:
             args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                     "--cluster-config-file", f"nodes-{port}.conf", "--save", "", "--appendonly", "no",
+                    "--cluster-node-timeout", str(self.node_timeout_ms), "--repl-diskless-sync-delay", "0",
                     "--dir", str(self.directory)]  # fmt: skip
             self.processes.append(
                 subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -59,7 +66,7 @@ class RedisClusterProcesses:
             self._wait(port, lambda client: bool(client.ping()))
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=30,
@@ -68,6 +75,32 @@ class RedisClusterProcesses:
             self._wait(
                 port, lambda client: client.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
             )
+        for port in self.ports:  # and every replica holds its master's data: one that never synced is
+            # never promoted
+            self._wait(
+                port, lambda client: client.info("replication").get("master_link_status", "up") == "up"
+            )
+
+    def master_of(self, key: str) -> int:
+        """The port of the node that serves ``key``'s slot now."""
+        slot = key_slot(key.encode())
+        for port in self.ports:
+            if self.processes[self.ports.index(port)].poll() is not None:
+                continue  # (killed: a client would retry its refused connection for seconds)
+            with (
+                contextlib.suppress(redis.ConnectionError, redis.TimeoutError),
+                redis.Redis(port=port, socket_timeout=0.5) as client,
+            ):
+                for start, end, (_, owner, *_), *_ in client.execute_command("CLUSTER SLOTS"):
+                    if start <= slot <= end:
+                        return int(owner)
+        raise RuntimeError(f"no node of the test's cluster serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port``, as a crash would end it."""
+        process = self.processes[self.ports.index(port)]
+        process.kill()
+        process.wait(10)
 
     def stop(self) -> None:
         for process in self.processes:
