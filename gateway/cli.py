@@ -67,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument("--regions", type=int, default=2, help="number of regions (default 2)")
     demo.add_argument("--engines-per-region", type=int, default=2, help="engines in each region (default 2)")
     demo.add_argument("--redis", metavar="URL", help="keep shared state in Redis instead of in process")
+    demo.add_argument("--redis-cluster", action="store_true", help="--redis is one node of a Redis Cluster")
     demo.add_argument("--simulated", action="store_true", help="run simulated engines instead of real ones")
     demo.add_argument(
         "--model", metavar="DIR", help="serve this model directory (default: a tiny random one)"
@@ -208,6 +209,8 @@ def _demo(args: argparse.Namespace) -> int:
     # port 0 would serve on some port while the tour printed :0.
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: a port is 1 to 65535")
+    if args.redis_cluster and args.redis is None:
+        raise ConfigError("--redis-cluster: give --redis, the URL of one of the cluster's nodes")
     if args.redis is not None:
         from gateway.config import check_redis_url
 
@@ -220,6 +223,7 @@ def _demo(args: argparse.Namespace) -> int:
         regions=args.regions,
         engines_per_region=args.engines_per_region,
         redis_url=args.redis,
+        redis_cluster=args.redis_cluster,
         simulated=args.simulated,
         model_dir=args.model,
         pd=args.pd,

@@ -200,7 +200,13 @@ DEMO_PRICES = {"input": "0.50", "cached_input": "0.05", "output": "1.50"}
 
 
 def demo_config(
-    engines: list[EngineProcess], kind: EngineKind, port: int, redis_url: str | None, *, auth: bool = False
+    engines: list[EngineProcess],
+    kind: EngineKind,
+    port: int,
+    redis_url: str | None,
+    *,
+    redis_cluster: bool = False,
+    auth: bool = False,
 ) -> dict[str, Any]:
     names = list(dict.fromkeys(e.region for e in engines))
     return {
@@ -221,6 +227,7 @@ def demo_config(
             "host": "127.0.0.1",
             "port": port,
             "redis_url": redis_url,
+            "redis_cluster": redis_cluster,
             "tokenizer": kind.tokenizer,
             "auth": {"enabled": auth},
         },
@@ -308,6 +315,7 @@ def run_demo(
     regions: int,
     engines_per_region: int,
     redis_url: str | None,
+    redis_cluster: bool = False,
     simulated: bool = False,
     model_dir: str | None = None,
     pd: bool = False,
@@ -332,7 +340,13 @@ def run_demo(
     engines = start_engines(kind, regions, engines_per_region, pd=pd)
     try:
         asyncio.run(wait_healthy(engines, timeout_s=120.0))
-        asyncio.run(_serve(demo_config(engines, kind, port, redis_url, auth=auth), kind, port))
+        asyncio.run(
+            _serve(
+                demo_config(engines, kind, port, redis_url, redis_cluster=redis_cluster, auth=auth),
+                kind,
+                port,
+            )
+        )
     except RuntimeError as exc:
         print(f"kvgate demo: {exc}", file=sys.stderr)
         return 1

@@ -425,6 +425,7 @@ def test_serve_with_no_engine_at_all_is_refused(tmp_path: Path, regions: str) ->
         (("--port", "-5"), "--port -5: a port is 1 to 65535"),
         (("--port", "0"), "--port 0: a port is 1 to 65535"),
         (("--redis", "http://127.0.0.1:6379"), "--redis: 'http://127.0.0.1:6379' is not a Redis URL"),
+        (("--redis-cluster",), "--redis-cluster: give --redis, the URL of one of the cluster's nodes"),
     ],
 )
 def test_demo_arguments_are_checked_before_any_engine_starts(args: tuple[str, ...], said: str) -> None:

@@ -10,12 +10,17 @@ lived on another node (``shared-state write failed: 9682 127.0.0.1:<port>``, MOV
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
@@ -28,6 +33,7 @@ from cache.redis_keys import RedisKeys
 from cache.residency_redis import RedisResidencyIndex
 from cache.sessions import SessionBinding
 from cache.sessions_redis import RedisSessionStore
+from gateway.demo import free_port
 from gateway.redis_connection import REDIS_TIMEOUT_S, WaitingRedisCluster, redis_client
 from tests.gateway.test_cli import KVGATE, _distinct_ports
 from tests.harness import MODEL, Cluster, ClusterFactory
@@ -368,3 +374,39 @@ async def test_a_failover_of_the_ledgers_master_loses_no_usage_and_sessions_go_o
                 break
             assert time.monotonic() < deadline, health
             await asyncio.sleep(0.1)
+
+
+def test_the_demo_runs_on_a_cluster(redis_cluster: RedisClusterProcesses, tmp_path: Path) -> None:
+    """``kvgate demo --redis NODE --redis-cluster``: its gateway keeps its state in the cluster. The demo had
+    no such flag, and its start stopped at "is a Redis Cluster node: add --redis-cluster"."""
+    port = free_port()
+    demo = subprocess.Popen(
+        [*KVGATE, "demo", "--simulated", "--port", str(port), "--regions", "1", "--engines-per-region", "1",
+         "--redis", redis_cluster.urls[1], "--redis-cluster"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        health: dict[str, object] | None = None
+        while health is None:
+            assert demo.poll() is None, demo.communicate()[1]
+            assert time.monotonic() < deadline, "the demo gateway never answered"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    health = json.loads(r.read())
+            except OSError:
+                time.sleep(0.2)
+        assert (health["status"], health["redis"]) == ("ok", "on")
+        answer = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"
+        ).chat.completions.create(
+            model="kvgate-sim", messages=[{"role": "user", "content": "hello"}], max_tokens=2
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+    finally:
+        demo.send_signal(signal.SIGINT)
+        demo.wait(timeout=30)
+    assert demo.returncode == 0
