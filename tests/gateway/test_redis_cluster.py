@@ -35,6 +35,7 @@ from cache.sessions import SessionBinding
 from cache.sessions_redis import RedisSessionStore
 from gateway.demo import free_port
 from gateway.redis_connection import REDIS_TIMEOUT_S, WaitingRedisCluster, redis_client
+from gateway.tenancy.tenants import create_key
 from tests.gateway.test_cli import KVGATE, _distinct_ports
 from tests.harness import MODEL, Cluster, ClusterFactory
 from tests.redis_cluster_process import RedisClusterProcesses, cluster_ports, tools_missing
@@ -176,6 +177,31 @@ async def test_a_burst_beyond_the_pool_waits_for_a_connection_on_a_cluster(
         assert await asyncio.gather(*(pipelined(i) for i in range(8))) == [[None, 1]] * 8
     finally:
         await client.aclose()
+
+
+async def test_a_burst_of_keys_the_gateway_has_not_verified_is_answered_on_a_cluster(
+    make_cluster: ClusterFactory, redis_cluster: RedisClusterProcesses
+) -> None:
+    """A gateway just started on a cluster, met by many clients at once, reads each key it has not verified
+    from Redis: more reads at once than redis_max_connections. They used to fail past the pool as Redis
+    being unreachable: "cannot verify now" (503) for most of the burst."""
+    cluster = await make_cluster(
+        {"eu-west": 1},
+        auth={"enabled": True},
+        redis_url=redis_cluster.urls[0],
+        redis_cluster=True,
+        redis_prefix=new_prefix(),
+        redis_max_connections=2,
+    )
+    store = cluster.gateway.billing.keys
+    keys = [(await create_key(store, "default"))[0] for _ in range(40)]
+    answers = await asyncio.gather(
+        *(
+            cluster.post("/v1/chat/completions", chat(f"hello {i}"), headers={"Authorization": f"Bearer {k}"})
+            for i, k in enumerate(keys)
+        )
+    )
+    assert [status for status, _, _ in answers] == [200] * len(keys)
 
 
 async def test_a_cluster_command_waits_for_room_no_longer_than_the_redis_timeout(
