@@ -278,6 +278,10 @@ class MemoryResidencyIndex:
     def seq_of(self, engine: str) -> int | None:
         return self._seq.get(engine)
 
+    def held_count_now(self, engine: str) -> int:
+        """How many blocks ``engine`` holds by this view (exact and approximate): its share of the cache."""
+        return len(self._exact.get(engine, _NONE)) + len(self._approx_of.get(engine, _NONE))
+
     def holds_exactly(self, engine: str, block_hash: int) -> bool:
         return block_hash in self._exact.get(engine, _NONE)
 

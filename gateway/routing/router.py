@@ -169,7 +169,7 @@ class Router:
         confirmed: dict[str, int] | None = None,
     ) -> list[Candidate]:
         out = []
-        rtt_s = self.fleet.rtt_s
+        rtt_s, held = self.fleet.rtt_s, self.state.held_blocks
         now, s_per_token = self._monotonic(), self.settings.routing.prefill_s_per_token
         for e in engines:
             total, waiting = e.queue_estimate()
@@ -177,7 +177,7 @@ class Router:
             # Positional: a NamedTuple built with keywords takes twice as long, once per engine per request.
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
-                          rtt_s(e.region, home), queued, None, 0, e.waits_for_room(queued))
+                          rtt_s(e.region, home), queued, None, 0, e.waits_for_room(queued), held(e.id))
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out

@@ -294,6 +294,10 @@ class SharedState:
         """Leading blocks each engine holds, and of those what its KV events confirmed (one walk)."""
         return self.index.lookup_confirmed(hashes)
 
+    def held_blocks(self, engine: str) -> int:
+        """How many blocks ``engine`` holds by the residency view (a count: no walk)."""
+        return self.index.held_count_now(engine)
+
     def hold_soon(self, engine: str, hashes: Sequence[int], ttl_s: float) -> None:
         """A routing decision just sent these blocks' prefill to ``engine``: the next decisions count them
         there until its KV events confirm them (local only: the events will tell every gateway)."""
