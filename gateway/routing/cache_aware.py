@@ -15,7 +15,7 @@ home region wins, then one that holds (or pulls) most of the prompt, then the on
 fewest blocks, then the least loaded, then rendezvous hashing of the route key. The fewest blocks: a new
 prefix placed where the cache is fullest evicts other conversations' histories soonest (sglang-router's
 cache-aware policy sends an unmatched prompt to its smallest tree alike); on the Mooncake conversation
-trace it raised the live hit rate from 15.19 % to 15.86 % (tests/bench/bench_true_time.py).
+trace it raised the live hit rate from 15.19 % to 16.04 % (medians of 3 runs, tests/bench/bench_true_time.py).
 
 The relative tolerance matters: a popular shared prefix (everyone's system
 prompt) is worth a few percent of a long prompt, and without it every new conversation would pile onto the
