@@ -36,13 +36,15 @@ class Candidate(NamedTuple):
     # Whether its waiting requests may wait for a slot or KV memory (EngineState.waits_for_room), not only for
     # prefill budget that ``queued_prefill_tokens`` prices: what the load guard is for.
     waits_for_room: bool = True
-    held_blocks: int = 0  # blocks it holds by the residency view, whatever the prompt: how full its cache is
+    # Tokens its cache holds by the residency view, whatever the prompt (blocks times its block size: engines
+    # of other block sizes compare alike): how full its cache is.
+    held_tokens: int = 0
 
     def with_peer(self, peer: str, peer_tokens: int) -> Candidate:
         """This candidate with a peer (built directly: ``_replace`` takes twice as long)."""
         return Candidate(self.engine, self.region, self.healthy, self.load, self.waiting, self.cached_tokens,
                          self.rtt_s, self.queued_prefill_tokens, peer, peer_tokens,
-                         self.waits_for_room, self.held_blocks)  # fmt: skip
+                         self.waits_for_room, self.held_tokens)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,7 @@ class Router:
     ) -> list[Candidate]:
         out = []
         rtt_s, held = self.fleet.rtt_s, self.state.held_blocks
+        default, minimum = self.settings.block_size, self.settings.min_block_size
         now, s_per_token = self._monotonic(), self.settings.routing.prefill_s_per_token
         for e in engines:
             total, waiting = e.queue_estimate()
@@ -177,7 +178,8 @@ class Router:
             # Positional: a NamedTuple built with keywords takes twice as long, once per engine per request.
             out.append(
                 Candidate(e.id, e.region, e.available, total, waiting, cached.get(e.id, 0),
-                          rtt_s(e.region, home), queued, None, 0, e.waits_for_room(queued), held(e.id))
+                          rtt_s(e.region, home), queued, None, 0, e.waits_for_room(queued),
+                          held(e.id) * e.chain_key(default, minimum).block_size)
             )  # fmt: skip
         if not self.policy.pulls_kv:
             return out

@@ -67,6 +67,20 @@ async def test_each_candidate_says_whether_its_queue_may_wait_for_a_slot_or_kv_a
     assert [candidates[e.id].waits_for_room for e in (e0, e1, e2)] == [False, True, True]
 
 
+async def test_each_candidate_says_how_many_tokens_its_cache_holds_in_its_own_block_size() -> None:
+    """The emptier-cache tie-break compares engines of different block sizes: 100 blocks of 32 tokens are
+    more cache than 150 blocks of 16. Compared as blocks, the engine of larger blocks looked emptier."""
+    gateway = gateway_of(2)
+    e0, e1 = (gateway.fleet.engines[f"r/e{i}"] for i in range(2))
+    e0.apply_health({"model": MODEL, "block_size": 16})
+    e1.apply_health({"model": MODEL, "block_size": 32})
+    gateway.state.index.add_now("r/e0", list(range(150)))
+    gateway.state.index.add_now("r/e1", list(range(1000, 1100)))
+    plan = gateway.router.plan(await prepared(gateway))
+    candidates = {c.engine: c for c in gateway.router.candidates(plan.answering, {}, "r")}
+    assert (candidates["r/e0"].held_tokens, candidates["r/e1"].held_tokens) == (2_400, 3_200)
+
+
 async def test_a_responses_request_is_answered_whole_and_a_continued_one_where_it_is_kept() -> None:
     # A dedicated prefill engine would keep a response of its own, and the P/D protocols hand K/V over for
     # completions only: a Responses request is answered whole by one engine.

@@ -297,16 +297,16 @@ def test_a_tie_goes_to_the_emptier_cache_before_the_lighter_load() -> None:
     conversations' histories soonest. The load then breaks what the caches leave tied."""
     policy = CacheAwarePolicy(S)
     full, emptier, emptiest_but_busier = (
-        cand("full")._replace(held_blocks=64_000),
-        cand("emptier")._replace(held_blocks=40_000),
-        cand("emptiest", load=1)._replace(held_blocks=30_000),
+        cand("full")._replace(held_tokens=64_000),
+        cand("emptier")._replace(held_tokens=40_000),
+        cand("emptiest", load=1)._replace(held_tokens=30_000),
     )
     for candidates in ([full, emptier], [emptier, full]):
         decision = policy.pick(req(), candidates)
         assert decision is not None and decision.engine == "emptier"
     # A request's load penalty (40 tokens) is inside the tie tolerance: the emptiest cache wins regardless.
     assert policy.pick(req(), [full, emptier, emptiest_but_busier]).engine == "emptiest"  # type: ignore[union-attr]
-    light = cand("light")._replace(held_blocks=30_000)
+    light = cand("light")._replace(held_tokens=30_000)
     assert policy.pick(req(), [light, emptiest_but_busier]).engine == "light"  # type: ignore[union-attr]
 
 
@@ -315,7 +315,7 @@ def test_with_peer_keeps_every_other_field() -> None:
     # field set, none at its default; typed by hand: compiled, with_peer checks the types it reads).
     fields = {"engine": "e", "region": "r", "healthy": False, "load": 5, "waiting": 2, "cached_tokens": 64,
               "rtt_s": 0.04, "queued_prefill_tokens": 300, "peer": "p", "peer_tokens": 128,
-              "waits_for_room": False, "held_blocks": 700}  # fmt: skip
+              "waits_for_room": False, "held_tokens": 700}  # fmt: skip
     assert set(fields) == set(Candidate._fields)
     c = Candidate(**fields)
     assert c.with_peer("peer-engine", 3) == c._replace(peer="peer-engine", peer_tokens=3)
